@@ -1,0 +1,277 @@
+"""Uncontended acquire + release on Redlock with 3 masters, next to the floor and pottery.
+
+    python3 benchmarks/bench_redlock.py [--ops 2000] [--rounds 10]
+
+Starts three throwaway ``redis-server`` masters on 127.0.0.1 (``tests/servers.py``),
+stopped again at the end, and times, in one run and interleaved round by round (so
+a noisy machine hurts every contestant alike):
+
+- **floor**: raw redis-py on *one* of those servers: ``SET key token NX PX ttl`` +
+  an ``EVALSHA`` compare-and-delete (the classic single-instance lock, two round
+  trips);
+- **reference**: the floor's two commands sent to all three servers in parallel over
+  raw sockets (hiredis): the least any 3-master lock costs on this machine. On one
+  small host this is CPU-bound (each write wakes a server process that competes
+  for the same cores), not latency-bound as across a network;
+- **django-setnx Redlock (Lock API)**: ``lock(name, backend="redlock")`` then
+  ``.acquire()`` and ``.release()`` — what an application calls (token, owner
+  record, signals included);
+- **django-setnx Redlock (backend)**: ``RedlockBackend.acquire`` / ``.release``;
+- **pottery Redlock**: ``pottery.Redlock(key=..., masters={3 clients},
+  auto_release_time=...)`` ``.acquire()`` / ``.release()`` (skipped if pottery is not
+  installed: ``pip install pottery``).
+
+Every Redlock contestant talks to all three masters per operation. Prints a
+markdown table of median and p99 microseconds per acquire+release and the ratio
+to the floor. Targets: django-setnx Redlock <= 1.5x the floor, faster than pottery.
+"""
+
+import argparse
+import os
+import secrets
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+TTL = 10  # seconds; never reached: every lock is released at once
+TARGET_RATIO = 1.5
+
+COMPARE_AND_DELETE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+def configure(urls, key_prefix):
+    import django
+    from django.conf import settings
+
+    settings.configure(
+        DEBUG=False,
+        SECRET_KEY="django-setnx-benchmarks",
+        USE_TZ=True,
+        INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth", "django_setnx"],
+        DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
+        SETNX_LOCKS={
+            "default": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend"},
+            "redlock": {
+                "BACKEND": "django_setnx.backends.redlock.RedlockBackend",
+                "LOCATION": list(urls),
+                "KEY_PREFIX": key_prefix,
+                "TTL": TTL,
+            },
+        },
+        DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
+        LOGGING_CONFIG=None,
+    )
+    django.setup()
+
+
+def contestants(urls, run_id):
+    """``{label: (setup, op)}``; ``op()`` does one acquire + release and returns
+    True if the acquire succeeded."""
+    import redis
+
+    from django_setnx import lock, locks
+
+    out = {}
+
+    # floor: one server, SET NX PX + EVALSHA compare-and-delete.
+    floor_client = redis.Redis.from_url(urls[0])
+    cad = floor_client.register_script(COMPARE_AND_DELETE)
+    floor_key = f"bench-floor-{run_id}"
+    ttl_ms = TTL * 1000
+
+    def floor():
+        token = secrets.token_hex(16)
+        ok = floor_client.set(floor_key, token, nx=True, px=ttl_ms)
+        cad(keys=[floor_key], args=[token])
+        return bool(ok)
+
+    out["floor: redis-py SET NX PX + EVALSHA delete (1 server)"] = floor
+
+    # Reference: the least any 3-master lock can cost on this machine, the floor's
+    # two commands sent to the three servers in parallel over raw sockets (hiredis).
+    raw = _raw_parallel(urls, run_id)
+    if raw is not None:
+        out["reference: floor's 2 commands on 3 servers in parallel (raw sockets)"] = raw
+
+    # django-setnx, through the public Lock API.
+    api_name = f"bench-api-{run_id}"
+
+    def setnx_api():
+        lk = lock(api_name, backend="redlock")
+        ok = lk.acquire(blocking=False)
+        lk.release()
+        return ok
+
+    out["django-setnx Redlock, Lock API (3 masters)"] = setnx_api
+
+    # django-setnx, the backend alone.
+    backend = locks["redlock"]
+    backend_name = f"bench-backend-{run_id}"
+    owner = {"host": "bench", "pid": os.getpid(), "thread": "main"}
+
+    def setnx_backend():
+        token = secrets.token_hex(16)
+        ok = backend.acquire(backend_name, token, TTL, owner).acquired
+        backend.release(backend_name, token)
+        return ok
+
+    out["django-setnx RedlockBackend (3 masters)"] = setnx_backend
+
+    try:
+        import pottery
+    except ImportError:
+        pottery = None
+    if pottery is not None:
+        masters = {redis.Redis.from_url(url) for url in urls}
+        pottery_key = f"bench-pottery-{run_id}"
+
+        def pottery_op():
+            rl = pottery.Redlock(key=pottery_key, masters=masters, auto_release_time=TTL)
+            ok = rl.acquire(blocking=False)
+            rl.release()
+            return ok
+
+        from importlib.metadata import version
+
+        out[f"pottery {version('pottery')} Redlock (3 masters)"] = pottery_op
+    return out
+
+
+def _raw_parallel(urls, run_id):
+    try:
+        import hiredis
+    except ImportError:
+        return None
+    import socket
+    from urllib.parse import urlsplit
+
+    import redis
+
+    socks, readers = [], []
+    sha = None
+    for url in urls:
+        parts = urlsplit(url)
+        sha = redis.Redis(host=parts.hostname, port=parts.port).script_load(COMPARE_AND_DELETE)
+        sock = socket.create_connection((parts.hostname, parts.port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        socks.append(sock)
+        readers.append(hiredis.Reader())
+    key = f"bench-raw-{run_id}"
+    ttl_ms = TTL * 1000
+    pairs = list(zip(socks, readers))
+
+    def round_trip(command):
+        for sock, _ in pairs:
+            sock.sendall(command)
+        replies = []
+        for sock, reader in pairs:
+            reply = reader.gets()
+            while reply is False:
+                reader.feed(sock.recv(65536))
+                reply = reader.gets()
+            replies.append(reply)
+        return replies
+
+    def op():
+        token = secrets.token_hex(16)
+        ok = round_trip(hiredis.pack_command(("SET", key, token, "NX", "PX", ttl_ms)))
+        round_trip(hiredis.pack_command(("EVALSHA", sha, 1, key, token)))
+        return all(r == b"OK" for r in ok)
+
+    return op
+
+
+def measure(ops, rounds, urls, run_id, warmup=200):
+    funcs = contestants(urls, run_id)
+    samples = {label: [] for label in funcs}
+    for label, fn in funcs.items():
+        for _ in range(warmup):
+            if not fn():
+                raise RuntimeError(f"{label}: an uncontended acquire failed")
+    perf = time.perf_counter_ns
+    for _ in range(rounds):
+        for label, fn in funcs.items():
+            bucket = samples[label]
+            for _ in range(ops):
+                t0 = perf()
+                ok = fn()
+                bucket.append(perf() - t0)
+                if not ok:
+                    raise RuntimeError(f"{label}: an uncontended acquire failed")
+    return samples
+
+
+def p99(values):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+def table(samples):
+    labels = list(samples)
+    floor_median = statistics.median(samples[labels[0]])
+    lines = [
+        "| contestant | median µs | p99 µs | median × floor |",
+        "|---|---:|---:|---:|",
+    ]
+    for label in labels:
+        median = statistics.median(samples[label])
+        lines.append(f"| {label} | {median / 1000:.1f} | {p99(samples[label]) / 1000:.1f} | "
+                     f"{median / floor_median:.2f}× |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ops", type=int, default=2000, help="acquire+release per round")
+    parser.add_argument("--rounds", type=int, default=10,
+                        help="rounds; the contestants take turns every round")
+    args = parser.parse_args(argv)
+
+    from tests.servers import RedisMasterSet
+
+    run_id = uuid.uuid4().hex[:8]
+    key_prefix = f"setnx-bench-{run_id}"
+    with RedisMasterSet(3) as masters:
+        configure(masters.urls, key_prefix)
+        from django_setnx import locks
+
+        locks["redlock"].trust_nodes()  # brand-new masters: no lock can be held yet
+        started = time.monotonic()
+        samples = measure(args.ops, args.rounds, masters.urls, run_id)
+        elapsed = time.monotonic() - started
+        locks.close_all()
+
+    print(f"Uncontended acquire + release, {args.rounds} rounds x {args.ops} ops per "
+          f"contestant, interleaved ({elapsed:.1f} s; python {sys.version.split()[0]}, "
+          f"{os.cpu_count()} CPUs).\n")
+    print(table(samples))
+    labels = list(samples)
+    floor = statistics.median(samples[labels[0]])
+    ours = statistics.median(samples[next(x for x in labels if "Lock API" in x)])
+    met = "OK" if ours / floor <= TARGET_RATIO else "MISSED"
+    verdicts = [(f"\ndjango-setnx Redlock (Lock API) / floor = {ours / floor:.2f}× "
+                 f"(target <= {TARGET_RATIO}×): {met}")]
+    peer = [label for label in labels if label.startswith("pottery")]
+    if peer:
+        theirs = statistics.median(samples[peer[0]])
+        verdicts.append(f"pottery / django-setnx Redlock = {theirs / ours:.2f}× "
+                        f"({'faster than pottery' if ours < theirs else 'NOT faster than pottery'})")
+    else:
+        verdicts.append("pottery not installed: pip install pottery")
+    print("\n".join(verdicts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

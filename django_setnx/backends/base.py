@@ -1,0 +1,375 @@
+"""The base class every lock backend implements, and the records it returns.
+
+A backend stores lock records and answers a handful of atomic compare-and-act
+operations; everything else (waiting with a timeout, renewing, signals) lives in
+:class:`django_setnx.locking.Lock` and is the same for every backend. A new backend
+(memcached, etcd, ...) is one module with a subclass of :class:`BaseLockBackend`.
+
+Times cross this interface as integer milliseconds since the Unix epoch **read from
+the backend's own clock** (Redis ``TIME``, the database's ``now()``), so no app
+server ever compares its own clock with another's.
+"""
+
+import asyncio
+import contextlib
+import datetime
+import random
+import re
+from dataclasses import dataclass, field
+
+from asgiref.sync import sync_to_async
+
+from ..conf import DEFAULT_TTL
+from ..exceptions import LockBackendError
+from ..validation import validate_ttl
+
+HELD = "held"
+STALE = "stale"
+STATES = (HELD, STALE)
+
+#: Waiters never sleep longer than this between two attempts: a bound on how late a
+#: waiter can notice an expiry or a release on a backend that cannot signal it.
+MAX_BACKOFF = 0.25
+#: First backoff step; doubled per failed attempt up to MAX_BACKOFF.
+BASE_BACKOFF = 0.002
+
+
+def ms_to_datetime(ms):
+    """Milliseconds since the epoch to an aware UTC ``datetime``."""
+    return datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc)
+
+
+@dataclass(frozen=True)
+class LockInfo:
+    """A snapshot of one lock record, as its backend saw it at ``now_ms``.
+
+    ``owner`` is a dict with ``host``, ``pid`` and ``thread`` and, when known,
+    ``guards`` (the view, function or Celery task the lock protects).
+    """
+
+    name: str
+    backend: str
+    fencing_token: int
+    owner: dict
+    acquired_at_ms: int
+    expires_at_ms: int
+    now_ms: int
+
+    @property
+    def state(self):
+        """``"held"`` while not expired, ``"stale"`` once expired without a release."""
+        return HELD if self.expires_at_ms > self.now_ms else STALE
+
+    @property
+    def is_held(self):
+        return self.state == HELD
+
+    @property
+    def is_stale(self):
+        return self.state == STALE
+
+    @property
+    def expires_in(self):
+        """Seconds until expiry by the backend's clock; negative when stale."""
+        return (self.expires_at_ms - self.now_ms) / 1000
+
+    @property
+    def acquired_at(self):
+        return ms_to_datetime(self.acquired_at_ms)
+
+    @property
+    def expires_at(self):
+        return ms_to_datetime(self.expires_at_ms)
+
+    def as_dict(self):
+        """A JSON-serialisable dict (what ``listlocks --json`` prints)."""
+        return {
+            "name": self.name,
+            "backend": self.backend,
+            "state": self.state,
+            "fencing_token": self.fencing_token,
+            "owner": dict(self.owner),
+            "acquired_at": self.acquired_at.isoformat(),
+            "expires_at": self.expires_at.isoformat(),
+            "expires_in": round(self.expires_in, 3),
+        }
+
+
+@dataclass(frozen=True)
+class AcquireResult:
+    """What one acquire attempt did.
+
+    ``acquired`` is True only when the backend wrote the record; then
+    ``fencing_token`` is set. On contention ``retry_after`` is the seconds until the
+    current holder's expiry (by the backend's clock), when the backend knows it.
+    """
+
+    acquired: bool
+    fencing_token: int | None = None
+    retry_after: float | None = None
+
+    @classmethod
+    def won(cls, fencing_token):
+        return cls(True, fencing_token=int(fencing_token))
+
+    @classmethod
+    def lost(cls, retry_after=None):
+        return cls(False, retry_after=retry_after)
+
+
+def glob_matcher(pattern):
+    """Return ``match(name) -> bool`` for a Redis glob, matching exactly what Redis does.
+
+    Redis' ``stringmatchlen`` rules, on the UTF-8 **bytes** of pattern and name (so
+    ``?`` matches one byte, as in a Redis ``SCAN MATCH``): ``*`` and ``?``; ``\\x``
+    is a literal ``x``; ``[...]`` is a class where only ``^`` negates, ``a-z`` is a
+    range (reversed ends are swapped), ``\\`` escapes inside, a ``]`` right after
+    ``[`` closes an empty class (which matches nothing), and an unclosed ``[`` runs
+    to the end of the pattern. The backends that filter names in Python use this, so
+    ``--name`` selects the same locks on every backend.
+    """
+    raw = pattern.encode("utf-8")
+    out = []
+    i, n = 0, len(raw)
+
+    def literal(byte):
+        return re.escape(bytes([byte]))
+
+    while i < n:
+        c = raw[i : i + 1]
+        if c == b"*":
+            out.append(b".*")
+        elif c == b"?":
+            out.append(b".")
+        elif c == b"\\" and i + 1 < n:
+            i += 1
+            out.append(literal(raw[i]))
+        elif c == b"[":
+            i += 1
+            negate = i < n and raw[i : i + 1] == b"^"
+            if negate:
+                i += 1
+            members = []
+            while i < n and raw[i : i + 1] != b"]":
+                if raw[i : i + 1] == b"\\" and i + 1 < n:
+                    i += 1
+                    members.append(literal(raw[i]))
+                elif i + 2 < n and raw[i + 1 : i + 2] == b"-":
+                    low, high = sorted((raw[i], raw[i + 2]))
+                    members.append(literal(low) + b"-" + literal(high))
+                    i += 2
+                else:
+                    members.append(literal(raw[i]))
+                i += 1
+            if members:
+                out.append(b"[" + (b"^" if negate else b"") + b"".join(members) + b"]")
+            else:
+                out.append(b"." if negate else b"(?!)")
+        else:
+            out.append(literal(raw[i]))
+        i += 1
+    regex = re.compile(b"".join(out) + rb"\Z", re.DOTALL)
+    return lambda name: regex.match(name.encode("utf-8")) is not None
+
+
+@dataclass
+class ClearResult:
+    """What :meth:`BaseLockBackend.clear` removed (or would remove, on a dry run)."""
+
+    backend: str
+    names: list = field(default_factory=list)
+
+    @property
+    def count(self):
+        return len(self.names)
+
+
+class BaseLockBackend:
+    """Stores lock records and performs the atomic operations on them.
+
+    Subclasses implement the synchronous methods; the ``a``-prefixed async twins run
+    them in a worker thread unless a subclass has a native async client. Every
+    method raises :class:`~django_setnx.exceptions.LockBackendError` (naming the
+    alias) when the backend cannot be reached; none of them ever reports a write
+    that did not happen.
+
+    A backend instance is shared by every thread of the process (the handler
+    creates one per alias), so implementations must be thread-safe.
+    """
+
+    #: Whether :meth:`wait` is woken by a release (True) or polls with backoff.
+    wakes_waiters = False
+
+    def __init__(self, alias, params):
+        self.alias = alias
+        self.params = params
+        self.options = dict(params.get("OPTIONS") or {})
+        ttl = params.get("TTL", DEFAULT_TTL)
+        self.default_ttl = validate_ttl(ttl, what=f"SETNX_LOCKS[{alias!r}]['TTL']")
+
+    def __repr__(self):
+        return f"<{type(self).__name__} alias={self.alias!r}>"
+
+    @classmethod
+    def check_params(cls, alias, params):
+        """Return a list of ``django.core.checks`` messages for this alias' settings.
+
+        Called by the system checks without instantiating the backend, so it must not
+        connect anywhere.
+        """
+        return []
+
+    # -- the atomic operations --------------------------------------------------
+
+    def acquire(self, name, token, ttl, owner, wait=0.0):
+        """Create the record for ``name`` unless a non-expired one exists.
+
+        An expired record is taken over in the same atomic step, so of two racers
+        exactly one wins. ``ttl`` is in seconds; ``owner`` is a JSON-serialisable
+        dict. ``wait`` says how long the caller will keep retrying if refused
+        (seconds; ``None``: indefinitely; ``0``: it will not retry), so a backend
+        that wakes waiters may queue it and hand the lock to waiters before newcomers;
+        ``token`` stays the same across one caller's retries. Returns an
+        :class:`AcquireResult`; on success its fencing token is strictly greater than
+        every earlier one for this name.
+        """
+        raise NotImplementedError
+
+    def release(self, name, token):
+        """Delete the record if its token is ``token``. Returns True if deleted.
+
+        A record that expired but was not taken over still carries our token, so it
+        is still ours to release (nobody else held the lock meanwhile).
+        """
+        raise NotImplementedError
+
+    def extend(self, name, token, ttl):
+        """Set the expiry to backend-now + ``ttl`` if the token matches. Returns bool."""
+        raise NotImplementedError
+
+    def owns(self, name, token):
+        """Return True if ``name`` is held (not expired) under ``token``."""
+        raise NotImplementedError
+
+    def get(self, name):
+        """Return the :class:`LockInfo` of ``name`` (held or stale), or None."""
+        raise NotImplementedError
+
+    def list(self, *, state=None, name_glob=None):
+        """Yield a :class:`LockInfo` for every record, held and stale, name order
+        where the backend can. ``state`` (``"held"``/``"stale"``) and ``name_glob``
+        (Redis glob syntax) filter. Streams: never loads every record at once.
+        """
+        raise NotImplementedError
+
+    def delete(self, name):
+        """Force-release ``name`` whoever holds it. Returns the removed
+        :class:`LockInfo`, or None if there was no record."""
+        raise NotImplementedError
+
+    def clear(self, *, include_held=False, name_glob=None, older_than=None, dry_run=False,
+              progress=None):
+        """Remove stale records (and held ones too with ``include_held``).
+
+        ``older_than`` (seconds) keeps records acquired more recently than that.
+        ``progress``, if given, is called with each batch of removed names. Returns a
+        :class:`ClearResult`. With ``dry_run`` nothing is removed and the result lists
+        what would have been.
+        """
+        raise NotImplementedError
+
+    def close(self):
+        """Release connections held by this backend (connections are reopened lazily)."""
+
+    # -- waiting ----------------------------------------------------------------
+
+    def backoff(self, attempt, max_wait, retry_after):
+        """Seconds to sleep before attempt ``attempt + 1``: capped exponential with
+        jitter, never past ``max_wait`` nor much past the holder's expiry."""
+        ceiling = min(MAX_BACKOFF, BASE_BACKOFF * (2 ** min(attempt, 16)))
+        delay = random.uniform(ceiling / 2, ceiling)
+        if retry_after is not None:
+            # Wake up right after the holder's expiry rather than up to MAX_BACKOFF late.
+            delay = min(delay, max(retry_after, 0) + 0.001)
+        if max_wait is not None:
+            delay = min(delay, max_wait)
+        return max(delay, 0)
+
+    def wait(self, name, *, attempt, max_wait, retry_after):
+        """Block until the lock may be free: a release, an expiry or ``max_wait``.
+
+        The default sleeps a jittered backoff; backends that can be woken by a
+        release override it. Returning early is always allowed (the caller retries).
+        """
+        import time
+
+        time.sleep(self.backoff(attempt, max_wait, retry_after))
+
+    def stop_waiting(self, name, token):
+        """The caller whose refused attempts used ``token`` gave up waiting.
+
+        Backends that queue waiters (see ``wait`` in :meth:`acquire`) forget it here,
+        so its place does not hold the lock back from others; the default does
+        nothing. Returns None.
+        """
+
+    async def astop_waiting(self, name, token):
+        """Async twin of :meth:`stop_waiting`."""
+        if type(self).stop_waiting is not BaseLockBackend.stop_waiting:
+            await sync_to_async(self.stop_waiting, thread_sensitive=False)(name, token)
+
+    async def await_release(self, name, *, attempt, max_wait, retry_after):
+        """Async twin of :meth:`wait`."""
+        if self.wakes_waiters:
+            await sync_to_async(self.wait, thread_sensitive=False)(
+                name, attempt=attempt, max_wait=max_wait, retry_after=retry_after
+            )
+        else:
+            await asyncio.sleep(self.backoff(attempt, max_wait, retry_after))
+
+    # -- async twins ------------------------------------------------------------
+
+    async def aacquire(self, name, token, ttl, owner, wait=0.0):
+        return await sync_to_async(self.acquire, thread_sensitive=False)(
+            name, token, ttl, owner, wait
+        )
+
+    async def arelease(self, name, token):
+        return await sync_to_async(self.release, thread_sensitive=False)(name, token)
+
+    async def aextend(self, name, token, ttl):
+        return await sync_to_async(self.extend, thread_sensitive=False)(name, token, ttl)
+
+    async def aowns(self, name, token):
+        return await sync_to_async(self.owns, thread_sensitive=False)(name, token)
+
+    async def aget(self, name):
+        return await sync_to_async(self.get, thread_sensitive=False)(name)
+
+    async def adelete(self, name):
+        return await sync_to_async(self.delete, thread_sensitive=False)(name)
+
+    async def aclear(self, **kwargs):
+        return await sync_to_async(self.clear, thread_sensitive=False)(**kwargs)
+
+    # -- helpers for subclasses -------------------------------------------------
+
+    @contextlib.contextmanager
+    def translate_errors(self, *error_types, action="operation"):
+        """Re-raise ``error_types`` as :class:`LockBackendError` naming this alias."""
+        try:
+            yield
+        except error_types as exc:
+            raise LockBackendError(
+                self.alias, f"{action} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def filter_infos(self, infos, *, state=None, name_glob=None):
+        """Apply the ``state``/``name_glob`` filters of :meth:`list` in Python."""
+        matcher = glob_matcher(name_glob) if name_glob else None
+        for info in infos:
+            if state is not None and info.state != state:
+                continue
+            if matcher is not None and not matcher(info.name):
+                continue
+            yield info

@@ -1,0 +1,154 @@
+"""Client factories for Redis Sentinel and Redis Cluster.
+
+Each is a ``(location, **kwargs) -> client`` callable, the shape of the Redis
+backend's ``OPTIONS["CLIENT_CLASS"]``, so :class:`~django_setnx.backends.redis.RedisBackend`
+runs unchanged on either::
+
+    "sentinel": {
+        "BACKEND": "django_setnx.backends.redis.RedisBackend",
+        "LOCATION": "redis+sentinel://10.0.0.1:26379,10.0.0.2:26379,10.0.0.3:26379/mymaster/0",
+        "OPTIONS": {
+            "CLIENT_CLASS": "django_setnx.backends.clients.sentinel",
+            "CONNECTION_KWARGS": {            # for the master's connections
+                "password": "master-secret",
+                "sentinel_kwargs": {"password": "sentinel-secret"},  # for the sentinels'
+            },
+        },
+    },
+    "cluster": {
+        "BACKEND": "django_setnx.backends.redis.RedisBackend",
+        "LOCATION": "redis://10.0.0.1:7000/0",   # any node: the others are discovered
+        "OPTIONS": {"CLIENT_CLASS": "django_setnx.backends.clients.cluster"},
+    },
+
+Sentinel: ``redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]``
+(``rediss+sentinel://`` for TLS to the master). A password in the URL is the
+master's; the sentinels' own credentials go in ``CONNECTION_KWARGS["sentinel_kwargs"]``.
+The client is ``Sentinel(...).master_for(service)``: every new connection asks the
+sentinels for the current master, and a connection to a demoted master is dropped,
+so after a failover the same backend object reaches the new master. While the
+failover is in progress operations fail with ``LockBackendError``; they never report
+a write that did not happen.
+
+Cluster: ``redis.cluster.RedisCluster.from_url``. Every lock's keys share the
+``{name}`` hash tag, so each script runs on one node; ``list`` and ``clear`` scan
+every primary.
+"""
+
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
+DEFAULT_SENTINEL_PORT = 26379
+
+#: Retries of one command on a connection error. redis-py >= 6 retries 10 times with
+#: backoff up to 1 s by default, so one lock operation could hang for seconds during
+#: a failover; a short policy reports the outage (LockBackendError) quickly instead.
+SENTINEL_RETRIES = 1
+SENTINEL_RETRY_BACKOFF = 0.05
+
+
+def parse_sentinel_url(location):
+    """Split a ``redis+sentinel://`` URL. Returns ``(sentinels, service, kwargs)``:
+    ``[(host, port), ...]``, the master's service name and connection kwargs (``db``,
+    ``username``, ``password``, ``ssl`` and any ``?key=value`` query arguments).
+    Raises ValueError (TypeError for a non-str) naming the location when it is
+    malformed."""
+    if not isinstance(location, str):
+        raise TypeError(f"a Sentinel LOCATION must be a str, got {location!r}.")
+    parts = urlsplit(location)
+    if parts.scheme not in SENTINEL_SCHEMES:
+        raise ValueError(
+            f"Sentinel LOCATION {location!r} must start with redis+sentinel:// or "
+            f"rediss+sentinel://."
+        )
+    netloc = parts.netloc
+    userinfo, _, hosts = netloc.rpartition("@")
+    kwargs = {}
+    if userinfo:
+        username, has_password, password = userinfo.partition(":")
+        if has_password:
+            if username:
+                kwargs["username"] = unquote(username)
+            kwargs["password"] = unquote(password)
+        else:
+            kwargs["password"] = unquote(username)
+    sentinels = []
+    for hostport in hosts.split(","):
+        hostport = hostport.strip()
+        if not hostport:
+            continue
+        if hostport.startswith("["):  # [IPv6]:port
+            host, _, rest = hostport[1:].partition("]")
+            port = rest[1:] if rest.startswith(":") else ""
+        else:
+            host, _, port = hostport.partition(":")
+        try:
+            sentinels.append((host, int(port) if port else DEFAULT_SENTINEL_PORT))
+        except ValueError:
+            raise ValueError(f"Sentinel LOCATION {location!r}: bad port in {hostport!r}.") from None
+    if not sentinels:
+        raise ValueError(f"Sentinel LOCATION {location!r} names no sentinel host.")
+    path = [unquote(p) for p in parts.path.split("/") if p]
+    if not path or len(path) > 2:
+        raise ValueError(
+            f"Sentinel LOCATION {location!r} must end with /service_name or "
+            f"/service_name/db, e.g. redis+sentinel://host:26379/mymaster/0."
+        )
+    service = path[0]
+    if len(path) == 2:
+        try:
+            kwargs["db"] = int(path[1])
+        except ValueError:
+            raise ValueError(f"Sentinel LOCATION {location!r}: db {path[1]!r} is not an "
+                             f"integer.") from None
+    if SENTINEL_SCHEMES[parts.scheme]:
+        kwargs["ssl"] = True
+    for key, value in parse_qsl(parts.query):
+        kwargs[key] = _query_value(value)
+    return sentinels, service, kwargs
+
+
+def _query_value(value):
+    for convert in (int, float):
+        try:
+            return convert(value)
+        except ValueError:
+            pass
+    lowered = value.lower()
+    if lowered in ("true", "yes"):
+        return True
+    if lowered in ("false", "no"):
+        return False
+    return value
+
+
+def sentinel(location, **kwargs):
+    """A ``redis.Redis`` bound to the master that the sentinels of ``location`` name.
+
+    ``kwargs`` (the backend's ``CONNECTION_KWARGS``) go to the master's connections;
+    ``sentinel_kwargs`` among them to the sentinels' (redis-py's default: the
+    ``socket_*`` options). Unless given, ``retry`` is one quick retry, so an operation
+    during a failover fails fast with LockBackendError instead of hanging.
+    """
+    from redis.backoff import ConstantBackoff
+    from redis.retry import Retry
+    from redis.sentinel import Sentinel
+
+    sentinels, service, url_kwargs = parse_sentinel_url(location)
+    kwargs = {**url_kwargs, **kwargs}
+    sentinel_kwargs = kwargs.pop("sentinel_kwargs", None)
+    min_other_sentinels = kwargs.pop("min_other_sentinels", 0)
+    kwargs.setdefault("retry", Retry(ConstantBackoff(SENTINEL_RETRY_BACKOFF), SENTINEL_RETRIES))
+    kwargs.setdefault("socket_connect_timeout", 1.0)
+    if sentinel_kwargs is None:
+        sentinel_kwargs = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
+    return Sentinel(sentinels, min_other_sentinels=min_other_sentinels,
+                    sentinel_kwargs=sentinel_kwargs).master_for(service, **kwargs)
+
+
+def cluster(location, **kwargs):
+    """A ``redis.cluster.RedisCluster`` from ``location`` (any node's ``redis://`` URL;
+    the other nodes are discovered)."""
+    from redis.cluster import RedisCluster
+
+    return RedisCluster.from_url(location, **kwargs)

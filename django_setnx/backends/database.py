@@ -1,0 +1,457 @@
+"""Database backend: a table whose unique constraint emulates Redis ``SETNX``.
+
+One row per held (or stale) lock in ``django_setnx_lock``, unique on ``name``.
+Acquire is an insert; when the name exists, the same statement takes the row over
+if and only if it has expired (``INSERT ... ON CONFLICT/ON DUPLICATE KEY UPDATE``
+with the expiry test inside it), so of two racers for an expired lock exactly one
+wins — the race that made the original SETNX recipe need GETSET cannot happen.
+Release and extend are single statements conditioned on the token.
+
+Fencing tokens come from ``django_setnx_fence`` (one counter per name, never
+deleted), bumped in the same transaction as the insert or takeover, while the lock
+row is locked, so they strictly increase per name in commit order.
+
+Every statement runs on a connection of our own (one per thread) in autocommit,
+never on the caller's: a lock taken inside ``transaction.atomic()`` is visible to
+other processes at once, survives the caller's rollback, and a contention never
+breaks the caller's transaction. Expiry is judged by the database's clock, in
+integer milliseconds since the epoch.
+
+SQLite has a single writer. The backend switches an SQLite database to WAL mode
+(``OPTIONS["SQLITE_WAL"]``, default True; the mode is stored in the database file),
+so that a caller's open read transaction does not block our writes. A lock
+acquired or released while the caller's own connection holds an open *write*
+transaction still waits for it, and fails with ``LockBackendError`` after the
+database's ``timeout`` option: take locks outside such blocks on SQLite.
+"""
+
+import copy
+import json
+import os
+import threading
+import weakref
+
+from django.core import checks
+
+from ..exceptions import LockBackendError
+from ..models import FencingCounter, LockRecord
+from ..validation import ttl_to_ms
+from .base import (
+    STALE, STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo, glob_matcher,
+)
+
+LOCK_TABLE = LockRecord._meta.db_table
+FENCE_TABLE = FencingCounter._meta.db_table
+
+#: The database's clock as integer milliseconds since the Unix epoch. Each is
+#: constant within one statement and independent of the session's time zone.
+NOW_MS = {
+    "postgresql": "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000)::bigint",
+    "mysql": "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)",
+    "sqlite": "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
+}
+
+#: How many rows list() and clear() read per round trip.
+BATCH_SIZE = 500
+
+_INFO_COLUMNS = "l.name, l.owner, l.acquired_at, l.expires_at, COALESCE(f.value, 0), {now}"
+
+
+class _Dialect:
+    """The SQL of one vendor, with ``%s`` placeholders (``?`` on SQLite)."""
+
+    def __init__(self, vendor, quote, is_mariadb):
+        if vendor not in NOW_MS:
+            raise LockBackendError("?", f"database vendor {vendor!r} is not supported")
+        self.vendor = vendor
+        self.is_mariadb = is_mariadb
+        now = NOW_MS[vendor]
+        lock, fence = quote(LOCK_TABLE), quote(FENCE_TABLE)
+        self.now = now
+        self.lock_table, self.fence_table = lock, fence
+        self.release = f"DELETE FROM {lock} WHERE name = %s AND token = %s"
+        self.extend = f"UPDATE {lock} SET expires_at = {now} + %s WHERE name = %s AND token = %s"
+        self.owns = f"SELECT 1 FROM {lock} WHERE name = %s AND token = %s AND expires_at > {now}"
+        self.info_select = (
+            f"SELECT {_INFO_COLUMNS.format(now=now)}, l.id, l.token FROM {lock} l "
+            f"LEFT JOIN {fence} f ON f.name = l.name"
+        )
+        self.get = f"{self.info_select} WHERE l.name = %s"
+        self.delete_owned = f"DELETE FROM {lock} WHERE id = %s AND token = %s"
+        self.returning = vendor in ("postgresql", "sqlite") or is_mariadb
+
+        if vendor == "postgresql":
+            # One statement: insert-or-take-over, then bump the fence only if we won.
+            # The fence row stays locked until the statement commits, so tokens are
+            # handed out in commit order. On contention, the holder's remaining ms.
+            self.acquire = f"""
+                WITH taken AS (
+                    INSERT INTO {lock} AS l (name, token, owner, acquired_at, expires_at)
+                    VALUES (%s, %s, %s, {now}, {now} + %s)
+                    ON CONFLICT (name) DO UPDATE SET
+                        token = EXCLUDED.token, owner = EXCLUDED.owner,
+                        acquired_at = EXCLUDED.acquired_at, expires_at = EXCLUDED.expires_at
+                    WHERE l.expires_at <= EXCLUDED.acquired_at
+                    RETURNING l.name
+                ), fenced AS (
+                    INSERT INTO {fence} AS f (name, value) SELECT name, 1 FROM taken
+                    ON CONFLICT (name) DO UPDATE SET value = f.value + 1
+                    RETURNING f.value
+                )
+                SELECT value, NULL FROM fenced
+                UNION ALL
+                SELECT NULL, h.expires_at - {now} FROM {lock} h
+                WHERE h.name = %s AND NOT EXISTS (SELECT 1 FROM taken)
+            """
+        elif vendor == "sqlite":
+            self.take = f"""
+                INSERT INTO {lock} (name, token, owner, acquired_at, expires_at)
+                VALUES (%s, %s, %s, {now}, {now} + %s)
+                ON CONFLICT (name) DO UPDATE SET
+                    token = excluded.token, owner = excluded.owner,
+                    acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
+                WHERE {lock}.expires_at <= excluded.acquired_at
+                RETURNING token, expires_at - {now}
+            """
+            self.bump_fence = f"""
+                INSERT INTO {fence} (name, value) VALUES (%s, 1)
+                ON CONFLICT (name) DO UPDATE SET value = value + 1 RETURNING value
+            """
+            self.remaining = f"SELECT expires_at - {now} FROM {lock} WHERE name = %s"
+        else:  # MySQL / MariaDB
+            # MySQL applies the assignments left to right, each seeing the previous
+            # ones: once ``token`` is ours, the other columns follow it.
+            upsert = f"""
+                INSERT INTO {lock} (name, token, owner, acquired_at, expires_at)
+                VALUES (%s, %s, %s, {now}, {now} + %s)
+                ON DUPLICATE KEY UPDATE
+                    token = IF(expires_at <= VALUES(acquired_at), VALUES(token), token),
+                    owner = IF(token = VALUES(token), VALUES(owner), owner),
+                    acquired_at = IF(token = VALUES(token), VALUES(acquired_at), acquired_at),
+                    expires_at = IF(token = VALUES(token), VALUES(expires_at), expires_at)
+            """
+            if is_mariadb:
+                self.take = upsert + f" RETURNING token, expires_at - {now}"
+            else:
+                self.take = upsert
+                self.take_result = f"SELECT token, expires_at - {now} FROM {lock} WHERE name = %s"
+            # LAST_INSERT_ID(expr) makes the new value the connection's insert id.
+            self.bump_fence = f"""
+                INSERT INTO {fence} (name, value) VALUES (%s, LAST_INSERT_ID(1))
+                ON DUPLICATE KEY UPDATE value = LAST_INSERT_ID(value + 1)
+            """
+
+        if vendor == "sqlite":
+            for attr, sql in list(vars(self).items()):
+                if isinstance(sql, str) and "%s" in sql:
+                    setattr(self, attr, sql.replace("%s", "?"))
+        self.placeholder = "?" if vendor == "sqlite" else "%s"
+
+    def begin(self):
+        # IMMEDIATE takes SQLite's write lock up front, so the read-then-write inside
+        # the transaction cannot deadlock with another writer.
+        return "BEGIN IMMEDIATE" if self.vendor == "sqlite" else "START TRANSACTION"
+
+    def placeholders(self, count):
+        return ", ".join([self.placeholder] * count)
+
+
+class DatabaseBackend(BaseLockBackend):
+    """Locks in a table of a Django database (``OPTIONS["DATABASE"]``, default ``"default"``)."""
+
+    def __init__(self, alias, params):
+        super().__init__(alias, params)
+        self.database = self.options.get("DATABASE", "default")
+        self.sqlite_wal = bool(self.options.get("SQLITE_WAL", True))
+        self._local = threading.local()
+        self._dialect = None
+        # Every wrapper we opened, to close them all from close() (any thread).
+        self._wrappers = weakref.WeakSet()
+        self._wrappers_lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._forget_connections)
+
+    @classmethod
+    def check_params(cls, alias, params):
+        from django.conf import settings
+
+        database = (params.get("OPTIONS") or {}).get("DATABASE", "default")
+        if database not in getattr(settings, "DATABASES", {}):
+            return [checks.Error(
+                f"SETNX_LOCKS[{alias!r}]['OPTIONS']['DATABASE'] is {database!r}, which is not "
+                f"in DATABASES (configured: {', '.join(map(repr, settings.DATABASES)) or 'none'}).",
+                id="django_setnx.E020",
+            )]
+        engine = settings.DATABASES[database].get("ENGINE", "")
+        if not any(v in engine for v in ("postgresql", "postgis", "mysql", "sqlite")):
+            return [checks.Error(
+                f"SETNX_LOCKS[{alias!r}] uses database {database!r} with ENGINE {engine!r}; "
+                f"the database backend supports PostgreSQL, MySQL/MariaDB and SQLite.",
+                id="django_setnx.E021",
+            )]
+        return []
+
+    # -- connections --------------------------------------------------------------
+
+    def _forget_connections(self):
+        # A forked child must not talk over its parent's sockets; it reconnects.
+        self._local = threading.local()
+        self._wrappers = weakref.WeakSet()
+
+    def _wrapper(self):
+        wrapper = getattr(self._local, "wrapper", None)
+        if wrapper is None:
+            from django.db import connections
+            from django.utils.connection import ConnectionDoesNotExist
+
+            try:
+                base = connections[self.database]
+            except ConnectionDoesNotExist as exc:
+                raise LockBackendError(self.alias, f"database {self.database!r} is not configured") from exc
+            # A private copy of the caller's connection: same settings (including a
+            # test database's name), but its own socket and transaction state.
+            wrapper = base.__class__(copy.deepcopy(base.settings_dict), alias=self.database)
+            self._local.wrapper = wrapper
+            with self._wrappers_lock:
+                self._wrappers.add(wrapper)
+        return wrapper
+
+    def _raw_connection(self):
+        wrapper = self._wrapper()
+        if wrapper.connection is None:
+            try:
+                wrapper.ensure_connection()
+            except Exception as exc:  # the driver's errors, wrapped by Django
+                self._drop(wrapper)
+                raise LockBackendError(self.alias, f"cannot connect to database {self.database!r}: {exc}") from exc
+            if self._dialect is None:
+                self._dialect = _Dialect(
+                    wrapper.vendor, wrapper.ops.quote_name, getattr(wrapper, "mysql_is_mariadb", False)
+                )
+            if wrapper.vendor == "sqlite" and self.sqlite_wal:
+                self._run("enable WAL", lambda cursor, sql, raw: cursor.execute("PRAGMA journal_mode=WAL"))
+        return wrapper, wrapper.connection
+
+    def _drop(self, wrapper):
+        try:
+            wrapper.close()
+        except Exception:
+            pass
+        wrapper.connection = None
+
+    def _run(self, action, work):
+        """Run ``work(cursor, dialect, raw_connection)`` and translate driver errors.
+
+        A connection that raised anything but an integrity error is dropped, so the
+        next call reconnects instead of reusing a broken socket.
+        """
+        wrapper, raw = self._raw_connection()
+        try:
+            cursor = raw.cursor()
+            try:
+                return work(cursor, self._dialect, raw)
+            finally:
+                cursor.close()
+        except wrapper.Database.Error as exc:
+            self._drop(wrapper)
+            raise LockBackendError(self.alias, f"{action} failed on database {self.database!r}: {exc}") from exc
+
+    def close(self):
+        with self._wrappers_lock:
+            wrappers = list(self._wrappers)
+        for wrapper in wrappers:
+            self._drop(wrapper)
+
+    # -- acquire ------------------------------------------------------------------
+
+    def acquire(self, name, token, ttl, owner, wait=0.0):
+        owner_json = json.dumps(owner, sort_keys=True)
+        ttl_ms = ttl_to_ms(ttl)
+
+        def work(cursor, sql, raw):
+            if sql.vendor == "postgresql":
+                cursor.execute(sql.acquire, (name, token, owner_json, ttl_ms, name))
+                row = cursor.fetchone()
+                if row is not None and row[0] is not None:
+                    return AcquireResult.won(row[0])
+                return AcquireResult.lost(retry_after=_remaining(row and row[1]))
+            return self._acquire_in_transaction(cursor, sql, raw, name, token, owner_json, ttl_ms)
+
+        return self._run("acquire", work)
+
+    def _acquire_in_transaction(self, cursor, sql, raw, name, token, owner_json, ttl_ms):
+        cursor.execute(sql.begin())
+        try:
+            cursor.execute(sql.take, (name, token, owner_json, ttl_ms))
+            if sql.vendor == "mysql" and not sql.is_mariadb:
+                cursor.execute(sql.take_result, (name,))
+            row = cursor.fetchone()
+            won = row is not None and row[0] == token
+            if not won:
+                if sql.vendor == "sqlite":
+                    # A refused upsert returns no row; ask how long the holder has left.
+                    cursor.execute(sql.remaining, (name,))
+                    row = cursor.fetchone()
+                    remaining = row and row[0]
+                else:
+                    remaining = row and row[1]
+                cursor.execute("ROLLBACK")
+                return AcquireResult.lost(retry_after=_remaining(remaining))
+            cursor.execute(sql.bump_fence, (name,))
+            if sql.vendor == "sqlite":
+                fencing = cursor.fetchone()[0]
+            else:
+                fencing = cursor.lastrowid
+            cursor.execute("COMMIT")
+            return AcquireResult.won(fencing)
+        except BaseException:
+            try:
+                cursor.execute("ROLLBACK")
+            except Exception:
+                pass
+            raise
+
+    # -- token-checked single statements -------------------------------------------
+
+    def release(self, name, token):
+        def work(cursor, sql, raw):
+            cursor.execute(sql.release, (name, token))
+            return cursor.rowcount == 1
+
+        return self._run("release", work)
+
+    def extend(self, name, token, ttl):
+        def work(cursor, sql, raw):
+            cursor.execute(sql.extend, (ttl_to_ms(ttl), name, token))
+            return cursor.rowcount == 1
+
+        return self._run("extend", work)
+
+    def owns(self, name, token):
+        def work(cursor, sql, raw):
+            cursor.execute(sql.owns, (name, token))
+            return cursor.fetchone() is not None
+
+        return self._run("owns", work)
+
+    # -- reading ------------------------------------------------------------------
+
+    def _info(self, row):
+        name, owner, acquired, expires, fencing, now = row[:6]
+        try:
+            owner = json.loads(owner) if owner else {}
+        except ValueError:
+            owner = {"raw": owner}
+        return LockInfo(
+            name=name, backend=self.alias, fencing_token=int(fencing), owner=owner,
+            acquired_at_ms=int(acquired), expires_at_ms=int(expires), now_ms=int(now),
+        )
+
+    def get(self, name):
+        def work(cursor, sql, raw):
+            cursor.execute(sql.get, (name,))
+            row = cursor.fetchone()
+            return None if row is None else self._info(row)
+
+        return self._run("get", work)
+
+    def _scan(self, *, state=None, after_id=0):
+        """Yield raw rows in id order, BATCH_SIZE per query (keyset pagination)."""
+        while True:
+            def work(cursor, sql, raw, after_id=after_id):
+                where = f"l.id > {sql.placeholder}"
+                if state is not None:
+                    where += f" AND l.expires_at {'<=' if state == STALE else '>'} {sql.now}"
+                cursor.execute(
+                    f"{sql.info_select} WHERE {where} ORDER BY l.id LIMIT {BATCH_SIZE}", (after_id,)
+                )
+                return cursor.fetchall()
+
+            rows = self._run("list", work)
+            yield from rows
+            if len(rows) < BATCH_SIZE:
+                return
+            after_id = rows[-1][6]
+
+    def list(self, *, state=None, name_glob=None):
+        if state is not None and state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, got {state!r}.")
+        infos = (self._info(row) for row in self._scan(state=state))
+        return self.filter_infos(infos, name_glob=name_glob)
+
+    # -- removing -----------------------------------------------------------------
+
+    def delete(self, name):
+        def work(cursor, sql, raw):
+            cursor.execute(sql.get, (name,))
+            row = cursor.fetchone()
+            if row is None:
+                return None, True
+            cursor.execute(sql.delete_owned, (row[6], row[7]))
+            # rowcount 0: re-acquired between the two statements; look again.
+            return self._info(row), cursor.rowcount == 1
+
+        for _ in range(5):
+            info, done = self._run("delete", work)
+            if done:
+                return info
+        raise LockBackendError(self.alias, f"could not delete lock {name!r}: it keeps changing hands")
+
+    def clear(self, *, include_held=False, name_glob=None, older_than=None, dry_run=False,
+              progress=None):
+        result = ClearResult(self.alias)
+        matches = glob_matcher(name_glob) if name_glob else None
+        batch = {}  # row id -> name
+
+        def flush():
+            removed = list(batch.values()) if dry_run else self._delete_batch(
+                list(batch), include_held, older_than)
+            batch.clear()
+            if removed:
+                result.names.extend(removed)
+                if progress is not None:
+                    progress(removed)
+
+        for row in self._scan(state=None if include_held else STALE):
+            info = self._info(row)
+            if matches is not None and not matches(info.name):
+                continue
+            if older_than is not None and info.now_ms - info.acquired_at_ms < older_than * 1000:
+                continue
+            batch[row[6]] = info.name
+            if len(batch) >= BATCH_SIZE:
+                flush()
+        if batch:
+            flush()
+        return result
+
+    def _delete_batch(self, ids, include_held, older_than):
+        """Delete the given rows, re-checking in the DELETE itself that each is still
+        stale (and old enough), so a lock re-acquired meanwhile is never removed.
+        Returns the names actually deleted."""
+        def work(cursor, sql, raw):
+            where = f"id IN ({sql.placeholders(len(ids))})"
+            params = list(ids)
+            if not include_held:
+                where += f" AND expires_at <= {sql.now}"
+            if older_than is not None:
+                where += f" AND acquired_at <= {sql.now} - {sql.placeholder}"
+                params.append(int(older_than * 1000))
+            if sql.returning:
+                cursor.execute(f"DELETE FROM {sql.lock_table} WHERE {where} RETURNING name", params)
+                return [r[0] for r in cursor.fetchall()]
+            cursor.execute(sql.begin())
+            try:
+                cursor.execute(f"SELECT name FROM {sql.lock_table} WHERE {where} FOR UPDATE", params)
+                names = [r[0] for r in cursor.fetchall()]
+                cursor.execute(f"DELETE FROM {sql.lock_table} WHERE {where}", params)
+                cursor.execute("COMMIT")
+            except BaseException:
+                cursor.execute("ROLLBACK")
+                raise
+            return names
+
+        return self._run("clear", work)
+
+
+def _remaining(ms):
+    return None if ms is None else max(int(ms), 0) / 1000

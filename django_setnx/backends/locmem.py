@@ -1,0 +1,144 @@
+"""Local-memory backend: locks shared by the threads of one process.
+
+For tests and single-process development only: another process (a second runserver
+worker, a Celery worker) has its own memory and does not see these locks. Backends
+with the same ``LOCATION`` share their store, as Django's locmem cache does.
+Waiters are woken by a release through a condition variable.
+"""
+
+import threading
+import time
+
+from .base import AcquireResult, BaseLockBackend, ClearResult, LockInfo, STATES
+from ..validation import ttl_to_ms
+
+# LOCATION -> _Store; module-level so that two aliases naming one LOCATION share it.
+_stores = {}
+_stores_lock = threading.Lock()
+
+
+class _Store:
+    def __init__(self):
+        self.records = {}  # name -> dict(token, owner, acquired, expires, fencing)
+        self.fences = {}  # name -> last fencing token; survives release and clear
+        self.condition = threading.Condition()
+
+
+def _now_ms():
+    return time.time_ns() // 1_000_000
+
+
+class LocMemBackend(BaseLockBackend):
+    wakes_waiters = True
+
+    def __init__(self, alias, params):
+        super().__init__(alias, params)
+        location = params.get("LOCATION", "")
+        with _stores_lock:
+            self._store = _stores.setdefault(location, _Store())
+
+    def _info(self, name, record, now):
+        return LockInfo(
+            name=name,
+            backend=self.alias,
+            fencing_token=record["fencing"],
+            owner=dict(record["owner"]),
+            acquired_at_ms=record["acquired"],
+            expires_at_ms=record["expires"],
+            now_ms=now,
+        )
+
+    def acquire(self, name, token, ttl, owner, wait=0.0):
+        store = self._store
+        with store.condition:
+            now = _now_ms()
+            record = store.records.get(name)
+            if record is not None and record["expires"] > now:
+                return AcquireResult.lost(retry_after=(record["expires"] - now) / 1000)
+            fencing = store.fences.get(name, 0) + 1
+            store.fences[name] = fencing
+            store.records[name] = {
+                "token": token,
+                "owner": dict(owner),
+                "acquired": now,
+                "expires": now + ttl_to_ms(ttl),
+                "fencing": fencing,
+            }
+            return AcquireResult.won(fencing)
+
+    def release(self, name, token):
+        store = self._store
+        with store.condition:
+            record = store.records.get(name)
+            if record is None or record["token"] != token:
+                return False
+            del store.records[name]
+            store.condition.notify_all()
+            return True
+
+    def extend(self, name, token, ttl):
+        with self._store.condition:
+            record = self._store.records.get(name)
+            if record is None or record["token"] != token:
+                return False
+            record["expires"] = _now_ms() + ttl_to_ms(ttl)
+            return True
+
+    def owns(self, name, token):
+        with self._store.condition:
+            record = self._store.records.get(name)
+            return record is not None and record["token"] == token and record["expires"] > _now_ms()
+
+    def get(self, name):
+        with self._store.condition:
+            record = self._store.records.get(name)
+            return None if record is None else self._info(name, record, _now_ms())
+
+    def list(self, *, state=None, name_glob=None):
+        if state is not None and state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, got {state!r}.")
+        with self._store.condition:
+            now = _now_ms()
+            infos = [self._info(n, r, now) for n, r in sorted(self._store.records.items())]
+        return self.filter_infos(infos, state=state, name_glob=name_glob)
+
+    def delete(self, name):
+        with self._store.condition:
+            record = self._store.records.pop(name, None)
+            if record is None:
+                return None
+            self._store.condition.notify_all()
+            return self._info(name, record, _now_ms())
+
+    def clear(self, *, include_held=False, name_glob=None, older_than=None, dry_run=False,
+              progress=None):
+        result = ClearResult(self.alias)
+        with self._store.condition:
+            now = _now_ms()
+            candidates = self.filter_infos(
+                [self._info(n, r, now) for n, r in sorted(self._store.records.items())],
+                name_glob=name_glob,
+            )
+            for info in candidates:
+                if info.is_held and not include_held:
+                    continue
+                if older_than is not None and now - info.acquired_at_ms < older_than * 1000:
+                    continue
+                if not dry_run:
+                    del self._store.records[info.name]
+                result.names.append(info.name)
+            if result.names and not dry_run:
+                self._store.condition.notify_all()
+        if progress is not None and result.names:
+            progress(list(result.names))
+        return result
+
+    def wait(self, name, *, attempt, max_wait, retry_after):
+        timeout = retry_after + 0.001 if retry_after is not None else 1.0
+        if max_wait is not None:
+            timeout = min(timeout, max_wait)
+        with self._store.condition:
+            record = self._store.records.get(name)
+            if record is None or record["expires"] <= _now_ms():
+                return
+            self._store.condition.wait(max(timeout, 0))

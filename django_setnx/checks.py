@@ -1,0 +1,67 @@
+"""System checks for ``SETNX_LOCKS`` (``manage.py check``).
+
+Misconfiguration is reported here, with an id and a hint, instead of as a crash at
+import time. Ids: E001-E009 the setting's shape (this module), E010-E019 the Redis
+backends, E020-E029 the database backend (each backend's ``check_params``).
+"""
+
+from django.core.checks import Error, register
+from django.utils.module_loading import import_string
+
+from .conf import DEFAULT_LOCK_ALIAS, get_lock_settings
+from .validation import validate_ttl
+
+_SETTING_HINT = (
+    'Example: SETNX_LOCKS = {"default": {"BACKEND": '
+    '"django_setnx.backends.database.DatabaseBackend"}}'
+)
+
+
+@register("django_setnx")
+def check_setnx_locks(app_configs=None, **kwargs):
+    config = get_lock_settings()
+    if not isinstance(config, dict):
+        return [Error(f"SETNX_LOCKS must be a dict of aliases, not {type(config).__name__}.",
+                      hint=_SETTING_HINT, id="django_setnx.E001")]
+    errors = []
+    if DEFAULT_LOCK_ALIAS not in config:
+        errors.append(Error(
+            f"SETNX_LOCKS does not define the {DEFAULT_LOCK_ALIAS!r} alias "
+            f"(defined: {', '.join(map(repr, config)) or 'none'}).",
+            hint="lock() uses 'default' unless given backend=...; define it.",
+            id="django_setnx.E002",
+        ))
+    for alias, params in config.items():
+        errors.extend(_check_alias(alias, params))
+    return errors
+
+
+def _check_alias(alias, params):
+    where = f"SETNX_LOCKS[{alias!r}]"
+    if not isinstance(params, dict) or not isinstance(params.get("BACKEND"), str):
+        return [Error(f"{where} must be a dict with a 'BACKEND' dotted path, got {params!r}.",
+                      hint=_SETTING_HINT, id="django_setnx.E003")]
+    try:
+        backend_cls = import_string(params["BACKEND"])
+    except ImportError as exc:
+        return [Error(f"{where}['BACKEND'] {params['BACKEND']!r} cannot be imported: {exc}",
+                      id="django_setnx.E004")]
+    errors = []
+    if "TTL" in params:
+        try:
+            validate_ttl(params["TTL"], what=f"{where}['TTL']")
+        except (TypeError, ValueError) as exc:
+            errors.append(Error(str(exc), id="django_setnx.E005"))
+    if not isinstance(params.get("OPTIONS", {}), dict):
+        errors.append(Error(f"{where}['OPTIONS'] must be a dict, got {params['OPTIONS']!r}.",
+                            id="django_setnx.E006"))
+        return errors
+    check_params = getattr(backend_cls, "check_params", None)
+    if check_params is None:
+        errors.append(Error(f"{where}['BACKEND'] {params['BACKEND']!r} is not a lock backend "
+                            f"(it has no check_params; subclass BaseLockBackend).",
+                            id="django_setnx.E007"))
+    else:
+        errors.extend(check_params(alias, params))
+    return errors
+

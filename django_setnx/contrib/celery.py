@@ -1,0 +1,642 @@
+"""Celery integration: run-exclusive and enqueue-once tasks.
+
+Install with ``pip install django-setnx[celery]``. Every feature is an option of one
+Task base class, :class:`ExclusiveTask`, given to ``@app.task`` (or set as class
+attributes of a subclass)::
+
+    from celery import shared_task
+    from django_setnx.contrib.celery import AlreadyQueued, ExclusiveTask
+
+    # run-exclusive: never two runs for one account at once, on any worker
+    @shared_task(base=ExclusiveTask, lock_name="report:{account_id}", lock_ttl=300,
+                 on_contention="retry", lock_retry_countdown=10, lock_backend="redis")
+    def build_report(account_id, month):
+        ...
+
+    # enqueue-once: a second delay() while one is queued or running is refused
+    @shared_task(base=ExclusiveTask, once_policy="raise", once_name="sync:{shop_id}",
+                 once_ttl=3600)
+    def sync_shop(shop_id):
+        ...
+
+    sync_shop.delay(7)
+    try:
+        sync_shop.delay(7)
+    except AlreadyQueued as exc:
+        print("already queued as", exc.task_id)
+
+    # both, with a silent drop of duplicates (delay() returns None)
+    @shared_task(base=ExclusiveTask, bind=True, lock_name="index:{doc_id}",
+                 on_contention="skip", once_policy="drop", max_retries=5)
+    def reindex(self, doc_id):
+        ...
+
+To make every task of an app accept these options, make it the app's task class:
+``Celery("proj", task_cls="django_setnx.contrib.celery:ExclusiveTask")``; a task with
+neither ``lock_name`` nor ``once_policy`` behaves exactly like a plain Task.
+
+Lock names are ``str.format`` templates filled from the task's arguments exactly like
+:func:`~django_setnx.locked` (``"report:{account_id}"``, ``"{order.pk}"``), or a
+callable ``name(*args, **kwargs) -> str``. A template field the task does not take is
+an ``ImproperlyConfigured`` when the task is defined.
+
+Run-exclusive (``lock_name``)
+-----------------------------
+
+The worker takes the lock ``lock_name`` (in ``lock_backend``) around the task body,
+with ``guards="celery task <name>[<id>]"`` in its owner record, and releases it when
+the body ends, however it ends. ``lock_auto_renew`` (default True) keeps extending it
+every ``lock_ttl``/3 while the body runs, so a long task never loses it, while a
+worker that dies (SIGKILL, OOM, power loss) stops renewing and the lock is free
+``lock_ttl`` seconds later. When the lock is held elsewhere (after waiting
+``lock_timeout`` seconds, default 0), ``on_contention`` decides:
+
+- ``"raise"`` (default, as for ``@locked``): the task fails with ``LockNotAcquired``;
+- ``"skip"``: the task succeeds at once with result ``None`` without running;
+- ``"retry"``: ``self.retry(countdown=lock_retry_countdown, max_retries=lock_max_retries)``
+  (``None``: the task's ``max_retries``); once retries are exhausted the task fails
+  with ``LockNotAcquired``.
+
+Override :meth:`ExclusiveTask.lock_contended` for anything else. The run lock is a
+plain lock: ``lock("report:7")`` or ``@locked("report:{account_id}")`` elsewhere
+exclude the task too. A direct call ``task(...)`` runs the body under the lock as
+well (``"retry"`` then raises ``LockNotAcquired``, since there is nothing to retry).
+When the body calls ``self.retry()``, the run lock is released *before* the retry
+message is sent, so even a ``countdown=0`` retry never contends with its own attempt.
+If the lock was lost while the body ran (renewal impossible until it expired and
+someone took it over), a body that succeeded still fails the task with
+``LockNotOwned``, as ``@locked`` does: that run was not exclusive.
+
+Enqueue-once (``once_policy``)
+------------------------------
+
+``apply_async``/``delay`` (and signatures, groups and chains, which call it) first
+generate the task id, then take the lock ``once_name`` (default:
+``"celery-once:<task name>:<filled lock_name>"``, or, without ``lock_name``, a digest
+of all the arguments) for ``once_ttl`` seconds plus any ``countdown``/``eta`` delay,
+with the task name and new id in the owner record. If it is held, the call raises
+:class:`AlreadyQueued` (``once_policy="raise"``) or sends nothing and returns ``None``
+(``"drop"``). The lock's token travels in the message headers
+(``django_setnx_once_token`` and ``django_setnx_once_name``), so the worker that runs
+the task can release exactly that enqueue's lock with the backend's token-checked
+``release(name, token)``:
+
+- on success, failure (the task raised), skip, ``Ignore``, ``Reject(requeue=False)``,
+  retry exhaustion, and a revoke or an expiry (the ``task_revoked`` signal);
+- **not** when a retry was sent (``self.retry()``, ``autoretry_for``, or
+  ``on_contention="retry"``): the retry message keeps the headers, the lock is
+  extended to cover its countdown, and the run that ends the chain of retries
+  releases it; nor on ``Reject(requeue=True)``.
+
+While the task runs, the worker keeps the once lock extended (every ``once_ttl``/3,
+``once_auto_renew``), so ``once_ttl`` only has to cover the time a message may wait
+in the queue. If the worker dies, nobody releases it and it expires ``once_ttl``
+seconds after the last renewal. The owner record keeps the enqueuer's host and pid.
+``app.send_task("name")`` bypasses ``apply_async`` and so this check.
+
+``acks_late`` and redelivery
+----------------------------
+
+With ``acks_late=True`` a message whose worker died is delivered again (with the
+Redis and SQS brokers only after their ``visibility_timeout``; with
+``task_reject_on_worker_lost`` at once). The redelivered run behaves like any run:
+
+- run lock: the dead worker's lock expired ``lock_ttl`` after it stopped renewing,
+  so the redelivered task takes it; while the first worker still runs (a Redis
+  ``visibility_timeout`` shorter than the task, which delivers the message twice) the
+  second delivery meets the lock and ``on_contention`` applies - the run lock is what
+  turns at-least-once delivery into at-most-one-at-a-time execution;
+- once lock: the redelivered message carries the same token; the worker re-extends
+  the lock (a record that expired but was not taken over is still this enqueue's)
+  and releases it at the end. If the lock expired *and* a duplicate was enqueued
+  meanwhile, the redelivered task still runs (it was accepted long ago) and leaves
+  the duplicate's lock alone; give such tasks a ``lock_name`` too so the two never
+  overlap. Without ``acks_late`` a killed worker's message is lost, and the once
+  lock simply expires.
+
+Beware that with the ``solo`` pool every message behaves as if ``acks_late`` were
+set when the worker is killed: Celery sends acks (early ones too) from the worker's
+event loop, which a running solo task blocks, so the ack only leaves once the task
+returns, and a SIGKILLed solo worker's message is delivered again (with Redis, after
+its ``visibility_timeout``). The locks handle that redelivery as described above.
+
+Options (``@app.task(...)`` keywords or class attributes)
+---------------------------------------------------------
+
+``lock_name`` (None), ``lock_ttl`` (None: the backend's ``TTL``), ``lock_backend``
+("default"), ``lock_timeout`` (0), ``lock_auto_renew`` (True), ``on_contention``
+("raise"), ``lock_retry_countdown`` (10), ``lock_max_retries`` (None);
+``once_policy`` (None: off; "raise" or "drop"), ``once_name`` (None: derived),
+``once_ttl`` (3600), ``once_backend`` (None: ``lock_backend``), ``once_auto_renew``
+(True).
+"""
+
+import datetime
+import hashlib
+import inspect
+import json
+import logging
+import secrets
+import threading
+import types
+
+from django.core.exceptions import ImproperlyConfigured
+
+try:
+    from celery import Task
+    from celery import signals as celery_signals
+    from celery.exceptions import Reject, Retry
+    from celery.utils import uuid
+except ImportError as exc:  # pragma: no cover - exercised without celery installed
+    raise ImproperlyConfigured(
+        "django_setnx.contrib.celery needs Celery (>= 5.3): pip install django-setnx[celery]"
+    ) from exc
+
+from ..conf import DEFAULT_LOCK_ALIAS
+from ..decorators import _LockName
+from ..exceptions import LockBackendError, LockNotAcquired, LockNotOwned
+from ..handler import locks
+from ..locking import Lock, current_owner
+from ..validation import validate_name, validate_timeout, validate_ttl
+
+__all__ = ["ONCE_NAME_HEADER", "ONCE_TOKEN_HEADER", "AlreadyQueued", "ExclusiveTask"]
+
+logger = logging.getLogger("django_setnx.celery")
+
+#: Message headers that carry the enqueue-once lock from the enqueuer to the worker.
+ONCE_TOKEN_HEADER = "django_setnx_once_token"
+ONCE_NAME_HEADER = "django_setnx_once_name"
+
+SKIP = "skip"
+RETRY = "retry"
+RAISE = "raise"
+DROP = "drop"
+CONTENTION_POLICIES = (RAISE, SKIP, RETRY)
+ONCE_POLICIES = (RAISE, DROP)
+
+# Attributes set on the task's request (celery.app.task.Context) during a run.
+_RUN_LOCK_ATTR = "_django_setnx_run_lock"
+_ONCE_ATTR = "_django_setnx_once"
+_RETRY_SENT_ATTR = "_django_setnx_retry_sent"
+
+
+class AlreadyQueued(LockNotAcquired):
+    """``apply_async``/``delay`` refused a duplicate of a task that is queued or running.
+
+    ``name`` is the enqueue-once lock name, ``task_name`` the task, ``task_id`` the
+    id of the copy that holds the lock (when known) and ``info`` its
+    :class:`~django_setnx.LockInfo` (or None).
+    """
+
+    def __init__(self, name, task_name=None, task_id=None, info=None):
+        self.task_name = task_name
+        self.task_id = task_id
+        self.info = info
+        holder = f" as {task_id}" if task_id else ""
+        message = (
+            f"Task {task_name} is already queued or running{holder} (enqueue-once lock "
+            f"{name!r}); not enqueued again."
+        )
+        super().__init__(name, 0, message)
+
+
+def _header(request, key):
+    """A custom message header of ``request``: the worker flattens custom headers
+    into request attributes, ``apply()`` (eager mode) keeps them in ``headers``."""
+    value = getattr(request, key, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(key)
+    return value
+
+
+def _delay_seconds(countdown=None, eta=None):
+    """Seconds until a message with this countdown/eta is due (0 if due now)."""
+    if countdown is not None:
+        return max(float(countdown), 0.0)
+    if eta is not None:
+        if isinstance(eta, str):
+            eta = datetime.datetime.fromisoformat(eta)
+        if eta.tzinfo is None:
+            # Celery reads a naive eta in the app's timezone; local time is close enough
+            # for a ttl margin.
+            return max((eta - datetime.datetime.now()).total_seconds(), 0.0)
+        return max((eta - datetime.datetime.now(datetime.timezone.utc)).total_seconds(), 0.0)
+    return 0.0
+
+
+def _find_run(cls):
+    """The task's body function as a bound-looking callable (first param dropped when
+    it is a method), or None while ``run`` is still Celery's abstract one."""
+    for klass in cls.__mro__:
+        if klass is Task:
+            return None
+        run = klass.__dict__.get("run")
+        if run is None:
+            continue
+        if isinstance(run, staticmethod):
+            return run.__func__
+        # A plain function in the class (bind=True or a class-based task): as a method
+        # its first parameter is the task itself, not an argument of the call.
+        return types.MethodType(run, cls)
+    return None
+
+
+class _OnceClaim:
+    """The enqueue-once lock one message carries: adopted by the worker that runs it."""
+
+    def __init__(self, task, name, token):
+        self.task = task
+        self.name = name
+        self.token = token
+        self.backend = locks[task._once_backend_alias()]
+        self.owned = False
+        self._stop = threading.Event()
+        self._renewer = None
+
+    @classmethod
+    def from_request(cls, task, request):
+        token = _header(request, ONCE_TOKEN_HEADER)
+        name = _header(request, ONCE_NAME_HEADER)
+        if not token or not name or not task.once_policy:
+            return None
+        return cls(task, name, token)
+
+    def headers(self):
+        return {ONCE_TOKEN_HEADER: self.token, ONCE_NAME_HEADER: self.name}
+
+    def extend(self, ttl):
+        try:
+            self.owned = bool(self.backend.extend(self.name, self.token, ttl))
+        except LockBackendError:
+            logger.warning("Could not extend enqueue-once lock %r", self.name, exc_info=True)
+            return self.owned
+        return self.owned
+
+    def adopt(self):
+        """At the start of a run: re-extend the lock and keep renewing it while it runs."""
+        if not self.extend(self.task.once_ttl):
+            logger.warning(
+                "Task %s[%s]: its enqueue-once lock %r expired and was taken over (or "
+                "removed) before it ran; running it anyway, a duplicate may be queued.",
+                self.task.name, self.task.request.id, self.name,
+            )
+            return
+        if self.task.once_auto_renew:
+            self._renewer = threading.Thread(
+                target=self._renew, name=f"django-setnx once {self.name[:40]}", daemon=True
+            )
+            self._renewer.start()
+
+    def _renew(self):
+        ttl = self.task.once_ttl
+        while not self._stop.wait(ttl / 3):
+            try:
+                if not self.backend.extend(self.name, self.token, ttl):
+                    self.owned = False
+                    logger.warning("Enqueue-once lock %r was lost while its task ran", self.name)
+                    return
+            except LockBackendError:
+                logger.warning("Could not renew enqueue-once lock %r", self.name, exc_info=True)
+
+    def stop_renewing(self):
+        self._stop.set()
+        renewer, self._renewer = self._renewer, None
+        if renewer is not None and renewer is not threading.current_thread():
+            renewer.join(timeout=self.task.once_ttl)
+
+    def release(self):
+        self.stop_renewing()
+        try:
+            released = self.backend.release(self.name, self.token)
+        except LockBackendError:
+            logger.warning(
+                "Could not release enqueue-once lock %r; it expires by itself",
+                self.name, exc_info=True,
+            )
+            return False
+        if not released:
+            logger.info("Enqueue-once lock %r was no longer this task's; left alone", self.name)
+        self.owned = False
+        return released
+
+
+class ExclusiveTask(Task):
+    """A Celery Task with run-exclusive and enqueue-once locks (see the module docs).
+
+    Without ``lock_name`` and ``once_policy`` it is a plain Task.
+    """
+
+    #: Run-exclusive: name template (or callable) of the lock held while the body runs.
+    lock_name = None
+    #: Seconds; None: the backend's TTL. A dead worker's lock is free after this long.
+    lock_ttl = None
+    #: Alias in SETNX_LOCKS of the run lock (and, by default, of the once lock).
+    lock_backend = DEFAULT_LOCK_ALIAS
+    #: Seconds to wait for the run lock before ``on_contention`` applies.
+    lock_timeout = 0
+    #: Extend the run lock every ttl/3 while the body runs.
+    lock_auto_renew = True
+    #: "raise" (LockNotAcquired), "skip" (result None) or "retry".
+    on_contention = RAISE
+    #: Countdown of a retry on contention.
+    lock_retry_countdown = 10
+    #: Retries on contention; None: the task's ``max_retries``.
+    lock_max_retries = None
+
+    #: Enqueue-once: None (off), "raise" (AlreadyQueued) or "drop" (apply_async returns None).
+    once_policy = None
+    #: Name template (or callable) of the enqueue-once lock; None: derived.
+    once_name = None
+    #: Seconds the once lock outlives a queued message (plus its countdown/eta).
+    once_ttl = 3600
+    #: Alias of the once lock; None: ``lock_backend``.
+    once_backend = None
+    #: Extend the once lock every once_ttl/3 while the task runs.
+    once_auto_renew = True
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._setnx_check_options()
+
+    # -- configuration ----------------------------------------------------------
+
+    @classmethod
+    def _setnx_check_options(cls):
+        where = f"task {cls.__dict__.get('name') or cls.__qualname__}"
+        if cls.on_contention not in CONTENTION_POLICIES:
+            raise ImproperlyConfigured(
+                f"{where}: on_contention must be one of {', '.join(CONTENTION_POLICIES)}, "
+                f"got {cls.on_contention!r}."
+            )
+        if cls.once_policy is not None and cls.once_policy not in ONCE_POLICIES:
+            raise ImproperlyConfigured(
+                f"{where}: once_policy must be None, 'raise' or 'drop', got {cls.once_policy!r}."
+            )
+        try:
+            if cls.lock_ttl is not None:
+                validate_ttl(cls.lock_ttl, what=f"{where}: lock_ttl")
+            validate_ttl(cls.once_ttl, what=f"{where}: once_ttl")
+            validate_timeout(cls.lock_timeout)
+            if cls.lock_retry_countdown is not None and cls.lock_retry_countdown < 0:
+                raise ValueError(
+                    f"{where}: lock_retry_countdown must be >= 0, got "
+                    f"{cls.lock_retry_countdown!r}."
+                )
+        except (TypeError, ValueError) as exc:
+            raise ImproperlyConfigured(str(exc)) from exc
+        # Build the name templates now, so a field the task does not take fails at
+        # definition time rather than on the first run.
+        cls._setnx_names = None
+        if _find_run(cls) is not None:
+            cls._setnx_name_builders()
+
+    @classmethod
+    def _setnx_name_builders(cls):
+        """(run lock name builder or None, once lock name builder or None, signature)."""
+        builders = cls.__dict__.get("_setnx_names")
+        if builders is None:
+            run = _find_run(cls)
+            if run is None:
+                raise ImproperlyConfigured(f"{cls.__qualname__} has no run method.")
+            make_lock = _LockName(run, cls.lock_name) if cls.lock_name else None
+            make_once = _LockName(run, cls.once_name) if cls.once_name else None
+            builders = (make_lock, make_once, inspect.signature(run))
+            cls._setnx_names = builders
+        return builders
+
+    def _once_backend_alias(self):
+        return self.once_backend or self.lock_backend
+
+    def run_lock_name(self, args, kwargs):
+        """The run lock's name for a call with ``args``/``kwargs`` (None if off)."""
+        make_lock = self._setnx_name_builders()[0]
+        return None if make_lock is None else validate_name(make_lock(tuple(args), dict(kwargs)))
+
+    def once_lock_name(self, args, kwargs):
+        """The enqueue-once lock's name for a call with ``args``/``kwargs``."""
+        make_lock, make_once, signature = self._setnx_name_builders()
+        args, kwargs = tuple(args or ()), dict(kwargs or {})
+        if make_once is not None:
+            return validate_name(make_once(args, kwargs))
+        if make_lock is not None:
+            return validate_name(f"celery-once:{self.name}:{make_lock(args, kwargs)}")
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        payload = json.dumps(dict(bound.arguments), sort_keys=True, default=repr,
+                             separators=(",", ":"))
+        digest = hashlib.sha1(payload.encode()).hexdigest()
+        return validate_name(f"celery-once:{self.name}:{digest}")
+
+    # -- enqueue-once -----------------------------------------------------------
+
+    def apply_async(self, args=None, kwargs=None, task_id=None, producer=None, link=None,
+                    link_error=None, shadow=None, **options):
+        """Send the task; with ``once_policy``, only if no copy is queued or running.
+
+        Returns the AsyncResult, or None when ``once_policy="drop"`` dropped a
+        duplicate; raises :class:`AlreadyQueued` with ``once_policy="raise"``.
+        """
+        options.update(producer=producer, link=link, link_error=link_error, shadow=shadow)
+        headers = options.get("headers") or {}
+        if not self.once_policy or options.get("retries") or ONCE_TOKEN_HEADER in headers:
+            # Off, or a retry/resend of a message that already carries its once lock.
+            return super().apply_async(args, kwargs, task_id, **options)
+
+        # The id first, so that the lock's owner record can name it.
+        task_id = task_id or uuid()
+        name = self.once_lock_name(args, kwargs)
+        backend = locks[self._once_backend_alias()]
+        ttl = self.once_ttl + _delay_seconds(options.get("countdown"), options.get("eta"))
+        token = secrets.token_hex(16)
+        owner = current_owner(f"celery task {self.name}[{task_id}]")
+        owner["celery_task_id"] = task_id
+        result = backend.acquire(name, token, ttl, owner)
+        if not result.acquired:
+            return self.already_queued(name, args, kwargs, options)
+
+        options["headers"] = {**headers, ONCE_TOKEN_HEADER: token, ONCE_NAME_HEADER: name}
+        try:
+            return super().apply_async(args, kwargs, task_id, **options)
+        except BaseException:
+            # Not sent (broker down), or run eagerly and raised: either way no queued
+            # copy holds the lock any more. Token-checked, so never someone else's.
+            try:
+                backend.release(name, token)
+            except LockBackendError:
+                logger.warning("Could not release enqueue-once lock %r", name, exc_info=True)
+            raise
+
+    def already_queued(self, name, args, kwargs, options):
+        """Called when ``apply_async`` finds a copy queued or running: raise or drop."""
+        if self.once_policy == DROP:
+            logger.info("Task %s not enqueued: a copy is already queued or running (%r)",
+                        self.name, name)
+            return  # apply_async() returns None
+        info = None
+        try:
+            info = locks[self._once_backend_alias()].get(name)
+        except LockBackendError:
+            pass
+        holder_id = info.owner.get("celery_task_id") if info is not None else None
+        raise AlreadyQueued(name, self.name, holder_id, info)
+
+    # -- running ----------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        request = self.request
+        if request.called_directly:
+            # A plain call: Task.__call__ pushes a request and runs the body, which
+            # we wrap in the run lock.
+            return self._run_exclusive(
+                request, args, kwargs, lambda: super(ExclusiveTask, self).__call__(*args, **kwargs)
+            )
+        # A worker (or apply()/eager mode) is running us: the request is on the stack.
+        once = _OnceClaim.from_request(self, request)
+        setattr(request, _ONCE_ATTR, once)
+        if once is not None:
+            once.adopt()
+        keep_once = False
+        try:
+            return self._run_exclusive(request, args, kwargs, lambda: self.run(*args, **kwargs))
+        except Retry:
+            keep_once = True
+            raise
+        except Reject as exc:
+            keep_once = bool(exc.requeue)  # requeued: it will run again
+            raise
+        except Exception:
+            raise
+        except BaseException:
+            # The worker is going down (SystemExit, KeyboardInterrupt, WorkerLostError):
+            # with acks_late the message comes back and still holds its place.
+            keep_once = bool(self.acks_late)
+            raise
+        finally:
+            if once is not None:
+                if keep_once or getattr(request, _RETRY_SENT_ATTR, False):
+                    once.stop_renewing()
+                else:
+                    once.release()
+
+    def _run_exclusive(self, request, args, kwargs, body):
+        name = self.run_lock_name(args, kwargs)
+        if name is None:
+            return body()
+        if request.called_directly:
+            guards = f"celery task {self.name} (called directly)"
+        else:
+            guards = f"celery task {self.name}[{request.id}]"
+        lk = Lock(name, self.lock_ttl, backend=self.lock_backend, timeout=self.lock_timeout,
+                  auto_renew=self.lock_auto_renew, guards=guards)
+        if not lk.acquire():
+            return self.lock_contended(lk, args, kwargs)
+        holder = request if not request.called_directly else None
+        if holder is not None:
+            setattr(holder, _RUN_LOCK_ATTR, lk)
+        try:
+            result = body()
+        except BaseException as exc:
+            if self._take_run_lock(holder, lk):
+                # Release without masking ``exc``, even if the lock was lost meanwhile.
+                lk.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        if self._take_run_lock(holder, lk):
+            lk.release()  # LockNotOwned here: the run was not exclusive; say so.
+        return result
+
+    @staticmethod
+    def _take_run_lock(holder, lk):
+        """True if ``lk`` is still ours to release (retry() may have released it)."""
+        if holder is None:
+            return True
+        if getattr(holder, _RUN_LOCK_ATTR, None) is not lk:
+            return False
+        setattr(holder, _RUN_LOCK_ATTR, None)
+        return True
+
+    def lock_contended(self, lock, args, kwargs):
+        """Called when the run lock is held elsewhere; applies ``on_contention``.
+
+        Return a value to make it the task's result, or raise. Override for a
+        policy of your own (``lock`` is the :class:`~django_setnx.Lock` not acquired).
+        """
+        task_id = self.request.id
+        if self.on_contention == SKIP:
+            logger.info("Task %s[%s] skipped: lock %r is held", self.name, task_id, lock.name)
+            return  # the task's result is None
+        holder = ""
+        try:
+            info = lock.info()
+        except LockBackendError:
+            info = None
+        if info is not None and info.is_held:
+            owner = info.owner
+            holder = owner.get("guards") or f"pid {owner.get('pid')} on {owner.get('host')}"
+            holder = f" by {holder}"
+        exc = LockNotAcquired(
+            lock.name, lock.timeout,
+            f"Task {self.name}[{task_id}]: lock {lock.name!r} is held{holder}.",
+        )
+        if self.on_contention == RETRY:
+            raise self.retry(exc=exc, countdown=self.lock_retry_countdown,
+                             max_retries=self.lock_max_retries)
+        raise exc
+
+    # -- retries ----------------------------------------------------------------
+
+    def retry(self, args=None, kwargs=None, exc=None, throw=True, eta=None, countdown=None,
+              max_retries=None, **options):
+        """Celery's retry, keeping the locks right.
+
+        When a retry message will be sent: the run lock is released first (the retry
+        must not contend with this attempt), and the enqueue-once lock is extended to
+        cover the countdown and travels on in the retry's headers. On exhaustion
+        nothing changes here; the task fails and both locks are released as usual.
+        """
+        request = self.request
+        if not request.called_directly:
+            limit = self.max_retries if max_retries is None else max_retries
+            if limit is None or request.retries + 1 <= limit:
+                run_lock = getattr(request, _RUN_LOCK_ATTR, None)
+                if run_lock is not None and self._take_run_lock(request, run_lock):
+                    try:
+                        run_lock.release()
+                    except (LockNotOwned, LockBackendError):
+                        logger.warning("Could not release lock %r before a retry",
+                                       run_lock.name, exc_info=True)
+                once = getattr(request, _ONCE_ATTR, None)
+                if once is not None:
+                    # Stop the renewer first: it would shorten the expiry set here.
+                    once.stop_renewing()
+                    if countdown is None and eta is None:
+                        delay = self.default_retry_delay or 0
+                    else:
+                        delay = _delay_seconds(countdown, eta)
+                    once.extend(self.once_ttl + delay)
+                    options["headers"] = {
+                        **(options.get("headers") or request.headers or {}),
+                        **once.headers(),
+                    }
+        try:
+            ret = super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta,
+                                countdown=countdown, max_retries=max_retries, **options)
+        except Retry:
+            setattr(request, _RETRY_SENT_ATTR, True)
+            raise
+        setattr(request, _RETRY_SENT_ATTR, True)
+        return ret
+
+
+@celery_signals.task_revoked.connect(weak=False, dispatch_uid="django_setnx_once_revoked")
+def _release_once_on_revoke(sender=None, request=None, **kwargs):
+    """A revoked or expired message never runs: release its enqueue-once lock."""
+    if not isinstance(sender, ExclusiveTask) or request is None:
+        return
+    try:
+        once = _OnceClaim.from_request(sender, request)
+        if once is not None:
+            once.release()
+    except Exception:  # a signal handler must never break the worker
+        logger.warning("Could not release the enqueue-once lock of a revoked task",
+                       exc_info=True)
+

@@ -1,0 +1,107 @@
+"""``locks["alias"]``: the configured lock backends, as ``caches["alias"]`` is for caches."""
+
+import threading
+
+from django.core.signals import setting_changed
+from django.utils.connection import BaseConnectionHandler
+from django.utils.module_loading import import_string
+
+from .conf import get_lock_settings
+from .exceptions import InvalidLockBackendError
+
+
+class LockHandler(BaseConnectionHandler):
+    """Creates each configured backend on first use and keeps it for the process.
+
+    Unlike ``CacheHandler`` the instances are shared by every thread: backends are
+    thread-safe and own their connection pools, and one Redis pool per thread would
+    multiply connections for nothing. Settings are read on first use, never at
+    import, and re-read after ``override_settings(SETNX_LOCKS=...)``.
+    """
+
+    settings_name = "SETNX_LOCKS"
+    exception_class = InvalidLockBackendError
+
+    def __init__(self, settings=None):
+        super().__init__(settings)
+        # BaseConnectionHandler overwrites _settings with the configured value on
+        # first read; keep what we were given so reset() can read settings afresh.
+        self._given_settings = settings
+        self._backends = {}
+        self._creating = threading.Lock()
+
+    def configure_settings(self, settings):
+        settings = get_lock_settings() if settings is None else settings
+        if not isinstance(settings, dict):
+            raise self.exception_class(
+                f"SETNX_LOCKS must be a dict of aliases, not {type(settings).__name__}: "
+                f"{settings!r}."
+            )
+        return settings
+
+    def create_connection(self, alias):
+        params = self.settings[alias]
+        if not isinstance(params, dict) or not params.get("BACKEND"):
+            raise self.exception_class(
+                f"SETNX_LOCKS[{alias!r}] must be a dict with a 'BACKEND' dotted path, "
+                f"got {params!r}."
+            )
+        try:
+            backend_cls = import_string(params["BACKEND"])
+        except ImportError as exc:
+            raise self.exception_class(
+                f"Could not load lock backend {params['BACKEND']!r} for alias {alias!r}: {exc}"
+            ) from exc
+        return backend_cls(alias, params)
+
+    def __getitem__(self, alias):
+        try:
+            return self._backends[alias]
+        except KeyError:
+            pass
+        if not isinstance(alias, str) or alias not in self.settings:
+            known = ", ".join(repr(a) for a in self.settings) or "none"
+            raise self.exception_class(
+                f"The lock backend {alias!r} is not configured in SETNX_LOCKS "
+                f"(configured: {known})."
+            )
+        with self._creating:
+            backend = self._backends.get(alias)
+            if backend is None:
+                backend = self._backends[alias] = self.create_connection(alias)
+        return backend
+
+    def __setitem__(self, alias, backend):
+        self._backends[alias] = backend
+
+    def __delitem__(self, alias):
+        del self._backends[alias]
+
+    def all(self, initialized_only=False):
+        return [
+            self[alias]
+            for alias in self
+            if not initialized_only or alias in self._backends
+        ]
+
+    def close_all(self):
+        for backend in list(self._backends.values()):
+            backend.close()
+
+    def reset(self):
+        """Close every backend and forget the settings (after they changed)."""
+        self.close_all()
+        self._backends = {}
+        self._settings = self._given_settings
+        self.__dict__.pop("settings", None)
+
+
+locks = LockHandler()
+
+
+def _reset_on_setting_changed(*, setting, **kwargs):
+    if setting in ("SETNX_LOCKS", "DATABASES", "CACHES"):
+        locks.reset()
+
+
+setting_changed.connect(_reset_on_setting_changed, dispatch_uid="django_setnx_reset_locks")

@@ -1,0 +1,139 @@
+"""Helpers shared by ``clearlocks`` and ``listlocks``: backend selection, the
+common arguments, and safe display of user data (lock names, owners)."""
+
+import unicodedata
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import CommandError
+
+from django_setnx.handler import locks
+
+#: Unicode categories never printed raw: controls (newline, ESC, ...), format
+#: characters (bidi overrides), line/paragraph separators and lone surrogates.
+_UNSAFE_CATEGORIES = {"Cc", "Cf", "Zl", "Zp", "Cs"}
+
+
+def add_backend_arguments(parser, action):
+    parser.add_argument(
+        "--backend", action="append", dest="backends", metavar="ALIAS",
+        help=f"{action} only this alias of SETNX_LOCKS (repeatable; default: every alias).",
+    )
+    parser.add_argument(
+        "--name", dest="name_glob", metavar="GLOB",
+        help="Only locks whose name matches this Redis-style glob (*, ?, [abc], [^a], "
+             "\\ escapes), on every backend.",
+    )
+
+
+def select_backends(requested):
+    """Return ``[(alias, backend)]`` for the requested aliases (default: all), or
+    raise CommandError naming an unknown or unloadable alias."""
+    try:
+        configured = list(locks)
+    except ImproperlyConfigured as exc:
+        raise CommandError(str(exc)) from exc
+    aliases = list(dict.fromkeys(requested)) if requested else configured
+    unknown = [a for a in aliases if a not in configured]
+    if unknown:
+        raise CommandError(
+            f"Unknown lock backend {', '.join(map(repr, unknown))}; SETNX_LOCKS configures "
+            f"{', '.join(map(repr, configured)) or 'none'}."
+        )
+    selected = []
+    for alias in aliases:
+        try:
+            selected.append((alias, locks[alias]))
+        except ImproperlyConfigured as exc:
+            raise CommandError(f"Lock backend {alias!r} cannot be loaded: {exc}") from exc
+    return selected
+
+
+def backend_failure(alias, exc):
+    """The message of a backend that failed mid-command, naming its alias once."""
+    from django_setnx.exceptions import LockBackendError
+
+    if isinstance(exc, LockBackendError) and exc.alias == alias:
+        return str(exc)  # "Lock backend 'alias': ..."
+    return f"Lock backend {alias!r}: {exc}"
+
+
+def validate_glob(pattern):
+    """Return the ``--name`` glob (None when not given), or raise CommandError for an
+    empty one or one whose meaning differs between backends: a trailing lone ``\\``
+    or a ``[`` without its ``]`` (Redis reads past the name into the key's suffix)."""
+    if pattern is None:
+        return None
+    if pattern == "":
+        raise CommandError("--name must not be empty (use --name '*' for every lock).")
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            if i + 1 == n:
+                raise CommandError(
+                    f"--name {pattern!r} ends with a lone backslash; write \\\\ for a "
+                    f"literal one.")
+            i += 2
+            continue
+        if c == "[":
+            j = i + 1
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            if j >= n:
+                raise CommandError(
+                    f"--name {pattern!r} has a '[' without a closing ']'; write \\[ for a "
+                    f"literal one.")
+            i = j
+        i += 1
+    return pattern
+
+
+def escape(text):
+    """``text`` with every character that could forge output lines or drive the
+    terminal (and the backslash, so the result is unambiguous) escaped
+    ``repr``-style: ``"a\\nb"`` -> ``a\\nb``, ESC -> ``\\x1b``."""
+    text = str(text)
+    if text.isprintable() and "\\" not in text:
+        return text  # the common case, without a per-character loop
+    out = []
+    for ch in text:
+        if ch == "\\":
+            out.append("\\\\")
+        elif unicodedata.category(ch) in _UNSAFE_CATEGORIES:
+            out.append(ch.encode("unicode_escape", "backslashreplace").decode("ascii"))
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def char_width(ch):
+    """Terminal columns taken by ``ch``: 2 for wide East Asian characters, 0 for
+    combining marks, else 1."""
+    if unicodedata.combining(ch):
+        return 0
+    return 2 if unicodedata.east_asian_width(ch) in ("W", "F") else 1
+
+
+def display_width(text):
+    if text.isascii():
+        return len(text)
+    return sum(char_width(ch) for ch in text)
+
+
+def truncate(text, width, ellipsis="..."):
+    """``text`` cut to at most ``width`` terminal columns, ending in ``ellipsis`` when cut."""
+    if display_width(text) <= width:
+        return text
+    room = width - len(ellipsis)
+    out, used = [], 0
+    for ch in text:
+        w = char_width(ch)
+        if used + w > room:
+            break
+        out.append(ch)
+        used += w
+    return "".join(out) + ellipsis
+
+
+def plural(count, word):
+    return f"{count} {word}{'' if count == 1 else 's'}"

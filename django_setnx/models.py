@@ -1,0 +1,48 @@
+"""Tables of the database backend.
+
+``LockRecord`` holds one row per held or stale lock; its unique ``name`` is the
+SETNX. ``FencingCounter`` holds the last fencing token handed out per name and is
+never deleted, so tokens strictly increase across releases, takeovers, ``clearlocks``
+and restarts. Times are integer milliseconds since the epoch **from the database's
+clock**, so comparisons never depend on an app server's clock or time zone.
+
+The backend writes these tables with raw SQL on its own connection; the models
+exist for migrations, the admin and ad-hoc queries.
+"""
+
+from django.db import models
+from django.utils.translation import gettext_lazy as _
+
+from .conf import MAX_NAME_LENGTH
+
+
+class LockRecord(models.Model):
+    name = models.CharField(_("name"), max_length=MAX_NAME_LENGTH, unique=True)
+    token = models.CharField(_("token"), max_length=64)
+    owner = models.TextField(_("owner"), default="{}", help_text=_("JSON: host, pid, thread, guards."))
+    acquired_at = models.BigIntegerField(_("acquired at"), help_text=_("Milliseconds since the epoch, database clock."))
+    expires_at = models.BigIntegerField(_("expires at"), help_text=_("Milliseconds since the epoch, database clock."))
+
+    class Meta:
+        db_table = "django_setnx_lock"
+        verbose_name = _("lock")
+        verbose_name_plural = _("locks")
+        default_permissions = ("view",)
+        permissions = [("release_lock", _("Can force-release locks"))]
+
+    def __str__(self):
+        return self.name
+
+
+class FencingCounter(models.Model):
+    name = models.CharField(_("name"), max_length=MAX_NAME_LENGTH, primary_key=True)
+    value = models.BigIntegerField(_("last fencing token"))
+
+    class Meta:
+        db_table = "django_setnx_fence"
+        verbose_name = _("fencing counter")
+        verbose_name_plural = _("fencing counters")
+        default_permissions = ()
+
+    def __str__(self):
+        return f"{self.name}: {self.value}"

@@ -1,0 +1,24 @@
+"""Signals sent by django-setnx.
+
+Every signal is sent with ``sender`` set to the :class:`~django_setnx.locking.Lock`
+class (``lock_force_released``: the backend class) and these keyword arguments:
+
+- ``lock_acquired``: ``lock`` (the Lock object; ``lock.fencing_token`` is set).
+- ``lock_released``: ``lock``.
+- ``lock_contended``: ``lock`` and ``retry_after`` (seconds until the holder's
+  expiry as the backend sees it, or ``None``), once per acquire that had to wait or
+  gave up.
+- ``lock_lost``: ``lock``; an ``auto_renew`` renewal found the lock expired and
+  taken over, or could not renew it before it expired.
+- ``lock_force_released``: ``backend`` (alias), ``name``, ``info`` (the
+  :class:`~django_setnx.backends.base.LockInfo` removed) and ``user`` (who did it,
+  or ``None`` from a management command).
+"""
+
+from django.dispatch import Signal
+
+lock_acquired = Signal()
+lock_released = Signal()
+lock_contended = Signal()
+lock_lost = Signal()
+lock_force_released = Signal()

@@ -1,0 +1,169 @@
+"""A small Celery app for ``tests/test_celery.py``, run by real worker processes.
+
+Workers start it with ``celery -A tests.celery_app worker ...`` in an environment
+from :func:`tests.workers.child_environment`, so they use the test databases and the
+throwaway Redis of the pytest run that started them. The broker and the result
+backend are that Redis, databases 1 and 2 (the lock alias ``redis`` uses 0).
+
+For each lock alias under test (``postgres`` and ``redis`` when configured) the same
+set of tasks is registered as ``setnx_tests.<kind>.<alias>``: a task's lock backend
+is part of its class, so each alias gets classes of its own. Every task body appends
+JSON lines (``start``/``end`` with ``time.time()``, pid and retries) to the file
+``log`` it is given, so the tests can check that runs never overlapped.
+"""
+
+import json
+import os
+import time
+from urllib.parse import urlsplit, urlunsplit
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "tests.settings")
+
+import django
+from django.apps import apps
+
+if not apps.ready:
+    django.setup()
+
+from celery import Celery
+from django.conf import settings
+
+from django_setnx.contrib.celery import ExclusiveTask
+
+#: Lock aliases the worker tests cover.
+ALIASES = [a for a in ("postgres", "redis") if a in settings.CONTRACT_ALIASES]
+
+#: Short ttls of the crash test: the lock must be free this long after a SIGKILL.
+CRASH_TTL = 2.0
+
+
+def redis_url(db):
+    """The suite's Redis, database ``db`` (None when Redis is not under test)."""
+    location = settings.SETNX_LOCKS.get("redis", {}).get("LOCATION") or os.environ.get(
+        "SETNX_TEST_REDIS_URL", ""
+    )
+    if "redis" not in settings.CONTRACT_ALIASES or not location or ":0/" in location:
+        return None
+    parts = urlsplit(location)
+    return urlunsplit((parts.scheme, parts.netloc, f"/{db}", "", ""))
+
+
+app = Celery("setnx_tests", set_as_current=False)
+app.conf.update(
+    broker_url=redis_url(1) or "memory://",
+    result_backend=redis_url(2) or "cache+memory://",
+    broker_connection_retry_on_startup=True,
+    task_serializer="json",
+    result_serializer="json",
+    accept_content=["json"],
+    worker_prefetch_multiplier=1,
+    worker_hijack_root_logger=False,
+    worker_redirect_stdouts=False,
+    result_expires=600,
+    task_default_queue="setnx-tests-unused",
+    # Redis keeps a delivered message until it is acked; one that a dead worker never
+    # acked (acks_late) is delivered again after visibility_timeout. Short here, so the
+    # redelivery test takes seconds; every other test task is acked at its start.
+    broker_transport_options={
+        "visibility_timeout": 4,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
+)
+
+
+def record(log, tag, event, task, **extra):
+    """Append one JSON line to ``log`` (one write, so lines never interleave)."""
+    line = json.dumps({
+        "tag": tag, "event": event, "t": time.time(), "pid": os.getpid(),
+        "task_id": task.request.id, "retries": task.request.retries, **extra,
+    })
+    with open(log, "a") as f:
+        f.write(line + "\n")
+
+
+def already_started(log, task_id):
+    """True if ``log`` shows an earlier start of the task ``task_id``."""
+    try:
+        with open(log) as f:
+            return any(json.loads(line).get("task_id") == task_id
+                       for line in f if line.strip())
+    except FileNotFoundError:
+        return False
+
+
+def work(task, log, tag, duration, fail=False):
+    record(log, tag, "start", task)
+    time.sleep(duration)
+    record(log, tag, "end", task)
+    if fail:
+        raise RuntimeError(f"{tag} failed on purpose")
+    return tag
+
+
+@app.task(name="setnx_tests.ping", shared=False)
+def ping():
+    return os.getpid()
+
+
+def _register(alias):
+    opts = {"base": ExclusiveTask, "bind": True, "lock_backend": alias, "shared": False}
+
+    # Run-exclusive, one task per contention policy.
+    for policy in ("skip", "retry", "raise"):
+        def exclusive(self, key, log, tag, duration):
+            return work(self, log, tag, duration)
+
+        app.task(name=f"setnx_tests.exclusive_{policy}.{alias}", lock_name="celery-test:{key}",
+                 lock_ttl=10, on_contention=policy, lock_retry_countdown=1,
+                 lock_max_retries=10, **opts)(exclusive)
+
+    # Enqueue-once, one task per policy.
+    for policy in ("raise", "drop"):
+        def once(self, key, log, tag, duration):
+            return work(self, log, tag, duration)
+
+        app.task(name=f"setnx_tests.once_{policy}.{alias}", once_policy=policy,
+                 once_name="celery-once-test:{key}", once_ttl=30, **opts)(once)
+
+    # Both locks; raises after its work.
+    def both_failing(self, key, log, tag, duration):
+        return work(self, log, tag, duration, fail=True)
+
+    app.task(name=f"setnx_tests.both_failing.{alias}", lock_name="celery-test:{key}",
+             lock_ttl=10, once_policy="raise", once_ttl=30, **opts)(both_failing)
+
+    # Fails and retries until its retries are exhausted.
+    def flaky(self, key, log, tag, duration, countdown):
+        work(self, log, tag, duration)
+        raise self.retry(exc=RuntimeError(f"{tag} attempt {self.request.retries}"),
+                         countdown=countdown)
+
+    app.task(name=f"setnx_tests.flaky.{alias}", lock_name="celery-test:{key}", lock_ttl=10,
+             once_policy="raise", once_name="celery-once-test:{key}", once_ttl=30,
+             max_retries=2, **opts)(flaky)
+
+    # Holds both locks with short ttls; the test SIGKILLs its worker mid-run. A
+    # redelivered message (acks_late) finishes quickly the second time.
+    def crash(self, key, log, tag, duration):
+        if already_started(log, self.request.id):
+            duration = 0.2
+        return work(self, log, tag, duration)
+
+    app.task(name=f"setnx_tests.crash.{alias}", lock_name="celery-test:{key}",
+             lock_ttl=CRASH_TTL, once_policy="raise", once_name="celery-once-test:{key}",
+             once_ttl=CRASH_TTL, **opts)(crash)
+
+    # As crash, acknowledged late: a killed worker's message is delivered again.
+    app.task(name=f"setnx_tests.crash_late.{alias}", lock_name="celery-test:{key}",
+             lock_ttl=CRASH_TTL, once_policy="raise", once_name="celery-once-test:{key}",
+             once_ttl=CRASH_TTL, acks_late=True, **opts)(crash)
+
+
+for _alias in ALIASES:
+    _register(_alias)
+
+
+def task(kind, alias):
+    """The registered task ``kind`` for lock alias ``alias``."""
+    return app.tasks[f"setnx_tests.{kind}.{alias}"]

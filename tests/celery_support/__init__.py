@@ -1,0 +1,1 @@
+"""Helpers of ``tests/test_celery.py``: real Celery worker processes."""

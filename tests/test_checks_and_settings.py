@@ -1,0 +1,93 @@
+"""System checks for SETNX_LOCKS, and the lazily read, resettable settings."""
+
+import pytest
+from django.core.checks import run_checks
+from django.core.exceptions import ImproperlyConfigured
+from django.test import override_settings
+
+from django_setnx import lock, locks
+from django_setnx.backends.database import DatabaseBackend
+from django_setnx.backends.locmem import LocMemBackend
+from django_setnx.conf import DEFAULT_SETNX_LOCKS
+
+pytestmark = pytest.mark.no_db
+
+
+def setnx_errors(**overrides):
+    with override_settings(**overrides):
+        return {(e.id, e.msg) for e in run_checks(tags=["django_setnx"])}
+
+
+def ids(errors):
+    return sorted(i for i, _ in errors)
+
+
+def test_valid_settings_pass():
+    assert setnx_errors() == set()
+
+
+@pytest.mark.parametrize(
+    "value, expected_id, fragment",
+    [
+        (["default"], "django_setnx.E001", "must be a dict of aliases, not list"),
+        ({"other": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend"}},
+         "django_setnx.E002", "does not define the 'default' alias (defined: 'other')"),
+        ({"default": "django_setnx.backends.locmem.LocMemBackend"},
+         "django_setnx.E003", "must be a dict with a 'BACKEND' dotted path"),
+        ({"default": {"BACKEND": "django_setnx.backends.nope.Backend"}},
+         "django_setnx.E004", "'django_setnx.backends.nope.Backend' cannot be imported"),
+        ({"default": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend", "TTL": 0}},
+         "django_setnx.E005", "SETNX_LOCKS['default']['TTL'] must be a positive"),
+        ({"default": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend", "OPTIONS": []}},
+         "django_setnx.E006", "['OPTIONS'] must be a dict, got []"),
+        ({"default": {"BACKEND": "collections.OrderedDict"}},
+         "django_setnx.E007", "is not a lock backend"),
+        ({"default": {"BACKEND": "django_setnx.backends.database.DatabaseBackend",
+                      "OPTIONS": {"DATABASE": "missing"}}},
+         "django_setnx.E020", "['DATABASE'] is 'missing', which is not in DATABASES"),
+    ],
+)
+def test_malformed_settings_are_reported(value, expected_id, fragment):
+    errors = setnx_errors(SETNX_LOCKS=value)
+    assert expected_id in ids(errors)
+    assert any(fragment in msg for _, msg in errors), errors
+
+
+def test_absent_setting_means_database_on_default(settings):
+    del settings.SETNX_LOCKS
+    assert setnx_errors() == set()
+    backend = locks["default"]
+    assert isinstance(backend, DatabaseBackend) and backend.database == "default"
+    assert DEFAULT_SETNX_LOCKS["default"]["OPTIONS"] == {"DATABASE": "default"}
+
+
+def test_settings_are_reread_after_override():
+    before = locks["default"]
+    with override_settings(SETNX_LOCKS={
+        "default": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend", "TTL": 5},
+    }):
+        assert isinstance(locks["default"], LocMemBackend)
+        assert lock("x").ttl == 5
+    assert isinstance(locks["default"], type(before)) and locks["default"] is not before
+
+
+def test_handler_returns_one_instance_per_alias():
+    assert locks["locmem"] is locks["locmem"]
+    assert "locmem" in list(locks)
+
+
+def test_broken_backend_path_raises_improperly_configured():
+    with override_settings(SETNX_LOCKS={"default": {"BACKEND": "nowhere.Backend"}}):
+        with pytest.raises(ImproperlyConfigured, match="Could not load lock backend 'nowhere.Backend'"):
+            lock("x")
+
+
+def test_importing_reads_no_settings():
+    import subprocess
+    import sys
+
+    # With no settings configured at all, importing the package must not fail.
+    code = "import django_setnx, django_setnx.locking, django_setnx.handler; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin"}, cwd=".")
+    assert out.stdout.strip() == "ok", out.stderr

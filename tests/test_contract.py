@@ -1,0 +1,412 @@
+"""The contract every backend keeps (DESIGN.md, "What a lock is" and "Public API").
+
+Each test runs once per configured backend (the ``alias`` fixture): SQLite,
+PostgreSQL, MariaDB/MySQL, Redis and local memory, all real.
+"""
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
+
+from django_setnx import Lock, lock, locks
+from django_setnx.exceptions import LockError, LockNotAcquired, LockNotOwned
+from django_setnx.signals import (
+    lock_acquired, lock_contended, lock_lost, lock_released,
+)
+
+
+def wait_until_expired(lk):
+    """Sleep until the backend itself reports ``lk`` stale (its clock, not ours)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        info = lk.info()
+        if info is None or info.is_stale:
+            return
+        time.sleep(max(info.expires_in, 0.005))
+    raise AssertionError(f"{lk!r} did not expire")
+
+
+# -- acquire and release -------------------------------------------------------------
+
+
+def test_acquire_release(alias, name):
+    lk = lock(name, ttl=10, backend=alias)
+    assert not lk.locked() and not lk.owned()
+    assert lk.acquire() is True
+    assert lk.locked() and lk.owned()
+    assert isinstance(lk.fencing_token, int) and lk.fencing_token > 0
+    info = lk.info()
+    assert info.name == name and info.backend == alias and info.state == "held"
+    assert info.fencing_token == lk.fencing_token
+    assert 0 < info.expires_in <= 10
+    lk.release()
+    assert not lk.locked() and not lk.owned()
+    assert lk.info() is None
+
+
+def test_second_owner_is_refused_while_held(alias, name):
+    first = lock(name, ttl=10, backend=alias)
+    second = lock(name, ttl=10, backend=alias)
+    assert first.acquire(blocking=False)
+    assert second.acquire(blocking=False) is False
+    assert second.acquire(timeout=0.05) is False
+    assert not second.owned() and second.fencing_token is None
+    with pytest.raises(LockNotAcquired, match=name):
+        with lock(name, backend=alias, timeout=0):
+            pass
+    first.release()
+    assert second.acquire(blocking=False)
+    second.release()
+
+
+def test_context_manager(alias, name):
+    with lock(name, ttl=10, backend=alias) as lk:
+        assert lk.owned()
+        token = lk.fencing_token
+    assert not lk.locked()
+    with lock(name, ttl=10, backend=alias) as lk2:
+        assert lk2.fencing_token > token
+
+
+def test_release_when_not_held_raises(alias, name):
+    lk = lock(name, backend=alias)
+    with pytest.raises(LockNotOwned, match="not acquired"):
+        lk.release()
+    lk.acquire()
+    lk.release()
+    with pytest.raises(LockNotOwned):
+        lk.release()
+
+
+def test_locks_are_not_reentrant(alias, name):
+    lk = lock(name, backend=alias)
+    lk.acquire()
+    with pytest.raises(LockError, match="already acquired"):
+        lk.acquire(blocking=False)
+    lk.release()
+
+
+def test_names_are_exact(alias, name):
+    # MySQL's default collation would make these one lock; they must be three.
+    with lock(name + "A", backend=alias), lock(name + "a", backend=alias), \
+            lock(name + "a ", backend=alias) as last:
+        assert last.owned()
+    with lock("ünïcødé ✓ " + name[:20], backend=alias) as lk:
+        assert lk.info().name == "ünïcødé ✓ " + name[:20]
+
+
+# -- expiry and takeover ---------------------------------------------------------------
+
+
+def test_expired_lock_is_stale_and_taken_over(alias, name):
+    old = lock(name, ttl=0.2, backend=alias)
+    old.acquire()
+    wait_until_expired(old)
+    assert not old.locked()
+    info = old.info()
+    assert info is not None and info.state == "stale" and info.expires_in <= 0
+    assert name in {i.name for i in locks[alias].list(state="stale")}
+
+    new = lock(name, ttl=10, backend=alias)
+    assert new.acquire(blocking=False), "a stale lock must never block an acquire"
+    assert new.fencing_token > old.fencing_token
+    with pytest.raises(LockNotOwned, match="taken over"):
+        old.release()
+    assert new.owned(), "the old holder's release must not touch the new holder's lock"
+    with pytest.raises(LockNotOwned):
+        old.extend()
+    assert new.owned()
+    new.release()
+
+
+def test_expired_but_not_taken_over_is_still_ours(alias, name):
+    lk = lock(name, ttl=0.1, backend=alias)
+    lk.acquire()
+    wait_until_expired(lk)
+    assert not lk.owned()
+    lk.release()  # nobody held it meanwhile: releasing our own stale record is fine
+    assert lk.info() is None
+
+
+def test_extend(alias, name):
+    lk = lock(name, ttl=0.3, backend=alias)
+    lk.acquire()
+    lk.extend(ttl=30)
+    assert lk.info().expires_in > 20
+    lk.extend()  # back to the lock's own ttl
+    assert lk.info().expires_in <= 0.3
+    lk.extend(ttl=30)
+    lk.release()
+    with pytest.raises(LockNotOwned):
+        lk.extend()
+
+
+def test_fencing_strictly_increases(alias, name):
+    tokens = []
+    for _ in range(3):
+        with lock(name, backend=alias) as lk:
+            tokens.append(lk.fencing_token)
+    lk = lock(name, ttl=0.05, backend=alias)
+    lk.acquire()
+    tokens.append(lk.fencing_token)
+    wait_until_expired(lk)
+    lk2 = lock(name, backend=alias)
+    lk2.acquire()  # takeover
+    tokens.append(lk2.fencing_token)
+    locks[alias].clear(include_held=True)  # clearlocks --all
+    locks.reset()  # new backend objects and connections: what a restart does
+    with lock(name, backend=alias) as lk3:
+        tokens.append(lk3.fencing_token)
+    assert tokens == sorted(set(tokens)), tokens
+
+
+def test_owner_metadata(alias, name):
+    lk = lock(name, backend=alias, guards="tests.test_contract.test_owner_metadata")
+    lk.acquire()
+    owner = lk.info().owner
+    assert owner["pid"] == os.getpid()
+    assert owner["host"]
+    assert threading.current_thread().name in owner["thread"]
+    assert owner["guards"] == "tests.test_contract.test_owner_metadata"
+    lk.release()
+
+
+def test_default_ttl_is_finite(alias, name):
+    lk = lock(name, backend=alias)
+    assert lk.ttl == locks[alias].default_ttl == 60
+    lk.acquire()
+    assert 0 < lk.info().expires_in <= 60
+    lk.release()
+
+
+# -- waiting ---------------------------------------------------------------------------
+
+
+def test_blocking_acquire_gets_lock_on_release(alias, name):
+    holder = lock(name, ttl=30, backend=alias)
+    holder.acquire()
+    threading.Timer(0.2, holder.release).start()
+    waiter = lock(name, ttl=30, backend=alias)
+    assert waiter.acquire(timeout=20)
+    assert waiter.fencing_token > holder.fencing_token
+    waiter.release()
+
+
+def test_blocking_acquire_gets_lock_on_expiry(alias, name):
+    holder = lock(name, ttl=0.3, backend=alias)
+    holder.acquire()
+    waiter = lock(name, ttl=10, backend=alias)
+    assert waiter.acquire(timeout=20)
+    waiter.release()
+
+
+def test_timeout_returns_false(alias, name):
+    with lock(name, ttl=30, backend=alias):
+        waiter = lock(name, backend=alias)
+        assert waiter.acquire(timeout=0.2) is False
+        with pytest.raises(LockNotAcquired, match="within 0.1 s"):
+            with lock(name, backend=alias, timeout=0.1):
+                pass
+
+
+# -- auto_renew ----------------------------------------------------------------------
+
+
+def test_auto_renew_keeps_lock(alias, name):
+    lk = lock(name, ttl=0.6, backend=alias, auto_renew=True)
+    lk.acquire()
+    time.sleep(1.5)  # more than two ttls
+    assert lk.owned()
+    assert lock(name, backend=alias).acquire(blocking=False) is False
+    lk.release()
+    assert not lk.locked()
+
+
+def test_auto_renew_detects_lost_lock(alias, name):
+    lost = []
+    lock_lost.connect(lambda sender, lock, **kw: lost.append(lock), weak=False, dispatch_uid=name)
+    try:
+        lk = lock(name, ttl=0.3, backend=alias, auto_renew=True)
+        lk.acquire()
+        locks[alias].delete(name)  # forced release (admin, clearlocks --all)
+        thief = lock(name, ttl=30, backend=alias)
+        assert thief.acquire(blocking=False)
+        # The renewer thread sets ``lost`` and then sends the signal: wait for both.
+        deadline = time.monotonic() + 5
+        while not (lk.lost and lost) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lk.lost and lost == [lk]
+        assert not lk.owned()
+        with pytest.raises(LockNotOwned, match="lost"):
+            lk.release()
+        assert thief.owned()
+        thief.release()
+    finally:
+        lock_lost.disconnect(dispatch_uid=name)
+
+
+# -- async -----------------------------------------------------------------------------
+
+
+def test_async_api(alias, name):
+    async def main():
+        async with lock(name, ttl=10, backend=alias) as lk:
+            assert await lk.aowned()
+            other = lock(name, backend=alias)
+            assert await other.aacquire(blocking=False) is False
+            await lk.aextend(20)
+            assert (await lk.ainfo()).expires_in > 10
+        assert not await lk.alocked()
+
+        holder = lock(name, ttl=30, backend=alias)
+        await holder.aacquire()
+        waiter = lock(name, backend=alias)
+
+        async def release_later():
+            await asyncio.sleep(0.2)
+            await holder.arelease()
+
+        releaser = asyncio.ensure_future(release_later())
+        assert await waiter.aacquire(timeout=20)
+        await releaser
+        await waiter.arelease()
+
+    asyncio.run(main())
+
+
+# -- inspection and removal -------------------------------------------------------------
+
+
+def test_list_get_delete_clear(alias, name):
+    backend = locks[alias]
+    held = lock(name + ":held", ttl=30, backend=alias)
+    stale = lock(name + ":stale", ttl=0.05, backend=alias)
+    other = lock("other:" + name, ttl=30, backend=alias)
+    for lk in (held, stale, other):
+        lk.acquire()
+    wait_until_expired(stale)
+
+    mine = {i.name: i for i in backend.list(name_glob=name + ":*")}
+    assert set(mine) == {name + ":held", name + ":stale"}
+    assert mine[name + ":held"].state == "held" and mine[name + ":stale"].state == "stale"
+    assert [i.name for i in backend.list(state="stale", name_glob=name + "*")] == [name + ":stale"]
+    with pytest.raises(ValueError, match="'expired'"):
+        list(backend.list(state="expired"))
+
+    dry = backend.clear(dry_run=True, name_glob=name + "*")
+    assert dry.names == [name + ":stale"] and stale.info() is not None
+    assert backend.clear(name_glob=name + "*").names == [name + ":stale"]
+    assert stale.info() is None and held.owned() and other.owned()
+
+    assert backend.clear(include_held=True, older_than=3600, name_glob=name + "*").count == 0
+    removed = backend.delete(name + ":held")
+    assert removed.name == name + ":held" and removed.fencing_token == held.fencing_token
+    assert backend.delete(name + ":held") is None
+    with pytest.raises(LockNotOwned):
+        held.release()
+    assert other.owned()
+    other.release()
+
+
+# -- signals ---------------------------------------------------------------------------
+
+
+def test_signals(alias, name):
+    seen = []
+
+    def receiver(signal_name):
+        return lambda sender, lock, **kw: seen.append((signal_name, lock.name))
+
+    receivers = {
+        lock_acquired: receiver("acquired"),
+        lock_released: receiver("released"),
+        lock_contended: receiver("contended"),
+    }
+    for signal, fn in receivers.items():
+        signal.connect(fn, sender=Lock)
+    try:
+        with lock(name, backend=alias):
+            lock(name, backend=alias).acquire(timeout=0.05)
+    finally:
+        for signal, fn in receivers.items():
+            signal.disconnect(fn, sender=Lock)
+    assert seen == [("acquired", name), ("contended", name), ("released", name)]
+
+
+# -- bad input -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"name": ""}, ValueError, "must not be empty"),
+        ({"name": "x" * 201}, ValueError, "201 characters long, the limit is 200"),
+        ({"name": "a\x00b"}, ValueError, r"NUL characters: 'a\\x00b'"),
+        ({"name": 42}, TypeError, "must be a str, not int: 42"),
+        ({"name": b"bytes"}, TypeError, "not bytes: b'bytes'"),
+        ({"ttl": 0}, ValueError, "positive, finite number of seconds, got 0.0"),
+        ({"ttl": -5}, ValueError, "got -5.0"),
+        ({"ttl": float("inf")}, ValueError, "got inf"),
+        ({"ttl": "30"}, TypeError, "not str: '30'"),
+        ({"ttl": True}, TypeError, "not bool: True"),
+        ({"timeout": -1}, ValueError, "timeout must be None or >= 0 seconds, got -1.0"),
+        ({"timeout": "soon"}, TypeError, "not str: 'soon'"),
+        ({"guards": 3}, TypeError, "guards must be a str"),
+    ],
+)
+def test_bad_input_writes_nothing(alias, name, kwargs, error, message):
+    kwargs = {"name": name, "backend": alias, **kwargs}
+    with pytest.raises(error, match=message):
+        lock(**kwargs)
+    assert list(locks[alias].list()) == []
+
+
+def test_bad_call_arguments_write_nothing(alias, name):
+    lk = lock(name, backend=alias)
+    with pytest.raises(ValueError, match="got -2.0"):
+        lk.acquire(timeout=-2)
+    assert lk.info() is None
+    lk.acquire()
+    with pytest.raises(ValueError, match="ttl must be a positive"):
+        lk.extend(ttl=0)
+    assert lk.info().expires_in > 50
+    lk.release()
+
+
+def test_unknown_backend_alias(name):
+    with pytest.raises(ImproperlyConfigured, match="'nope' is not configured in SETNX_LOCKS"):
+        lock(name, backend="nope")
+
+
+# -- transactions (database backends) --------------------------------------------------
+
+
+def test_contention_inside_atomic_keeps_transaction_usable(db_alias, name):
+    database = locks[db_alias].database
+    with lock(name, backend=db_alias):
+        with transaction.atomic(using=database):
+            User.objects.using(database).count()
+            assert lock(name, backend=db_alias).acquire(blocking=False) is False
+            # The caller's transaction is not broken by our contention.
+            assert User.objects.using(database).count() == 0
+
+
+def test_lock_survives_callers_rollback(db_alias, name):
+    database = locks[db_alias].database
+
+    class Rollback(Exception):
+        pass
+
+    lk = lock(name, backend=db_alias)
+    with pytest.raises(Rollback):
+        with transaction.atomic(using=database):
+            lk.acquire()
+            raise Rollback
+    assert lk.owned(), "the lock row is on our own autocommit connection"
+    lk.release()

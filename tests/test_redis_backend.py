@@ -1,0 +1,534 @@
+"""Redis-specific behaviour of RedisBackend, against real Redis servers.
+
+The contract every backend shares is in test_contract.py; this module covers what
+only Redis has: the key layout, SCAN hygiene under a prefix, stale retention, wake
+signals, the fence counter, outages, and reusing a django-redis connection.
+"""
+
+import os
+import threading
+import time
+import uuid
+
+import pytest
+from django.conf import settings
+from django.test import override_settings
+
+if "redis" not in settings.TEST_BACKENDS:
+    pytest.skip("redis is not in settings.TEST_BACKENDS", allow_module_level=True)
+
+import redis
+from redis.cluster import key_slot
+
+from django_setnx import lock, locks
+from django_setnx.backends.redis import RedisBackend
+from django_setnx.exceptions import LockBackendError, LockNotOwned
+from tests.servers import free_port
+
+BACKEND = "django_setnx.backends.redis.RedisBackend"
+OWNER = {"host": "test", "pid": 1, "thread": "t"}
+
+
+def unique(label="lock"):
+    return f"{label}-{uuid.uuid4().hex[:12]}"
+
+
+def session_url():
+    return os.environ["SETNX_TEST_REDIS_URL"]
+
+
+def escape_glob(text):
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def delete_prefix(client, prefix):
+    """Delete every key under ``prefix:`` (SCAN: KEYS is disabled on our servers)."""
+    keys = list(client.scan_iter(match=escape_glob(prefix) + ":*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture
+def make_backend(redis_client):
+    """Build RedisBackends on the session server, each under a fresh prefix by default;
+    their keys are deleted afterwards."""
+    made = []
+
+    def make(prefix=None, location=None, **options):
+        prefix = prefix or unique("setnx-t")
+        params = {"BACKEND": BACKEND, "LOCATION": location or session_url(),
+                  "KEY_PREFIX": prefix, "OPTIONS": options}
+        backend = RedisBackend(f"alias-{prefix}", params)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+        delete_prefix(redis_client, backend.key_prefix)
+
+
+@pytest.fixture
+def name(redis_client):
+    """A fresh lock name on the ``redis`` alias; its keys are deleted afterwards."""
+    name = unique()
+    yield name
+    prefix = settings.SETNX_LOCKS["redis"]["KEY_PREFIX"]
+    redis_client.delete(*(f"{prefix}:{{{name}}}:{part}" for part in ("lock", "fence", "wake")))
+
+
+def lock_key(name):
+    return f"{settings.SETNX_LOCKS['redis']['KEY_PREFIX']}:{{{name}}}:lock"
+
+
+# -- key layout ---------------------------------------------------------------------
+
+
+def test_key_layout_under_prefix_shares_one_hash_slot(redis_client, name):
+    prefix = settings.SETNX_LOCKS["redis"]["KEY_PREFIX"]
+    base = f"{prefix}:{{{name}}}"
+    lk = lock(name, ttl=30, backend="redis", guards="tests.key_layout")
+    assert lk.acquire(blocking=False)
+
+    record = redis_client.hgetall(f"{base}:lock")
+    assert set(record) == {b"token", b"fencing", b"owner", b"acquired", b"expires"}
+    assert int(record[b"fencing"]) == lk.fencing_token
+    assert int(record[b"expires"]) - int(record[b"acquired"]) == 30_000
+    assert b'"guards":"tests.key_layout"' in record[b"owner"]
+    assert int(redis_client.get(f"{base}:fence")) == lk.fencing_token
+
+    lk.release()
+    assert not redis_client.exists(f"{base}:lock")
+    # Nobody waited, so the release wrote no wake-up signal.
+    assert not redis_client.exists(f"{base}:wake")
+    parts = ("lock", "fence", "wake", "waiters", "handoff")
+    slots = {key_slot(f"{base}:{part}".encode()) for part in parts}
+    assert len(slots) == 1
+
+
+def test_names_with_braces_colons_and_glob_characters_round_trip(make_backend):
+    backend = make_backend()
+    names = ["a}:lock", "b{c}d", "x*y?[z]\\", "üñí:cödé"]
+    for n in names:
+        assert backend.acquire(n, "tok", 30, OWNER).acquired
+    assert sorted(i.name for i in backend.list()) == sorted(names)
+    for n in names:
+        assert backend.get(n).name == n
+        assert [i.name for i in backend.list(name_glob=escape_glob(n))] == [n]
+    assert {i.name for i in backend.list(name_glob="[ab]*")} == {"a}:lock", "b{c}d"}
+
+
+def test_acquire_retried_with_the_same_token_reports_the_same_win(make_backend):
+    # redis-py may resend a command after a broken connection; the script must not
+    # then see its own first run as a contender.
+    backend = make_backend()
+    first = backend.acquire("n", "tok", 30, OWNER)
+    again = backend.acquire("n", "tok", 30, OWNER)
+    assert first.acquired and again.acquired
+    assert again.fencing_token == first.fencing_token
+    assert not backend.acquire("n", "other", 30, OWNER).acquired
+
+
+# -- SCAN hygiene ---------------------------------------------------------------------
+
+
+def test_clear_and_list_never_touch_keys_outside_the_prefix(redis_client, make_backend):
+    run = uuid.uuid4().hex[:8]
+    ours = make_backend(f"{run}-setnx-test")
+    # Prefixes that, were they not escaped in SCAN MATCH, would match ours.
+    globby = [make_backend(f"{run}-setnx-tes*"), make_backend(f"{run}-setnx-te[s]t"),
+              make_backend(f"{run}-setnx-tes?"), make_backend(f"{run}-setnx-te\\st")]
+
+    unrelated = []
+    pipe = redis_client.pipeline(transaction=False)
+    for i in range(250):  # look-alikes: our shape, other prefixes, stale-looking fields
+        for prefix in (f"{run}-setnx-test2", f"{run}-setnx-tes", f"{run}-setnx-test:x"):
+            key = f"{prefix}:{{n{i}}}:lock"
+            pipe.hset(key, mapping={"token": "t", "fencing": 1, "owner": "{}",
+                                    "acquired": 0, "expires": 0})
+            unrelated.append(key)
+    for i in range(250):
+        key = f"{run}-other:{i}"
+        if i % 2:
+            pipe.set(key, i)
+        else:
+            pipe.rpush(key, i)
+        unrelated.append(key)
+    pipe.execute()
+    assert len(unrelated) == 1000
+
+    for i in range(300):
+        assert ours.acquire(f"n{i}", "tok", 30 if i % 2 else 0.001, OWNER).acquired
+    for backend in globby:
+        assert backend.acquire("mine", "tok", 30, OWNER).acquired
+    time.sleep(0.01)
+
+    assert len(list(ours.list())) == 300
+    assert len(list(ours.list(state="stale"))) == 150
+    for backend in globby:
+        assert [i.name for i in backend.list()] == ["mine"]
+
+    batches = []
+    stale = ours.clear(progress=batches.append)
+    assert stale.count == 150 and sum(map(len, batches)) == 150
+    assert all(int(n[1:]) % 2 == 0 for n in stale.names)
+    assert ours.clear(include_held=True).count == 150
+    for backend in globby:
+        assert backend.clear(include_held=True).names == ["mine"]
+
+    assert redis_client.exists(*unrelated) == 1000
+    assert list(ours.list()) == []
+    # Fence counters are not lock records: clear leaves them, so tokens keep rising.
+    assert redis_client.exists(f"{run}-setnx-test:{{n0}}:fence")
+    redis_client.delete(*unrelated)
+
+
+def test_list_and_clear_stream_in_scan_batches(make_backend):
+    backend = make_backend()
+    pipe_names = [f"n{i:05d}" for i in range(2500)]
+    for n in pipe_names:
+        backend.acquire(n, "tok", 0.001, OWNER)
+    time.sleep(0.01)
+    listed = backend.list(state="stale")
+    assert iter(listed) is listed  # a generator, not a loaded list
+    assert sorted(i.name for i in listed) == pipe_names
+    batches = []
+    assert backend.clear(dry_run=True, progress=batches.append).count == 2500
+    assert len(batches) > 1 and len(list(backend.list())) == 2500
+    assert backend.clear().count == 2500
+
+
+def test_list_rejects_an_unknown_state(make_backend):
+    with pytest.raises(ValueError, match="'expired'"):
+        make_backend().list(state="expired")
+
+
+def test_clear_older_than_keeps_recent_locks(make_backend):
+    backend = make_backend()
+    backend.acquire("old", "tok", 30, OWNER)
+    time.sleep(0.3)
+    backend.acquire("new", "tok", 30, OWNER)
+    assert backend.clear(include_held=True, older_than=0.2).names == ["old"]
+    assert backend.get("new") is not None
+
+
+# -- stale records --------------------------------------------------------------------
+
+
+def test_expired_record_stays_visible_as_stale_and_does_not_block(redis_client, name):
+    holder = lock(name, ttl=0.2, backend="redis")
+    assert holder.acquire(blocking=False)
+    retention_ms = 86400 * 1000
+    assert retention_ms < redis_client.pttl(lock_key(name)) <= retention_ms + 200
+    time.sleep(0.3)
+
+    info = holder.info()
+    assert info.state == "stale" and info.fencing_token == holder.fencing_token
+    assert not holder.locked() and not holder.owned()
+    backend = locks["redis"]
+    assert [i.name for i in backend.list(state="stale", name_glob=name)] == [name]
+    assert list(backend.list(state="held", name_glob=name)) == []
+
+    taker = lock(name, ttl=30, backend="redis")
+    assert taker.acquire(blocking=False)
+    assert taker.fencing_token == holder.fencing_token + 1
+    with pytest.raises(LockNotOwned):
+        holder.release()
+    assert taker.owned()
+    taker.release()
+
+
+def test_stale_record_disappears_after_the_retention_window(make_backend):
+    backend = make_backend(STALE_RETENTION=0.5)
+    assert backend.acquire("n", "tok", 0.1, OWNER).acquired
+    time.sleep(0.2)
+    assert backend.get("n").is_stale
+    time.sleep(0.6)
+    assert backend.get("n") is None
+    assert backend.acquire("n", "tok2", 30, OWNER).fencing_token == 2
+
+
+def test_release_of_an_expired_but_untaken_lock_still_succeeds(make_backend):
+    backend = make_backend()
+    backend.acquire("n", "tok", 0.05, OWNER)
+    time.sleep(0.1)
+    assert backend.extend("n", "tok", 30)  # still ours: nobody took it over
+    assert backend.owns("n", "tok")
+    assert backend.release("n", "tok")
+
+
+# -- waking waiters -------------------------------------------------------------------
+
+
+def test_release_wakes_a_blocked_waiter_long_before_the_ttl(name):
+    holder = lock(name, ttl=30, backend="redis")
+    assert holder.acquire(blocking=False)
+    outcome = {}
+
+    def wait():
+        started = time.monotonic()
+        waiter = lock(name, ttl=30, backend="redis")
+        outcome["acquired"] = waiter.acquire(timeout=25)
+        outcome["elapsed"] = time.monotonic() - started
+        if outcome["acquired"]:
+            waiter.release()
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(0.2)
+    holder.release()
+    thread.join(30)
+    assert outcome["acquired"] is True
+    assert outcome["elapsed"] < 10
+
+
+def test_a_release_before_the_waiter_blocks_is_not_lost(make_backend):
+    backend = make_backend(WAKE_TTL=5)
+    backend.acquire("n", "holder", 30, OWNER)
+    contended = backend.acquire("n", "waiter", 30, OWNER, wait=10)  # refused: queued
+    assert not contended.acquired and 29 < contended.retry_after <= 30
+    backend.release("n", "holder")  # lands before the waiter's BLPOP
+    started = time.monotonic()
+    backend.wait("n", attempt=0, max_wait=None, retry_after=contended.retry_after)
+    assert time.monotonic() - started < 1
+
+
+def test_one_release_wakes_one_waiter(make_backend, redis_client):
+    backend = make_backend()
+    woke = []
+
+    assert backend.acquire("n", "tok", 30, OWNER).acquired
+
+    def wait(i):
+        # As the Lock does: a refused attempt queues the caller, then it blocks.
+        assert not backend.acquire("n", f"waiter{i}", 30, OWNER, wait=3).acquired
+        backend.wait("n", attempt=0, max_wait=3, retry_after=30)
+        woke.append((i, time.monotonic()))
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)  # both blocked in BLPOP
+    released_at = time.monotonic()
+    backend.release("n", "tok")
+    for thread in threads:
+        thread.join(10)
+    first, second = sorted(t for _, t in woke)
+    assert first - released_at < 1  # woken by the release
+    assert second - released_at > 2  # slept until its own max_wait
+    assert redis_client.llen(backend._keys("n")[2]) == 0
+
+
+def test_wait_stays_below_the_client_socket_timeout(make_backend):
+    backend = make_backend(CONNECTION_KWARGS={"socket_timeout": 0.5})
+    # Each BLPOP is capped below the socket timeout, so waiting never times out.
+    assert backend.connection.max_block < 0.5
+    backend.wait("n", attempt=0, max_wait=None, retry_after=30)  # no TimeoutError
+
+
+# -- fencing --------------------------------------------------------------------------
+
+
+def test_fencing_tokens_keep_rising_across_release_clear_and_delete(redis_client, name):
+    backend = locks["redis"]
+    tokens = []
+    for step in ("release", "clear", "delete"):
+        lk = lock(name, ttl=30 if step != "clear" else 0.01, backend="redis")
+        assert lk.acquire(blocking=False)
+        tokens.append(lk.fencing_token)
+        if step == "release":
+            lk.release()
+        elif step == "clear":
+            time.sleep(0.05)
+            assert backend.clear(name_glob=escape_glob(name)).names == [name]
+        else:
+            assert backend.delete(name).fencing_token == lk.fencing_token
+            with pytest.raises(LockNotOwned):
+                lk.release()
+    lk = lock(name, ttl=30, backend="redis")
+    assert lk.acquire(blocking=False)
+    tokens.append(lk.fencing_token)
+    lk.release()
+    assert tokens == sorted(set(tokens)) and len(tokens) == 4
+    assert int(redis_client.get(lock_key(name).replace(":lock", ":fence"))) == tokens[-1]
+
+
+# -- outages --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("outage", ["stop", "kill"])
+def test_redis_down_mid_hold_raises_backend_error_then_recovers(redis_server, outage):
+    params = {"BACKEND": BACKEND, "LOCATION": redis_server.url, "KEY_PREFIX": "t"}
+    with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "private": params}):
+        held = lock("n", ttl=30, backend="private")
+        assert held.acquire(blocking=False)
+        getattr(redis_server, outage)()
+
+        for call in (held.extend, held.release, lock("n", backend="private").acquire,
+                     held.locked):
+            with pytest.raises(LockBackendError, match="'private'") as excinfo:
+                call()
+            assert excinfo.value.alias == "private"
+
+        redis_server.start()  # same port, empty: no persistence
+        again = lock("n", ttl=30, backend="private")
+        assert again.acquire(blocking=False)
+        assert again.fencing_token == 1 and again.owned()
+        again.release()
+
+
+def test_unreachable_location_raises_and_never_reports_acquired():
+    params = {"BACKEND": BACKEND, "LOCATION": f"redis://127.0.0.1:{free_port()}/0"}
+    with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "nowhere": params}):
+        for kwargs in ({"blocking": False}, {"timeout": 1}, {}):
+            lk = lock("n", ttl=30, backend="nowhere")
+            with pytest.raises(LockBackendError, match="'nowhere'"):
+                lk.acquire(**kwargs)
+            assert lk.fencing_token is None and not lk.owned()
+        with pytest.raises(LockBackendError):
+            list(locks["nowhere"].list())
+
+
+# -- reusing a django-redis connection ----------------------------------------------
+
+
+def test_cache_option_uses_the_django_redis_connection(redis_client):
+    prefix = unique("setnx-cache")
+    caches = {
+        "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+        "shared": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": session_url(),
+                   "KEY_PREFIX": "cache"},
+    }
+    locks_settings = {**settings.SETNX_LOCKS, "viacache": {
+        "BACKEND": BACKEND, "KEY_PREFIX": prefix, "OPTIONS": {"CACHE": "shared"}}}
+    try:
+        with override_settings(CACHES=caches, SETNX_LOCKS=locks_settings):
+            from django.core.cache import caches as django_caches
+            from django_redis import get_redis_connection
+
+            backend = locks["viacache"]
+            assert backend.connection.client is get_redis_connection("shared")
+            first = lock("n", ttl=30, backend="viacache")
+            assert first.acquire(blocking=False)
+            assert not lock("n", ttl=30, backend="viacache").acquire(blocking=False)
+            # Our keys are raw: no django-redis key prefix or version.
+            assert redis_client.exists(f"{prefix}:{{n}}:lock")
+            assert [i.name for i in backend.list()] == ["n"]
+            first.release()
+            assert first.info() is None
+
+            locks.reset()  # close() leaves django-redis' pool to django-redis
+            django_caches["shared"].set("k", "v")
+            assert django_caches["shared"].get("k") == "v"
+            django_caches["shared"].delete("k")
+    finally:
+        delete_prefix(redis_client, prefix)
+
+
+# -- configuration checks -------------------------------------------------------------
+
+
+def ids(params, alias="x"):
+    return [e.id for e in RedisBackend.check_params(alias, {"BACKEND": BACKEND, **params})]
+
+
+def test_check_params_accepts_valid_settings():
+    assert ids({"LOCATION": "redis://h:6379/0"}) == []
+    assert ids({"LOCATION": "redis://h/0", "KEY_PREFIX": "p", "OPTIONS": {
+        "CONNECTION_KWARGS": {"socket_timeout": 2}, "CLIENT_CLASS": "redis.Redis.from_url",
+        "STALE_RETENTION": 3600, "WAKE_TTL": 0.5}}) == []
+    with override_settings(CACHES={"default": {
+            "BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://h/0"}}):
+        assert ids({"OPTIONS": {"CACHE": "default"}}) == []
+
+
+@pytest.mark.parametrize("params, expected", [
+    ({}, "E011"),
+    ({"LOCATION": ""}, "E011"),
+    ({"LOCATION": "redis://h/0", "OPTIONS": {"CACHE": "default"}}, "E012"),
+    ({"LOCATION": "redis://h/0", "KEY_PREFIX": ""}, "E013"),
+    ({"LOCATION": "redis://h/0", "KEY_PREFIX": 5}, "E013"),
+    ({"LOCATION": "redis://h/0", "OPTIONS": {"STALE_RETENTION": 0}}, "E014"),
+    ({"LOCATION": "redis://h/0", "OPTIONS": {"STALE_RETENTION": "1d"}}, "E014"),
+    ({"LOCATION": "redis://h/0", "OPTIONS": {"WAKE_TTL": -1}}, "E015"),
+    ({"OPTIONS": {"CACHE": "no-such-cache"}}, "E016"),
+    ({"LOCATION": "redis://h/0", "OPTIONS": {"CLIENT_CLASS": "nope.Factory"}}, "E017"),
+    ({"LOCATION": "redis://h/0", "OPTIONS": {"CLIENT_CLASS": "redis.Redis.nope"}}, "E017"),
+    ({"LOCATION": "redis://h/0", "OPTIONS": {"CLIENT_CLASS": 5}}, "E017"),
+    ({"LOCATION": "redis://h/0", "OPTIONS": {"CONNECTION_KWARGS": "x"}}, "E018"),
+    ({"LOCATION": "redis://h/0", "OPTIONS": {"STALE_RETENTON": 5}}, "E019"),
+])
+def test_check_params_errors(params, expected):
+    errors = RedisBackend.check_params("x", {"BACKEND": BACKEND, **params})
+    assert [e.id for e in errors] == [f"django_setnx.{expected}"]
+    assert "SETNX_LOCKS['x']" in errors[0].msg
+
+
+def test_check_params_does_not_connect():
+    # A host that cannot resolve: any connection attempt would fail loudly or hang.
+    assert ids({"LOCATION": "redis://no-such-host.invalid:1/0"}) == []
+
+
+def test_private_server_restarts_on_the_same_port_and_refuses_keys(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    with pytest.raises(redis.ResponseError):
+        client.keys("*")  # renamed away: our code must use SCAN
+    redis_server.kill()
+    assert not redis_server.ping()
+    redis_server.start()
+    assert client.ping()
+    client.close()
+
+
+def test_release_hands_the_lock_to_a_waiter_before_a_newcomer(name):
+    """A release with a live waiter reserves the lock for waiters: a newcomer (say, the
+    releaser looping straight back to acquire) is refused until a waiter has it."""
+    backend = locks["redis"]
+    owner = {"host": "h", "pid": 1, "thread": "t"}
+    assert backend.acquire(name, "holder", 30, owner).acquired
+    assert not backend.acquire(name, "waiter", 30, owner, wait=10).acquired  # queued
+    assert backend.release(name, "holder")
+
+    newcomer = backend.acquire(name, "newcomer", 30, owner, wait=0)
+    assert not newcomer.acquired, "the free lock must go to the waiter first"
+    assert 0 < newcomer.retry_after <= 0.05
+    assert backend.acquire(name, "waiter", 30, owner, wait=10).acquired
+    assert backend.release(name, "waiter")
+    # No waiter left: no reservation, a newcomer gets a free lock at once.
+    assert backend.acquire(name, "newcomer", 30, owner, wait=0).acquired
+    assert backend.release(name, "newcomer")
+
+
+def test_a_waiter_that_gave_up_holds_nothing_back(name):
+    holder = lock(name, ttl=30, backend="redis")
+    holder.acquire()
+    assert lock(name, backend="redis").acquire(timeout=0.05) is False  # queued, then gave up
+    holder.release()
+    assert lock(name, backend="redis").acquire(blocking=False), "no reservation for a quitter"
+
+
+GLOB_NAMES = ["a", "ab", "a]", "a!", "a-", "a^", "ac", "a[", "a\\", "b", "abc", "a*", "a?", "ü"]
+GLOB_PATTERNS = [
+    "a*", "a?", "a[bc]", "a[!b]", "a[^b]", "a[]]", "a[\\]]", "a[b-]", "a[c-a]", "a[",
+    "a[^]", "a\\*", "a\\?", "*", "?", "[a-b]*", "a[\\\\]", "[ü]", "a[b-c]*",
+]
+
+
+@pytest.mark.parametrize("pattern", GLOB_PATTERNS)
+def test_glob_semantics_match_redis_exactly(redis_client, pattern):
+    """The glob the database and locmem backends apply in Python selects exactly the
+    names a Redis SCAN MATCH selects, so --name means one thing everywhere."""
+    from django_setnx.backends.base import glob_matcher
+
+    prefix = f"globtest:{uuid.uuid4().hex}:"
+    redis_client.mset({prefix + n: 1 for n in GLOB_NAMES})
+    try:
+        escaped_prefix = "".join("\\" + c if c in "*?[]\\" else c for c in prefix)
+        by_redis = {
+            (k.decode() if isinstance(k, bytes) else k)[len(prefix):]
+            for k in redis_client.scan_iter(match=escaped_prefix + pattern, count=1000)
+        }
+        by_python = {n for n in GLOB_NAMES if glob_matcher(pattern)(n)}
+        assert by_python == by_redis
+    finally:
+        redis_client.delete(*(prefix + n for n in GLOB_NAMES))

@@ -1,0 +1,404 @@
+"""Redlock-specific behaviour of RedlockBackend, against real redis-servers.
+
+The contract every backend keeps runs on Redlock through ``tests/test_contract.py``
+and ``tests/test_races.py`` (the ``redlock`` alias of ``tests/scaleout_plugin.py``).
+This module covers what only Redlock has: quorums with 3 and 5 masters and killed
+nodes, the parallel round, the validity window, fencing across diverging node
+counters, the delayed-restart rule, the majority view of list/get, and the checks.
+"""
+
+import contextlib
+import os
+import signal
+import socket
+import time
+import uuid
+
+import pytest
+from django.conf import settings
+from django.core.management import call_command
+from django.test import override_settings
+
+if "redis" not in settings.TEST_BACKENDS:
+    pytest.skip("redis is not in settings.TEST_BACKENDS", allow_module_level=True)
+
+import redis
+
+from django_setnx import lock, locks
+from django_setnx.backends.redlock import RedlockBackend
+from django_setnx.exceptions import LockBackendError, LockNotAcquired, LockNotOwned
+from tests.scaleout_plugin import redlock_settings
+
+PREFIX = "setnx-test"
+OWNER = {"host": "test", "pid": 1, "thread": "t"}
+
+
+def unique(label="rl"):
+    return f"{label}-{uuid.uuid4().hex[:12]}"
+
+
+@contextlib.contextmanager
+def alias_on(urls, alias="rl", ttl=None, **options):
+    """Configure ``alias`` as a Redlock over ``urls`` for the duration."""
+    params = redlock_settings(urls, **options)
+    if ttl is not None:
+        params["TTL"] = ttl
+    configured = {**settings.SETNX_LOCKS, alias: params}
+    with override_settings(SETNX_LOCKS=configured):
+        try:
+            yield alias
+        finally:
+            locks.close_all()
+
+
+def clients(masters):
+    return [redis.Redis.from_url(url, socket_timeout=5) for url in masters.urls]
+
+
+def lock_key(name):
+    return f"{PREFIX}:{{{name}}}:lock"
+
+
+def fence_key(name):
+    return f"{PREFIX}:{{{name}}}:fence"
+
+
+MARKER = f"{PREFIX}:__node__"
+
+
+# -- quorum ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("count", [3, 5])
+def test_lock_is_written_on_every_master(count, request):
+    masters = request.getfixturevalue(f"redlock_masters{count}")
+    name = unique()
+    with alias_on(masters.urls) as alias:
+        with lock(name, ttl=10, backend=alias) as lk:
+            tokens = set()
+            for client in clients(masters):
+                fields = client.hgetall(lock_key(name))
+                tokens.add(fields[b"token"])
+                assert int(fields[b"fencing"]) == lk.fencing_token
+            assert len(tokens) == 1, "the same token on every master"
+            assert lock(name, backend=alias).acquire(blocking=False) is False
+        assert not any(c.exists(lock_key(name)) for c in clients(masters))
+
+
+@pytest.mark.parametrize("count, survivable", [(3, 1), (5, 2)])
+def test_minority_down_still_works_majority_down_fails_cleanly(count, survivable, make_masters):
+    masters = make_masters(count)
+    name = unique()
+    with alias_on(masters.urls) as alias:
+        # A minority killed: acquire, contention, extend and release all still work.
+        for server in masters.servers[:survivable]:
+            server.kill()
+        lk = lock(name, ttl=10, backend=alias)
+        assert lk.acquire(blocking=False)
+        assert lock(name, backend=alias).acquire(blocking=False) is False
+        lk.extend(20)
+        assert lk.owned() and lk.info().expires_in > 10
+        lk.release()
+        assert not lk.locked()
+
+        # One more: the majority is gone, but some nodes answer -> contention, cleanly.
+        masters.servers[survivable].kill()
+        other = lock(name, ttl=10, backend=alias)
+        assert other.acquire(blocking=False) is False
+        started = time.monotonic()
+        with pytest.raises(LockNotAcquired), lock(name, ttl=10, backend=alias, timeout=0.3):
+            pass
+        assert time.monotonic() - started < 5
+        # Nothing is left behind on the nodes that answered (the partial grants
+        # were released).
+        for server in masters.servers[survivable + 1:]:
+            assert not redis.Redis(port=server.port).exists(lock_key(name))
+
+        # Every node down: the backend cannot be reached at all.
+        for server in masters.servers:
+            server.kill()
+        with pytest.raises(LockBackendError, match=f"'{alias}'.*no Redis node answered"):
+            lock(name, backend=alias).acquire(blocking=False)
+
+        # Back (empty, so untrusted, see the delayed-restart tests): acquire resumes
+        # once they are trusted again.
+        for server in masters.servers:
+            server.start()
+        assert lock(name, backend=alias).acquire(blocking=False) is False
+        locks[alias].trust_nodes()
+        assert lock(name, backend=alias).acquire(blocking=False) is True
+
+
+def test_release_and_extend_need_a_majority(make_masters):
+    masters = make_masters(3)
+    a, b, c = clients(masters)
+    name = unique()
+    with alias_on(masters.urls) as alias:
+        lk = lock(name, ttl=10, backend=alias)
+        lk.acquire()
+        # Two of the three records are gone (a forced release on those masters):
+        # the lock no longer has a majority, so extend reports it lost...
+        a.delete(lock_key(name))
+        b.delete(lock_key(name))
+        assert not lk.owned()
+        with pytest.raises(LockNotOwned):
+            lk.extend()
+        # ...and what was left of it was released, so it blocks nobody.
+        assert not c.exists(lock_key(name))
+
+        lk2 = lock(name, ttl=10, backend=alias)
+        lk2.acquire()
+        a.delete(lock_key(name))
+        b.delete(lock_key(name))
+        with pytest.raises(LockNotOwned):
+            lk2.release()
+
+
+def test_slow_nodes_are_waited_for_in_parallel(make_masters):
+    """Two stopped (SIGSTOP) masters of five cost one NODE_TIMEOUT, not two.
+
+    Judged by Redlock's own validity rule rather than a stopwatch: the ttl outlives
+    one NODE_TIMEOUT but not two, so the acquire is valid only if the two silent
+    masters were waited for at the same time.
+    """
+    masters = make_masters(5)
+    timeout = 0.5
+    name = unique()
+    with alias_on(masters.urls, NODE_TIMEOUT=timeout) as alias:
+        with lock(unique(), backend=alias):  # connect to every node first
+            pass
+        stopped = masters.servers[:2]
+        for server in stopped:
+            os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            lk = lock(name, ttl=timeout * 1.8, backend=alias)
+            assert lk.acquire(blocking=False), "3 of 5 answered within one NODE_TIMEOUT"
+            lk.release()
+        finally:
+            for server in stopped:
+                os.kill(server.process.pid, signal.SIGCONT)
+
+
+def test_without_hiredis_through_redis_py(make_masters, monkeypatch):
+    """The rounds also run through redis-py's own connection methods (the path
+    taken without hiredis, or over TLS)."""
+    import django_setnx.backends.redlock as module
+
+    monkeypatch.setattr(module, "hiredis", None)
+    masters = make_masters(3)
+    name = unique()
+    with alias_on(masters.urls) as alias:
+        lk = lock(name, ttl=10, backend=alias)
+        assert lk.acquire(blocking=False)
+        assert locks[alias]._fast is False
+        assert lock(name, backend=alias).acquire(blocking=False) is False
+        masters.servers[1].kill()
+        lk.extend(20)
+        assert lk.owned() and lk.info().fencing_token == lk.fencing_token
+        lk.release()
+        with lock(name, backend=alias) as again:
+            assert again.fencing_token > lk.fencing_token
+
+
+def test_validity_window(redlock_masters3):
+    """A lock whose ttl is spent before the majority answered is not reported won."""
+    name = unique()
+    with alias_on(redlock_masters3.urls, NODE_TIMEOUT=0.5) as alias:
+        backend = locks[alias]
+        # ttl - drift (1 ms * 0.01 + 2 ms) < 0: no validity left, whatever the latency.
+        assert backend.acquire(name, "t1", 0.001, OWNER).acquired is False
+        assert not any(c.exists(lock_key(name)) for c in clients(redlock_masters3)), \
+            "the grants of an invalid acquire are released"
+        assert backend.acquire(name, "t2", 1, OWNER).acquired is True
+        backend.release(name, "t2")
+
+
+def test_ttl_above_max_ttl_is_refused(redlock_masters3):
+    with alias_on(redlock_masters3.urls, ttl=5, MAX_TTL=5) as alias:
+        with pytest.raises(ValueError, match=r"ttl 6 s .*MAX_TTL'\] = 5 s"):
+            lock(unique(), ttl=6, backend=alias).acquire()
+        lk = lock(unique(), ttl=5, backend=alias)
+        lk.acquire()
+        with pytest.raises(ValueError, match=r"ttl 10 s .*MAX_TTL'\] = 5 s"):
+            lk.extend(10)
+        lk.release()
+
+
+# -- fencing -----------------------------------------------------------------------------
+
+
+def test_fencing_token_is_the_max_and_raised_on_the_majority(make_masters):
+    masters = make_masters(3)
+    a, b, c = clients(masters)
+    name = unique()
+    a.set(fence_key(name), 100)  # node A has seen many more grants than B and C
+    with alias_on(masters.urls) as alias:
+        with lock(name, backend=alias) as lk:
+            assert lk.fencing_token == 101
+            # The second round raised every granting node's counter and record.
+            assert [int(x.get(fence_key(name))) for x in (a, b, c)] == [101, 101, 101]
+            assert lk.info().fencing_token == 101
+        # Without node A, B and C alone must still mint a larger token: they were
+        # raised, so they do (without the second round they would answer 2).
+        masters.servers[0].kill()
+        with lock(name, backend=alias) as lk2:
+            assert lk2.fencing_token == 102
+
+
+# -- the delayed-restart rule -----------------------------------------------------------
+
+
+def test_master_restarted_empty_does_not_let_a_second_holder_in(make_masters):
+    masters = make_masters(3)
+    a, _, c = clients(masters)
+    name = unique()
+    max_ttl = 2.0
+    with alias_on(masters.urls, ttl=max_ttl, MAX_TTL=max_ttl) as alias:
+        holder = lock(name, ttl=max_ttl, backend=alias)
+        assert holder.acquire(blocking=False)
+        acquired_at = time.monotonic()
+        # The holder's majority is {A, B}: C lost its record (as if its reply had
+        # timed out). Then A crashes and comes back empty, at once.
+        c.delete(lock_key(name))
+        masters.servers[0].kill()
+        masters.servers[0].start()
+
+        second = lock(name, ttl=max_ttl, backend=alias)
+        assert second.acquire(blocking=False) is False, \
+            "A forgot the holder, but is untrusted: only C votes for the second client"
+        remaining = int(a.get(MARKER)) - int(a.time()[0] * 1000 + a.time()[1] // 1000)
+        assert 0 < remaining <= max_ttl * 1000, "A's marker: trusted after node_now + MAX_TTL"
+        assert not a.exists(lock_key(name)), "an untrusted node's grant is released at once"
+
+        # Prove the test can fail: without the rule (A's marker says trusted), A and
+        # C form a majority and a second holder gets in while the first still holds.
+        a.set(MARKER, 0)
+        thief = lock(name, ttl=max_ttl, backend=alias)
+        assert thief.acquire(blocking=False) is True
+        assert time.monotonic() - acquired_at < max_ttl, "within the first holder's ttl"
+        thief.release()
+
+
+def test_restarted_master_votes_again_after_max_ttl(make_masters):
+    masters = make_masters(3)
+    a, _, _ = clients(masters)
+    max_ttl = 1.0
+    with alias_on(masters.urls, ttl=max_ttl, MAX_TTL=max_ttl) as alias:
+        backend = locks[alias]
+        masters.servers[0].kill()
+        masters.servers[0].start()
+        masters.servers[1].kill()  # B down: A's vote is needed for a majority
+        name = unique()
+        started = time.monotonic()
+        assert backend.acquire(name, "t", 1, OWNER).acquired is False  # creates A's marker
+        lk = lock(name, ttl=1, backend=alias)
+        assert lk.acquire(timeout=max_ttl + 5)
+        waited = time.monotonic() - started
+        assert waited >= max_ttl * 0.9, f"A voted {waited:.3f} s after its restart"
+        assert a.exists(lock_key(name))
+        lk.release()
+
+
+def test_trust_nodes_and_marker_is_not_a_lock(redlock_masters3):
+    with alias_on(redlock_masters3.urls) as alias:
+        backend = locks[alias]
+        assert backend.trust_nodes() == [f"127.0.0.1:{s.port}" for s in redlock_masters3.servers]
+        assert all(c.exists(MARKER) for c in clients(redlock_masters3))
+        assert all(not info.name.startswith("__node__") for info in backend.list())
+        backend.clear(include_held=True)
+        assert all(c.exists(MARKER) for c in clients(redlock_masters3)), \
+            "clear never removes the marker"
+
+
+# -- the majority view ----------------------------------------------------------------------
+
+
+def test_list_get_and_clear_union_of_nodes(make_masters):
+    masters = make_masters(3)
+    a, b, _ = clients(masters)
+    with alias_on(masters.urls) as alias:
+        backend = locks[alias]
+        held, minority, gone = unique("held"), unique("minority"), unique("gone")
+        lk = lock(held, ttl=30, backend=alias)
+        lk.acquire()
+        lk2 = lock(minority, ttl=30, backend=alias)
+        lk2.acquire()
+        # Only C still has `minority`: no majority holds it, so it is not held.
+        a.delete(lock_key(minority))
+        b.delete(lock_key(minority))
+        infos = {i.name: i for i in backend.list()}
+        assert set(infos) == {held, minority}, "each name once, whichever nodes have it"
+        assert infos[held].state == "held" and infos[minority].state == "stale"
+        assert backend.get(minority).state == "stale"
+        assert not lk2.locked()
+        assert lock(minority, ttl=30, backend=alias).acquire(blocking=False), \
+            "A and B are free: a majority"
+        assert backend.get(gone) is None
+
+        # A node that is down is left out of list, the others still answer.
+        masters.servers[2].kill()
+        assert {i.name for i in backend.list()} == {held, minority}
+        assert backend.clear(include_held=True).names and list(backend.list()) == []
+
+
+def test_clearlocks_command_on_redlock(redlock_masters3, capsys):
+    names = [unique("cmd") for _ in range(30)]
+    with alias_on(redlock_masters3.urls, alias="rlcmd") as alias:
+        for name in names:
+            assert lock(name, ttl=30, backend=alias).acquire(blocking=False)
+        assert {i.name for i in locks[alias].list(name_glob="cmd-*")} == set(names)
+        call_command("clearlocks", "--all", "--noinput", "--backend", alias)
+        assert list(locks[alias].list(name_glob="cmd-*")) == []
+        for client in clients(redlock_masters3):
+            assert not any(client.exists(lock_key(n)) for n in names)
+
+
+# -- checks -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params, error_id, message",
+    [
+        ({"LOCATION": "redis://h1:6379/0"}, "E031", "must be a list of redis:// URLs"),
+        ({"LOCATION": None}, "E031", "got None"),
+        ({"LOCATION": ["redis://h1/0", 7, "redis://h3/0"]}, "E031", "got"),
+        ({"LOCATION": ["redis://h1/0", "redis://h2/0"]}, "E032", "lists 2 master"),
+        ({"LOCATION": ["redis://h1/0", "redis://h1/0", "redis://h3/0"]}, "E033",
+         "['redis://h1/0'] more than once"),
+        ({"KEY_PREFIX": ""}, "E034", "KEY_PREFIX"),
+        ({"OPTIONS": {"NODE_TIMEOUT": 0}}, "E035", "NODE_TIMEOUT'] must be a positive"),
+        ({"OPTIONS": {"MAX_TTL": "1h"}}, "E035", "MAX_TTL'] must be a positive"),
+        ({"OPTIONS": {"CLOCK_DRIFT_FACTOR": 1.5}}, "E036", "CLOCK_DRIFT_FACTOR"),
+        ({"OPTIONS": {"CONNECTION_KWARGS": []}}, "E037", "CONNECTION_KWARGS"),
+        ({"TTL": 120, "OPTIONS": {"MAX_TTL": 60}}, "E038", "'TTL'] = 120 s is above"),
+        ({"OPTIONS": {"NODE_TIMEOUTS": 1}}, "E039", "unknown keys ['NODE_TIMEOUTS']"),
+        ({"OPTIONS": []}, "E039", "must be a dict"),
+    ],
+)
+def test_check_params(params, error_id, message):
+    # Masters that are listening sockets of ours: the checks must never connect.
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]
+    try:
+        base = {"BACKEND": "django_setnx.backends.redlock.RedlockBackend",
+                "LOCATION": [f"redis://127.0.0.1:{s.getsockname()[1]}/0" for s in listeners]}
+        messages = RedlockBackend.check_params("rl", {**base, **params})
+        for listener in listeners:
+            listener.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                listener.accept()  # nobody connected
+    finally:
+        for listener in listeners:
+            listener.close()
+    ids = [m.id for m in messages]
+    assert f"django_setnx.{error_id}" in ids, messages
+    assert any(message in m.msg for m in messages if m.id == f"django_setnx.{error_id}")
+
+
+def test_check_params_accepts_a_good_alias_and_warns_on_even_n():
+    good = {"BACKEND": "django_setnx.backends.redlock.RedlockBackend",
+            "LOCATION": [f"redis://192.0.2.{i}:6379/0" for i in range(1, 4)],
+            "TTL": 30, "OPTIONS": {"NODE_TIMEOUT": 0.05, "MAX_TTL": 600,
+                                   "CLOCK_DRIFT_FACTOR": 0.01, "CONNECTION_KWARGS": {}}}
+    assert RedlockBackend.check_params("rl", good) == []
+    even = {**good, "LOCATION": [f"redis://192.0.2.{i}:6379/0" for i in range(1, 5)]}
+    assert [m.id for m in RedlockBackend.check_params("rl", even)] == ["django_setnx.W030"]

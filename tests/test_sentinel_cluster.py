@@ -1,0 +1,251 @@
+"""The single Redis backend on Redis Sentinel and Redis Cluster, against real servers.
+
+Sentinel: a master, one replica and three sentinels (quorum 2); the master is
+SIGKILLed and the backend object must report the outage (never a false win) and
+then work against the promoted replica. Cluster: three primaries; locks spread
+over every primary and ``list``/``clear``/``clearlocks`` see all of them.
+"""
+
+import contextlib
+import time
+import uuid
+
+import pytest
+from django.conf import settings
+from django.core.management import call_command
+from django.test import override_settings
+
+if "redis" not in settings.TEST_BACKENDS:
+    pytest.skip("redis is not in settings.TEST_BACKENDS", allow_module_level=True)
+
+import redis
+from redis.cluster import key_slot
+
+from django_setnx import lock, locks
+from django_setnx.backends.clients import parse_sentinel_url
+from django_setnx.exceptions import LockBackendError
+
+OWNER = {"host": "test", "pid": 1, "thread": "t"}
+BACKEND = "django_setnx.backends.redis.RedisBackend"
+
+
+def unique(label="sc"):
+    return f"{label}-{uuid.uuid4().hex[:12]}"
+
+
+@contextlib.contextmanager
+def alias_on(alias, params):
+    with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, alias: params}):
+        try:
+            yield alias
+        finally:
+            locks.close_all()
+
+
+# -- Sentinel ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "location, sentinels, service, kwargs",
+    [
+        ("redis+sentinel://h1:26379,h2:26380/mymaster/0",
+         [("h1", 26379), ("h2", 26380)], "mymaster", {"db": 0}),
+        ("redis+sentinel://h1,h2/svc", [("h1", 26379), ("h2", 26379)], "svc", {}),
+        ("redis+sentinel://:s%40cret@h1:1/m/3", [("h1", 1)], "m", {"db": 3, "password": "s@cret"}),
+        ("redis+sentinel://user:pw@h1:1/m", [("h1", 1)], "m",
+         {"username": "user", "password": "pw"}),
+        ("rediss+sentinel://[::1]:5000/m/1?socket_timeout=0.5", [("::1", 5000)], "m",
+         {"db": 1, "ssl": True, "socket_timeout": 0.5}),
+    ],
+)
+def test_parse_sentinel_url(location, sentinels, service, kwargs):
+    assert parse_sentinel_url(location) == (sentinels, service, kwargs)
+
+
+@pytest.mark.parametrize(
+    "location, message",
+    [
+        ("redis://h1:26379/m", r"must start with redis\+sentinel://"),
+        ("redis+sentinel:///m", "names no sentinel host"),
+        ("redis+sentinel://h1:x/m", "bad port"),
+        ("redis+sentinel://h1:1", "must end with /service_name"),
+        ("redis+sentinel://h1:1/m/zero", "db 'zero' is not an integer"),
+    ],
+)
+def test_parse_sentinel_url_errors(location, message):
+    with pytest.raises(ValueError, match=message):
+        parse_sentinel_url(location)
+
+
+def sentinel_params(sentinel_set):
+    return {
+        "BACKEND": BACKEND,
+        "LOCATION": sentinel_set.location,
+        "KEY_PREFIX": "setnx-sentinel",
+        "OPTIONS": {
+            "CLIENT_CLASS": "django_setnx.backends.clients.sentinel",
+            "CONNECTION_KWARGS": {"socket_timeout": 2.0},
+        },
+    }
+
+
+def test_sentinel_backend_uses_the_master(sentinel_set):
+    name = unique()
+    with alias_on("sentinel", sentinel_params(sentinel_set)) as alias:
+        with lock(name, ttl=30, backend=alias) as lk:
+            assert lock(name, backend=alias).acquire(blocking=False) is False
+            master = redis.Redis(port=sentinel_set.master.port)
+            assert master.hget(f"setnx-sentinel:{{{name}}}:lock", "fencing") == \
+                str(lk.fencing_token).encode()
+            assert [i.name for i in locks[alias].list(name_glob=name)] == [name]
+        assert not lk.locked()
+
+
+def test_sentinel_failover(sentinel_set):
+    """Kill the master: operations fail with LockBackendError (no false success)
+    until the sentinels promote the replica, then the same backend works again."""
+    held_name = unique("held")
+    with alias_on("sentinel", sentinel_params(sentinel_set)) as alias:
+        backend = locks[alias]
+        held = lock(held_name, ttl=60, backend=alias)
+        assert held.acquire(blocking=False)
+        old = sentinel_set.master
+        # Replication is asynchronous: make sure the replica has the lock before
+        # the crash (a write it never got is lost in a failover; see the README).
+        assert redis.Redis(port=old.port).execute_command("WAIT", 1, 5000) == 1
+        old.kill()
+
+        outcomes = []
+        started = time.monotonic()
+        while time.monotonic() - started < 30:
+            address = sentinel_set.master_address()
+            if address is not None and address[1] != old.port:
+                break
+            name, token = unique("probe"), uuid.uuid4().hex
+            try:
+                result = backend.acquire(name, token, 60, OWNER)
+            except LockBackendError as exc:
+                assert alias in str(exc)
+                outcomes.append(("error", name, token))
+            else:
+                outcomes.append(("won" if result.acquired else "lost", name, token))
+            time.sleep(0.05)
+        new_master = sentinel_set.wait_for_failover(old.port)
+        assert new_master is not old
+        assert any(kind == "error" for kind, _, _ in outcomes), outcomes[:5]
+
+        client = redis.Redis(port=new_master.port)
+        for kind, name, token in outcomes:
+            stored = client.hget(f"setnx-sentinel:{{{name}}}:lock", "token")
+            if kind == "won":
+                # A win during the failover is only possible on the new master.
+                assert stored == token.encode(), f"false success for {name}"
+            else:
+                assert stored is None, f"{kind} for {name}, yet a record exists"
+
+        # The same backend object works against the new master...
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with lock(unique("after"), ttl=30, backend=alias) as lk:
+                    assert lk.owned()
+                break
+            except LockBackendError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        # ...and the lock replicated before the crash is still held.
+        assert lock(held_name, backend=alias).acquire(blocking=False) is False
+        held.release()
+        assert lock(held_name, backend=alias).acquire(blocking=False) is True
+
+
+# -- Cluster -------------------------------------------------------------------------------
+
+
+def cluster_params(cluster):
+    return {
+        "BACKEND": BACKEND,
+        "LOCATION": cluster.url,
+        "KEY_PREFIX": "setnx-cluster",
+        "OPTIONS": {"CLIENT_CLASS": "django_setnx.backends.clients.cluster"},
+    }
+
+
+def lock_keys_per_node(cluster, prefix="setnx-cluster"):
+    counts = {}
+    for server in cluster.servers:
+        client = redis.Redis(port=server.port)
+        counts[server.port] = sum(1 for _ in client.scan_iter(match=f"{prefix}:*}}:lock",
+                                                              count=1000))
+    return counts
+
+
+def test_cluster_keys_of_one_lock_share_a_slot():
+    for name in ("a", "reports:daily", "ünïcødé", "x{y}z", "}"[0:0] + "n:{1}"):
+        base = f"setnx:{{{name}}}"
+        slots = {key_slot(f"{base}:{part}".encode())
+                 for part in ("lock", "fence", "wake", "waiters", "handoff")}
+        assert len(slots) == 1, name
+
+
+def test_cluster_locks_on_every_primary_and_clearlocks(redis_cluster):
+    batch = uuid.uuid4().hex[:8]
+    names = [f"cl-{batch}-{i:03d}" for i in range(200)]
+    with alias_on("cluster", cluster_params(redis_cluster)) as alias:
+        backend = locks[alias]
+        held = [lock(name, ttl=60, backend=alias) for name in names]
+        for lk in held:
+            assert lk.acquire(blocking=False)
+        assert lock(names[0], backend=alias).acquire(blocking=False) is False
+
+        per_node = lock_keys_per_node(redis_cluster)
+        assert sum(per_node.values()) == len(names)
+        assert all(count > 0 for count in per_node.values()), per_node
+
+        listed = {info.name: info for info in backend.list(name_glob=f"cl-{batch}-*")}
+        assert set(listed) == set(names)
+        assert all(info.is_held for info in listed.values())
+
+        # Release one, let one expire: list and clear see the difference.
+        held[0].release()
+        short = lock(f"cl-{batch}-short", ttl=0.05, backend=alias)
+        short.acquire()
+        time.sleep(0.1)
+        assert [i.name for i in backend.list(state="stale", name_glob=f"cl-{batch}-*")] == \
+            [f"cl-{batch}-short"]
+        assert backend.clear(name_glob=f"cl-{batch}-*").names == [f"cl-{batch}-short"]
+        assert len(list(backend.list(name_glob=f"cl-{batch}-*"))) == len(names) - 1
+
+        try:
+            from django_setnx.management.commands import clearlocks  # noqa: F401
+        except ImportError:
+            removed = backend.clear(include_held=True).count
+        else:
+            call_command("clearlocks", "--all", "--noinput", "--backend", alias, verbosity=0)
+            removed = None
+        assert removed in (None, len(names) - 1)
+        assert list(backend.list()) == []
+        assert sum(lock_keys_per_node(redis_cluster).values()) == 0
+        # Fencing counters survive clearing: the next token is larger.
+        with lock(names[1], backend=alias) as again:
+            assert again.fencing_token > held[1].fencing_token
+
+
+def test_cluster_waiting_and_contract_basics(redis_cluster):
+    name = unique()
+    with alias_on("cluster", cluster_params(redis_cluster)) as alias:
+        holder = lock(name, ttl=30, backend=alias)
+        holder.acquire()
+        import threading
+
+        threading.Timer(0.2, holder.release).start()
+        waiter = lock(name, ttl=30, backend=alias)
+        started = time.monotonic()
+        assert waiter.acquire(timeout=10), "woken by the release (BLPOP in the slot)"
+        assert time.monotonic() - started < 5
+        assert waiter.fencing_token > holder.fencing_token
+        waiter.extend(60)
+        assert waiter.info().expires_in > 30
+        removed = locks[alias].delete(name)
+        assert removed.fencing_token == waiter.fencing_token

@@ -1,0 +1,87 @@
+"""Entry points of the child processes used by the race and crash tests.
+
+Children are started with the ``spawn`` method (a fresh interpreter, as a second
+server or worker would be), so they set Django up themselves, against the test
+databases and the Redis server the parent is using (see :func:`child_environment`).
+"""
+
+import json
+import os
+import time
+
+
+def child_environment():
+    """Environment variables that point a child at the parent's test servers."""
+    from django.conf import settings
+    from django.db import connections
+
+    return {
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
+        "SETNX_TEST_BACKENDS": ",".join(settings.TEST_BACKENDS),
+        "SETNX_TEST_REDIS_URL": settings.SETNX_LOCKS.get("redis", {}).get("LOCATION", ""),
+        "SETNX_TEST_DB_NAMES": json.dumps(
+            {alias: connections[alias].settings_dict["NAME"] for alias in settings.DATABASES}
+        ),
+    }
+
+
+def _setup(env):
+    os.environ.update(env)
+    import django
+
+    django.setup()
+
+
+def takeover_racer(env, alias, name, rounds, barrier, results, ttl):
+    """Each round: wait at the barrier, try once to take the (expired) lock, report."""
+    _setup(env)
+    from django_setnx import lock
+
+    for round_no in range(rounds):
+        lk = lock(name, ttl=ttl, backend=alias)
+        barrier.wait(timeout=60)
+        won = lk.acquire(blocking=False)
+        results.put((round_no, os.getpid(), won, lk.fencing_token))
+        # Never release: the next round races to take over the expired record.
+        barrier.wait(timeout=60)
+
+
+def counter_incrementer(env, alias, name, counter_path, iterations, results):
+    """Read-modify-write a counter file under the lock, ``iterations`` times."""
+    _setup(env)
+    from django_setnx import lock
+
+    lk = lock(name, ttl=30, backend=alias)
+    got = 0
+    for _ in range(iterations):
+        if not lk.acquire(timeout=120):
+            break
+        try:
+            with open(counter_path) as f:
+                value = int(f.read() or 0)
+            with open(counter_path, "w") as f:
+                f.write(str(value + 1))
+            got += 1
+        finally:
+            lk.release()
+    results.put((os.getpid(), got))
+
+
+def crash_holder(env, alias, name, ttl, acquired):
+    """Acquire and then hang, holding the lock, until killed."""
+    _setup(env)
+    from django_setnx import lock
+
+    lk = lock(name, ttl=ttl, backend=alias)
+    lk.acquire(timeout=10)
+    acquired.set()
+    while True:
+        time.sleep(60)
+
+
+def probe_locked(env, alias, name, answer):
+    """Report whether ``name`` is held, as seen from another process."""
+    _setup(env)
+    from django_setnx import lock
+
+    answer.put(lock(name, backend=alias).locked())
