@@ -16,6 +16,8 @@ import socket
 import threading
 import time
 
+from asgiref.sync import sync_to_async
+
 from . import signals
 from .conf import DEFAULT_LOCK_ALIAS
 from .exceptions import LockBackendError, LockError, LockNotAcquired, LockNotOwned
@@ -117,54 +119,87 @@ class Lock:
         token, owner, deadline = self._prepare_acquire(blocking, timeout)
         attempt = 0
         max_wait = _remaining(deadline)
-        queued = max_wait != 0  # a refused caller that will retry is queued as a waiter
-        while True:
-            result = self.backend.acquire(self.name, token, self.ttl, owner, max_wait)
-            if result.acquired:
-                self._acquired(token, result)
-                return True
-            self._contended(result, attempt > 0)
-            max_wait = _remaining(deadline)
-            if max_wait is not None and max_wait <= 0:
-                if queued:
-                    self._stop_waiting(token)
-                return False
-            self.backend.wait(self.name, attempt=attempt, max_wait=max_wait,
-                              retry_after=result.retry_after)
-            attempt += 1
+        queued = False  # a refused caller that will retry is queued by the backend
+        try:
+            while True:
+                result = self.backend.acquire(self.name, token, self.ttl, owner, max_wait)
+                if result.acquired:
+                    break
+                queued = max_wait != 0
+                self._contended(result, attempt > 0)
+                max_wait = _remaining(deadline)
+                if max_wait is not None and max_wait <= 0:
+                    result = self._stop_waiting(token) if queued else None
+                    if result is None:
+                        return False
+                    break  # handed to us just before we gave up: ours after all
+                result = self.backend.wait(self.name, token=token, attempt=attempt,
+                                           max_wait=max_wait, retry_after=result.retry_after)
+                if result is not None:  # a release handed the lock to us
+                    break
+                attempt += 1
+        except BaseException:
+            if queued:  # interrupted while queued: leave nothing held or queued behind
+                self._abandon(token)
+            raise
+        self._acquired(token, result)
+        return True
 
     async def aacquire(self, blocking=None, timeout=_UNSET):
         """Async twin of :meth:`acquire`; waiting does not block the event loop."""
         token, owner, deadline = self._prepare_acquire(blocking, timeout)
         attempt = 0
         max_wait = _remaining(deadline)
-        queued = max_wait != 0
-        while True:
-            result = await self.backend.aacquire(self.name, token, self.ttl, owner, max_wait)
-            if result.acquired:
-                self._acquired(token, result)
-                return True
-            self._contended(result, attempt > 0)
-            max_wait = _remaining(deadline)
-            if max_wait is not None and max_wait <= 0:
-                if queued:
-                    await self._astop_waiting(token)
-                return False
-            await self.backend.await_release(self.name, attempt=attempt, max_wait=max_wait,
-                                             retry_after=result.retry_after)
-            attempt += 1
+        queued = False
+        try:
+            while True:
+                result = await self.backend.aacquire(self.name, token, self.ttl, owner, max_wait)
+                if result.acquired:
+                    break
+                queued = max_wait != 0
+                self._contended(result, attempt > 0)
+                max_wait = _remaining(deadline)
+                if max_wait is not None and max_wait <= 0:
+                    result = await self._astop_waiting(token) if queued else None
+                    if result is None:
+                        return False
+                    break
+                result = await self.backend.await_release(
+                    self.name, token=token, attempt=attempt, max_wait=max_wait,
+                    retry_after=result.retry_after)
+                if result is not None:
+                    break
+                attempt += 1
+        except BaseException:  # includes asyncio.CancelledError
+            if queued:
+                await sync_to_async(self._abandon, thread_sensitive=False)(token)
+            raise
+        self._acquired(token, result)
+        return True
 
     def _stop_waiting(self, token):
-        # Best effort: a failure here only delays others by a short handoff window.
+        """Leave the backend's queue; returns the AcquireResult if the lock was handed
+        to us meanwhile. A failure here only delays others (our place lapses)."""
         try:
-            self.backend.stop_waiting(self.name, token)
+            return self.backend.stop_waiting(self.name, token)
         except LockBackendError:
             logger.warning("Could not withdraw from the waiters of %r", self.name, exc_info=True)
+            return None
 
     async def _astop_waiting(self, token):
         try:
-            await self.backend.astop_waiting(self.name, token)
+            return await self.backend.astop_waiting(self.name, token)
         except LockBackendError:
+            logger.warning("Could not withdraw from the waiters of %r", self.name, exc_info=True)
+            return None
+
+    def _abandon(self, token):
+        """After an error or interruption while queued: withdraw, and release a lock
+        handed to us that the caller will never know it holds."""
+        try:
+            if self.backend.stop_waiting(self.name, token) is not None:
+                self.backend.release(self.name, token)
+        except Exception:  # noqa: BLE001 - the error in flight is the one to report
             logger.warning("Could not withdraw from the waiters of %r", self.name, exc_info=True)
 
     # -- release ------------------------------------------------------------------

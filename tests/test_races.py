@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+from django.conf import settings
 from django.db import transaction
 
 from django_setnx import lock, locks
@@ -89,6 +90,38 @@ def test_killed_holder_does_not_deadlock(shared_alias, name, spawn, env):
     info = waiter.info()
     assert info.owner["pid"] == os.getpid()
     waiter.release()
+
+
+@pytest.mark.skipif("redis" not in settings.TEST_BACKENDS,
+                    reason="redis is not in settings.TEST_BACKENDS")
+def test_killed_waiter_does_not_deadlock(name, spawn, env):
+    """A waiter killed with SIGKILL while queued on Redis: a release that comes while
+    its place is still live hands it the lock, which then blocks others for at most
+    the ttl it asked for (as a crashed holder would); once its place lapsed
+    (WAITER_MS after its last attempt), releases skip it."""
+    from django_setnx.backends.redis import WAITER_MS
+
+    ghost_ttl, margin = 1.0, 1.5
+    for released_after in (0.0, WAITER_MS / 1000 + 0.5):
+        holder = lock(name, ttl=60, backend="redis")
+        assert holder.acquire(blocking=False)
+        queued = spawn.ctx.Event()
+        waiter = spawn(workers.crash_waiter, env, "redis", name, ghost_ttl, queued)
+        assert queued.wait(timeout=60)
+        time.sleep(0.2)  # into its BLPOP
+        os.kill(waiter.pid, signal.SIGKILL)
+        waiter.join(timeout=10)
+        assert waiter.exitcode == -signal.SIGKILL
+        time.sleep(released_after)
+        holder.release()
+        newcomer = lock(name, ttl=10, backend="redis")
+        if released_after:
+            assert newcomer.acquire(blocking=False), "a lapsed dead waiter was handed the lock"
+        else:
+            info = newcomer.info()
+            assert info is not None and info.is_held and info.owner["pid"] == waiter.pid
+            assert newcomer.acquire(timeout=ghost_ttl + margin), "the dead waiter's lock never expired"
+        newcomer.release()
 
 
 def test_lock_inside_atomic_is_visible_before_commit(db_alias, name, spawn, env):

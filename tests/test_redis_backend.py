@@ -1,8 +1,9 @@
 """Redis-specific behaviour of RedisBackend, against real Redis servers.
 
 The contract every backend shares is in test_contract.py; this module covers what
-only Redis has: the key layout, SCAN hygiene under a prefix, stale retention, wake
-signals, the fence counter, outages, and reusing a django-redis connection.
+only Redis has: the key layout, SCAN hygiene under a prefix, stale retention, the
+queue of waiters and handing the lock over to them, the fence counter, outages, and
+reusing a django-redis connection.
 """
 
 import os
@@ -74,7 +75,8 @@ def name(redis_client):
     name = unique()
     yield name
     prefix = settings.SETNX_LOCKS["redis"]["KEY_PREFIX"]
-    redis_client.delete(*(f"{prefix}:{{{name}}}:{part}" for part in ("lock", "fence", "wake")))
+    redis_client.delete(*(f"{prefix}:{{{name}}}:{part}"
+                          for part in ("lock", "fence", "waiters", "requests")))
 
 
 def lock_key(name):
@@ -99,9 +101,9 @@ def test_key_layout_under_prefix_shares_one_hash_slot(redis_client, name):
 
     lk.release()
     assert not redis_client.exists(f"{base}:lock")
-    # Nobody waited, so the release wrote no wake-up signal.
-    assert not redis_client.exists(f"{base}:wake")
-    parts = ("lock", "fence", "wake", "waiters", "handoff")
+    # Nobody waited, so nothing was queued.
+    assert not redis_client.exists(f"{base}:waiters", f"{base}:requests")
+    parts = ("lock", "fence", "waiters", "requests", f"inbox:{'0' * 32}")
     slots = {key_slot(f"{base}:{part}".encode()) for part in parts}
     assert len(slots) == 1
 
@@ -257,7 +259,7 @@ def test_release_of_an_expired_but_untaken_lock_still_succeeds(make_backend):
     assert backend.release("n", "tok")
 
 
-# -- waking waiters -------------------------------------------------------------------
+# -- queued waiters and handover ----------------------------------------------------
 
 
 def test_release_wakes_a_blocked_waiter_long_before_the_ttl(name):
@@ -287,43 +289,143 @@ def test_a_release_before_the_waiter_blocks_is_not_lost(make_backend):
     backend.acquire("n", "holder", 30, OWNER)
     contended = backend.acquire("n", "waiter", 30, OWNER, wait=10)  # refused: queued
     assert not contended.acquired and 29 < contended.retry_after <= 30
-    backend.release("n", "holder")  # lands before the waiter's BLPOP
+    assert backend.release("n", "holder")  # lands before the waiter's BLPOP
     started = time.monotonic()
-    backend.wait("n", attempt=0, max_wait=None, retry_after=contended.retry_after)
+    handed = backend.wait("n", token="waiter", attempt=0, max_wait=None,
+                          retry_after=contended.retry_after)
     assert time.monotonic() - started < 1
+    assert handed is not None and handed.acquired
+    assert backend.owns("n", "waiter")
+    assert backend.get("n").fencing_token == handed.fencing_token
+    assert backend.release("n", "waiter")
 
 
-def test_one_release_wakes_one_waiter(make_backend, redis_client):
+def test_a_release_hands_the_lock_to_one_waiter(make_backend, redis_client):
     backend = make_backend()
-    woke = []
+    handed = {}
 
     assert backend.acquire("n", "tok", 30, OWNER).acquired
 
     def wait(i):
         # As the Lock does: a refused attempt queues the caller, then it blocks.
         assert not backend.acquire("n", f"waiter{i}", 30, OWNER, wait=3).acquired
-        backend.wait("n", attempt=0, max_wait=3, retry_after=30)
-        woke.append((i, time.monotonic()))
+        result = backend.wait("n", token=f"waiter{i}", attempt=0, max_wait=3, retry_after=30)
+        handed[i] = (result, time.monotonic())
 
-    threads = [threading.Thread(target=wait, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    time.sleep(0.3)  # both blocked in BLPOP
+    threads = []
+    for i in range(2):  # queued in this order
+        threads.append(threading.Thread(target=wait, args=(i,)))
+        threads[-1].start()
+        time.sleep(0.2)
     released_at = time.monotonic()
-    backend.release("n", "tok")
+    assert backend.release("n", "tok")
     for thread in threads:
         thread.join(10)
-    first, second = sorted(t for _, t in woke)
-    assert first - released_at < 1  # woken by the release
-    assert second - released_at > 2  # slept until its own max_wait
-    assert redis_client.llen(backend._keys("n")[2]) == 0
+    (first, first_at), (second, second_at) = handed[0], handed[1]
+    assert first is not None and first.acquired and first_at - released_at < 1
+    # The second slept through its BLPOP (WAIT_BLOCK): one release, one waiter served.
+    assert second is None and second_at - released_at > 1
+    assert backend.owns("n", "waiter0") and not backend.owns("n", "waiter1")
+    # The inbox was consumed; only the queue entry of waiter1 (still waiting) is left.
+    assert not redis_client.exists(backend._inbox_key("n", "waiter0"))
+    assert backend.stop_waiting("n", "waiter1") is None
+    assert backend.release("n", "waiter0")
+    assert not redis_client.exists(*backend._keys("n")[2:])
+
+
+def test_waiters_are_served_first_come_first_served(make_backend):
+    backend = make_backend()
+    assert backend.acquire("n", "holder", 30, OWNER).acquired
+    for i in range(4):
+        assert not backend.acquire("n", f"w{i}", 30, OWNER, wait=10).acquired
+    # A re-try keeps the place of a waiter's first refusal.
+    assert not backend.acquire("n", "w0", 30, OWNER, wait=10).acquired
+    order, fencing = [], []
+    current = "holder"
+    for _ in range(4):
+        assert backend.release("n", current)
+        current = _holder_token(backend, "n")
+        order.append(current)
+        fencing.append(backend.get("n").fencing_token)
+    assert order == ["w0", "w1", "w2", "w3"]
+    assert fencing == sorted(fencing) and len(set(fencing)) == 4
+    # The releaser looping straight back queues behind the others: it cannot barge.
+    assert not backend.acquire("n", "holder", 30, OWNER, wait=0).acquired
+    assert backend.release("n", "w3")
+    assert backend.get("n") is None
+
+
+def _holder_token(backend, name):
+    lock_key = backend._keys(name)[0]
+    return _text(backend.connection.client.hget(lock_key, "token"))
+
+
+def _text(value):
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def test_a_lapsed_waiter_is_skipped(make_backend):
+    """A waiter that stopped retrying (it died) is not handed the lock once its
+    registration lapsed: the lock goes to the next live waiter, or is freed."""
+    backend = make_backend()
+    assert backend.acquire("n", "holder", 30, OWNER).acquired
+    assert not backend.acquire("n", "ghost", 30, OWNER, wait=0.05).acquired
+    assert not backend.acquire("n", "live", 30, OWNER, wait=10).acquired
+    time.sleep(0.1)  # the ghost's wait is over and it never came back
+    assert backend.release("n", "holder")
+    assert _holder_token(backend, "n") == "live"
+    assert backend.release("n", "live")
+    assert backend.get("n") is None  # the ghost got nothing
+
+
+def test_stop_waiting_keeps_a_lock_handed_over_meanwhile(make_backend):
+    backend = make_backend()
+    assert backend.acquire("n", "holder", 30, OWNER).acquired
+    assert not backend.acquire("n", "waiter", 30, OWNER, wait=10).acquired
+    assert backend.release("n", "holder")  # handed to the waiter
+    kept = backend.stop_waiting("n", "waiter")
+    assert kept is not None and kept.acquired
+    assert backend.owns("n", "waiter")
+    assert backend.release("n", "waiter")
+
+
+def test_a_lock_handed_over_but_expired_is_passed_on_when_its_waiter_gives_up(make_backend):
+    backend = make_backend()
+    assert backend.acquire("n", "holder", 30, OWNER).acquired
+    assert not backend.acquire("n", "slow", 0.05, OWNER, wait=10).acquired
+    assert not backend.acquire("n", "next", 30, OWNER, wait=10).acquired
+    assert backend.release("n", "holder")  # handed to "slow" with a 50 ms ttl
+    time.sleep(0.1)
+    assert backend.stop_waiting("n", "slow") is None  # too late: it expired unused
+    assert _holder_token(backend, "n") == "next"
+    assert backend.release("n", "next")
+
+
+def test_a_waiter_interrupted_while_queued_leaves_nothing_behind(name):
+    from django_setnx.signals import lock_contended
+
+    holder = lock(name, ttl=30, backend="redis")
+    assert holder.acquire(blocking=False)
+
+    def interrupt(sender, **kwargs):
+        raise KeyboardInterrupt
+
+    lock_contended.connect(interrupt, dispatch_uid=name)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lock(name, backend="redis").acquire(timeout=10)
+    finally:
+        lock_contended.disconnect(dispatch_uid=name)
+    holder.release()
+    assert not lock(name, backend="redis").locked(), "handed to a caller that was gone"
+    assert lock(name, backend="redis").acquire(blocking=False)
 
 
 def test_wait_stays_below_the_client_socket_timeout(make_backend):
     backend = make_backend(CONNECTION_KWARGS={"socket_timeout": 0.5})
     # Each BLPOP is capped below the socket timeout, so waiting never times out.
     assert backend.connection.max_block < 0.5
-    backend.wait("n", attempt=0, max_wait=None, retry_after=30)  # no TimeoutError
+    backend.wait("n", token="t", attempt=0, max_wait=None, retry_after=30)  # no TimeoutError
 
 
 # -- fencing --------------------------------------------------------------------------
@@ -481,20 +583,21 @@ def test_private_server_restarts_on_the_same_port_and_refuses_keys(redis_server)
 
 
 def test_release_hands_the_lock_to_a_waiter_before_a_newcomer(name):
-    """A release with a live waiter reserves the lock for waiters: a newcomer (say, the
-    releaser looping straight back to acquire) is refused until a waiter has it."""
+    """A release with a live waiter hands the lock straight to it: a newcomer (say, the
+    releaser looping straight back to acquire) finds it held by the waiter."""
     backend = locks["redis"]
     owner = {"host": "h", "pid": 1, "thread": "t"}
     assert backend.acquire(name, "holder", 30, owner).acquired
-    assert not backend.acquire(name, "waiter", 30, owner, wait=10).acquired  # queued
+    assert not backend.acquire(name, "waiter", 10, owner, wait=10).acquired  # queued
     assert backend.release(name, "holder")
 
     newcomer = backend.acquire(name, "newcomer", 30, owner, wait=0)
-    assert not newcomer.acquired, "the free lock must go to the waiter first"
-    assert 0 < newcomer.retry_after <= 0.05
-    assert backend.acquire(name, "waiter", 30, owner, wait=10).acquired
+    assert not newcomer.acquired, "the lock must go to the waiter first"
+    assert 9 < newcomer.retry_after <= 10  # the waiter's own ttl
+    retried = backend.acquire(name, "waiter", 10, owner, wait=10)  # the waiter's next look
+    assert retried.acquired and retried.fencing_token == backend.get(name).fencing_token
     assert backend.release(name, "waiter")
-    # No waiter left: no reservation, a newcomer gets a free lock at once.
+    # No waiter left: a newcomer gets a free lock at once.
     assert backend.acquire(name, "newcomer", 30, owner, wait=0).acquired
     assert backend.release(name, "newcomer")
 

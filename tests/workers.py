@@ -79,6 +79,16 @@ def crash_holder(env, alias, name, ttl, acquired):
         time.sleep(60)
 
 
+def crash_waiter(env, alias, name, ttl, queued):
+    """Wait for a held lock (queued by the backend) until killed."""
+    _setup(env)
+    from django_setnx import lock
+    from django_setnx.signals import lock_contended
+
+    lock_contended.connect(lambda **kwargs: queued.set(), weak=False)
+    lock(name, ttl=ttl, backend=alias).acquire(timeout=120)
+
+
 def probe_locked(env, alias, name, answer):
     """Report whether ``name`` is held, as seen from another process."""
     _setup(env)

@@ -295,37 +295,44 @@ class BaseLockBackend:
             delay = min(delay, max_wait)
         return max(delay, 0)
 
-    def wait(self, name, *, attempt, max_wait, retry_after):
+    def wait(self, name, *, token, attempt, max_wait, retry_after):
         """Block until the lock may be free: a release, an expiry or ``max_wait``.
 
-        The default sleeps a jittered backoff; backends that can be woken by a
-        release override it. Returning early is always allowed (the caller retries).
+        ``token`` is the caller's, as in its refused :meth:`acquire`. Returns None
+        (the caller retries), or ``AcquireResult.won(fencing)`` when a backend that
+        queues waiters handed the lock to this caller while it waited (it holds the
+        lock). The default sleeps a jittered backoff; backends that can be woken by a
+        release override it. Returning early is always allowed.
         """
         import time
 
         time.sleep(self.backoff(attempt, max_wait, retry_after))
+        return None
 
     def stop_waiting(self, name, token):
         """The caller whose refused attempts used ``token`` gave up waiting.
 
-        Backends that queue waiters (see ``wait`` in :meth:`acquire`) forget it here,
-        so its place does not hold the lock back from others; the default does
-        nothing. Returns None.
+        Backends that queue waiters (see ``wait`` in :meth:`acquire`) withdraw it
+        here, so its place holds nothing back. Returns ``AcquireResult.won(fencing)``
+        if the lock was handed to it before it withdrew (it holds the lock and must
+        use or release it), else None; the default does nothing and returns None.
         """
+        return None
 
     async def astop_waiting(self, name, token):
         """Async twin of :meth:`stop_waiting`."""
-        if type(self).stop_waiting is not BaseLockBackend.stop_waiting:
-            await sync_to_async(self.stop_waiting, thread_sensitive=False)(name, token)
+        if type(self).stop_waiting is BaseLockBackend.stop_waiting:
+            return None
+        return await sync_to_async(self.stop_waiting, thread_sensitive=False)(name, token)
 
-    async def await_release(self, name, *, attempt, max_wait, retry_after):
+    async def await_release(self, name, *, token, attempt, max_wait, retry_after):
         """Async twin of :meth:`wait`."""
         if self.wakes_waiters:
-            await sync_to_async(self.wait, thread_sensitive=False)(
-                name, attempt=attempt, max_wait=max_wait, retry_after=retry_after
+            return await sync_to_async(self.wait, thread_sensitive=False)(
+                name, token=token, attempt=attempt, max_wait=max_wait, retry_after=retry_after
             )
-        else:
-            await asyncio.sleep(self.backoff(attempt, max_wait, retry_after))
+        await asyncio.sleep(self.backoff(attempt, max_wait, retry_after))
+        return None
 
     # -- async twins ------------------------------------------------------------
 

@@ -133,12 +133,15 @@ class LocMemBackend(BaseLockBackend):
             progress(list(result.names))
         return result
 
-    def wait(self, name, *, attempt, max_wait, retry_after):
+    def wait(self, name, *, token, attempt, max_wait, retry_after):
+        """Sleep until a release in this process (or the holder's expiry); returns
+        None: the caller retries (no queue: the first retry wins)."""
         timeout = retry_after + 0.001 if retry_after is not None else 1.0
         if max_wait is not None:
             timeout = min(timeout, max_wait)
         with self._store.condition:
             record = self._store.records.get(name)
             if record is None or record["expires"] <= _now_ms():
-                return
+                return None
             self._store.condition.wait(max(timeout, 0))
+        return None

@@ -13,7 +13,7 @@ Settings::
             "CLIENT_CLASS": "redis.Redis.from_url",  # dotted path: (location, **kw) -> client;
                 # django_setnx.backends.clients.sentinel / .cluster for Sentinel / Cluster
             "STALE_RETENTION": 86400,   # seconds an expired record stays visible as stale
-            "WAKE_TTL": 1,              # seconds a release's wake signal waits for a waiter
+            "WAKE_TTL": 1,              # seconds a handed-over lock's signal waits for its waiter
         },
     }
 
@@ -28,15 +28,18 @@ Key layout, for a lock named ``N`` under prefix ``P``:
   Whether a lock is held is decided by the ``expires`` field, never by key existence.
 - ``P:{N}:fence`` -- an ``INCR`` counter with no expiry that release and clear never
   touch, so fencing tokens strictly increase per name across releases and takeovers.
-- ``P:{N}:wake`` -- a short-lived list; a release pushes one element and waiters
-  ``BLPOP`` it, so one release wakes one waiter (no thundering herd), and a release
-  that happens between a waiter's failed acquire and its ``BLPOP`` is not lost.
 - ``P:{N}:waiters`` -- a sorted set of the tokens of callers that were refused and
-  will retry, scored by when they stop waiting; ``P:{N}:handoff`` -- set for
-  ``HANDOFF_MS`` by a release that left live waiters. While it exists only a
-  registered waiter may take the lock, so a client that releases and loops straight
-  back to acquire cannot starve the waiter it just woke (fair, FIFO by ``BLPOP``
-  order). It only decides *who* gets a free lock first, never whether two can hold it.
+  will retry, scored by when each was first refused, and ``P:{N}:requests`` -- a
+  hash from each such token to its deadline, ttl and owner. A release that finds
+  live waiters does not free the lock: in the same script it writes the lock for
+  the longest-waiting one (FIFO, so nobody starves, and a client that releases and
+  loops straight back to acquire queues behind the others) and pushes the new
+  fencing token to that waiter's ``P:{N}:inbox:<token>`` list, which it is blocked
+  on with ``BLPOP``. The waiter returns holding the lock, with no further round
+  trip. A release that lands before the waiter's ``BLPOP`` is not lost (the inbox
+  outlives it by ``WAKE_TTL``), and a waiter that gives up withdraws atomically,
+  keeping a lock handed to it in the meantime. A waiter stays queued for
+  ``WAITER_MS`` after its last attempt: one that died is skipped after that.
 
 The ``{N}`` hash tag puts the keys of one lock in one Redis Cluster slot, so a
 script may touch all of them (Cluster hashes the whole key instead when the first
@@ -89,61 +92,87 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
 
-def _wake(wake_ms):
-    """Lua that wakes exactly one waiter blocked on the wake list KEYS[2].
+#: Longest a waiter stays queued without retrying. A live waiter re-registers on
+#: every refused attempt, at least every ``WAIT_BLOCK`` seconds, so it never lapses;
+#: a waiter that died lapses within this, and a release never hands the lock to it
+#: afterwards (it could before: then the lock sits unused until its ttl ends, as
+#: with a holder that crashed).
+WAITER_MS = 3000
+#: Longest single wait of a queued waiter before it retries (and re-registers).
+WAIT_BLOCK = 1.5
 
-    The list holds at most one element (DEL before RPUSH), which outlives the release
-    by ``wake_ms`` so that a waiter which BLPOPs a moment later still sees it.
-    """
-    return f"""
-redis.call('DEL', KEYS[2])
-redis.call('RPUSH', KEYS[2], 1)
-redis.call('PEXPIRE', KEYS[2], {wake_ms})
+# Handing a free lock to the longest-waiting live waiter, shared by every script
+# that frees a held lock (release, force-release, clear, a waiter giving up).
+#
+# KEYS[1..4]: lock, fence, waiters, requests. The waiters sorted set holds the tokens
+# of refused callers that will retry, scored by when they were first refused (FIFO);
+# the requests hash maps each to "<deadline_ms> <ttl_ms> <owner_json>". The winner
+# is told through its own inbox list, P:{N}:inbox:<token>, which it BLPOPs: the
+# fencing token arrives there, so the waiter returns holding the lock without
+# another round trip. The inbox key is built here rather than passed in KEYS because
+# only the script knows which waiter wins; it shares the {N} hash tag, so it lives
+# in the same Cluster slot as the declared keys.
+#
+# grant(now, retention_ms, signal_ms) returns true if the lock was handed over.
+_GRANT = """
+local function grant(now, retention_ms, signal_ms)
+  while true do
+    local head = redis.call('ZPOPMIN', KEYS[3])
+    if #head == 0 then
+      return false
+    end
+    local waiter = head[1]
+    local request = redis.call('HGET', KEYS[4], waiter)
+    redis.call('HDEL', KEYS[4], waiter)
+    if request then
+      local deadline, ttl, owner = string.match(request, '^(%d+) (%d+) (.*)$')
+      if tonumber(deadline) >= now then
+        ttl = tonumber(ttl)
+        local fencing = redis.call('INCR', KEYS[2])
+        redis.call('HSET', KEYS[1], 'token', waiter, 'fencing', fencing, 'owner', owner,
+                   'acquired', now, 'expires', now + ttl)
+        redis.call('PEXPIRE', KEYS[1], ttl + retention_ms)
+        local inbox = string.sub(KEYS[1], 1, -5) .. 'inbox:' .. waiter
+        redis.call('RPUSH', inbox, fencing)
+        redis.call('PEXPIRE', inbox, signal_ms)
+        return true
+      end
+    end
+    -- A lapsed waiter (gave up or died): skip it.
+  end
+end
 """
 
-
-#: How long a release with live waiters reserves the lock for them: newcomers are
-#: refused meanwhile, so a client that releases and loops straight back to acquire
-#: cannot starve the waiter it just woke. Only fairness rides on it, never safety.
-HANDOFF_MS = 50
-#: Longest a waiter stays registered without retrying (it re-registers on every
-#: refused attempt, at least every MAX_BLOCK seconds).
-WAITER_MS = 5000
-
-# KEYS: lock, fence, waiters, handoff.
+# KEYS: lock, fence, waiters, requests.
 # ARGV: token, ttl_ms, owner_json, retention_ms, wait_ms (-1: the caller waits
 #       indefinitely, 0: it will not retry, n: it retries for n ms).
-# Returns {1, fencing} when written, {0, ms worth waiting before retrying} when not.
+# Returns {1, fencing} when written, {0, ms until the holder's expiry} when not.
 ACQUIRE = _NOW + f"""
 local held = redis.call('HMGET', KEYS[1], 'token', 'expires', 'fencing')
 if held[1] == ARGV[1] then
-  -- Already ours under this token: a retried call (redis-py retries on a broken
-  -- connection) must report the win, not contend with itself.
+  -- Already ours under this token: handed to us by a release while we were not
+  -- looking, or a retried call (redis-py retries on a broken connection).
   return {{1, tonumber(held[3])}}
-end
-local function refuse(retry_ms)
-  -- A caller that will retry joins the waiters, scored by when it stops waiting.
-  local wait = tonumber(ARGV[5])
-  if wait ~= 0 then
-    if wait < 0 or wait > {WAITER_MS} then wait = {WAITER_MS} end
-    redis.call('ZADD', KEYS[3], now + wait + {HANDOFF_MS}, ARGV[1])
-    redis.call('PEXPIRE', KEYS[3], {WAITER_MS + HANDOFF_MS})
-  end
-  return {{0, retry_ms}}
 end
 local expires = tonumber(held[2])
 if expires and expires > now then
-  return refuse(expires - now)
+  -- Held. A caller that will retry queues up (keeping its place on a re-try).
+  local wait = tonumber(ARGV[5])
+  if wait ~= 0 then
+    if wait < 0 or wait > {WAITER_MS} then wait = {WAITER_MS} end
+    redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1])
+    redis.call('HSET', KEYS[4], ARGV[1], (now + wait) .. ' ' .. ARGV[2] .. ' ' .. ARGV[3])
+    redis.call('PEXPIRE', KEYS[3], {WAITER_MS})
+    redis.call('PEXPIRE', KEYS[4], {WAITER_MS})
+  end
+  return {{0, expires - now}}
 end
--- Absent or stale. Just released to waiters? Then only a waiter may take it.
-local reserved = redis.call('PTTL', KEYS[4])
-if reserved > 0 and not redis.call('ZSCORE', KEYS[3], ARGV[1]) then
-  return refuse(reserved)
-end
--- Take it over in this same atomic step.
-redis.call('ZREM', KEYS[3], ARGV[1])
-if reserved > 0 then
-  redis.call('DEL', KEYS[4])
+-- Absent or stale (a holder that never released): take it over in this same
+-- atomic step. Releases hand the lock straight to waiters, so a free lock with
+-- waiters only follows an expiry; the first to retry wins it, queued or not.
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  redis.call('HDEL', KEYS[4], ARGV[1])
 end
 local fencing = redis.call('INCR', KEYS[2])
 local ttl = tonumber(ARGV[2])
@@ -153,27 +182,45 @@ redis.call('PEXPIRE', KEYS[1], ttl + tonumber(ARGV[4]))
 return {{1, fencing}}
 """
 
-# KEYS: lock, wake, waiters, handoff. ARGV: token, wake_ms.
-# Returns 1 if released, 0 if not ours. An expired record still carrying our token
-# is ours: nobody else held it since.
-RELEASE = """
+# KEYS: lock, fence, waiters, requests. ARGV: token, retention_ms, signal_ms.
+# Returns 1 if released (or handed to a waiter), 0 if not ours. An expired record
+# still carrying our token is ours: nobody else held it since.
+RELEASE = _GRANT + """
 if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
   return 0
 end
-redis.call('DEL', KEYS[1])
--- Every refused caller that will retry registered itself as a waiter, so with no
--- waiters there is nobody to wake: the common, uncontended release stops here.
+-- Every refused caller that will retry is queued, so with no waiters there is
+-- nobody to hand over to: the common, uncontended release stops here.
 if redis.call('EXISTS', KEYS[3]) == 0 then
+  redis.call('DEL', KEYS[1])
   return 1
 end
 """ + _NOW + """
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-if redis.call('ZCARD', KEYS[3]) == 0 then
-  return 1
+if not grant(now, tonumber(ARGV[2]), tonumber(ARGV[3])) then
+  redis.call('DEL', KEYS[1])
 end
-redis.call('SET', KEYS[4], 1, 'PX', """ + str(HANDOFF_MS) + """)
-""" + _wake("ARGV[2]") + """
 return 1
+"""
+
+# KEYS: lock, fence, waiters, requests, inbox. ARGV: token, retention_ms, signal_ms.
+# A queued caller gives up: withdraw it. If a release handed it the lock meanwhile,
+# returns {1, fencing} (it holds the lock: the caller keeps it); else {0, 0}. A
+# handed lock that already expired unused is passed on instead.
+STOP_WAITING = _GRANT + _NOW + """
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[1])
+redis.call('DEL', KEYS[5])
+local held = redis.call('HMGET', KEYS[1], 'token', 'expires', 'fencing')
+if held[1] ~= ARGV[1] then
+  return {0, 0}
+end
+if tonumber(held[2]) > now then
+  return {1, tonumber(held[3])}
+end
+if not grant(now, tonumber(ARGV[2]), tonumber(ARGV[3])) then
+  redis.call('DEL', KEYS[1])
+end
+return {0, 0}
 """
 
 # KEYS: lock. ARGV: token, ttl_ms, retention_ms. Returns 1 if extended, 0 if not ours.
@@ -201,21 +248,24 @@ GET = _NOW + """
 return {now, redis.call('HGETALL', KEYS[1])}
 """
 
-# KEYS: lock, wake. ARGV: wake_ms. Force-release whoever holds it.
+# KEYS: lock, fence, waiters, requests. ARGV: retention_ms, signal_ms.
+# Force-release whoever holds it; a queued waiter gets it next.
 # Returns {now, {field, value, ...}} of the removed record ({} when there was none).
-DELETE = _NOW + """
+DELETE = _GRANT + _NOW + """
 local fields = redis.call('HGETALL', KEYS[1])
 if #fields > 0 then
   redis.call('DEL', KEYS[1])
-""" + _wake("ARGV[1]") + """
+  grant(now, tonumber(ARGV[1]), tonumber(ARGV[2]))
 end
 return {now, fields}
 """
 
-# KEYS: lock, wake. ARGV: include_held (0/1), wake_ms, older_than_ms ('' = any), dry_run.
+# KEYS: lock, fence, waiters, requests.
+# ARGV: include_held (0/1), retention_ms, signal_ms, older_than_ms ('' = any), dry_run.
 # Re-checks at removal time what SCAN found, so a lock re-acquired in between is kept.
+# A removed held lock goes to a queued waiter, as on release.
 # Returns 1 if removed (or removable, on a dry run), else 0.
-CLEAR = _NOW + """
+CLEAR = _GRANT + _NOW + """
 local f = redis.call('HMGET', KEYS[1], 'acquired', 'expires')
 local acquired, expires = tonumber(f[1]), tonumber(f[2])
 if not expires then
@@ -225,13 +275,13 @@ local held = expires > now
 if held and ARGV[1] == '0' then
   return 0
 end
-if ARGV[3] ~= '' and acquired > now - tonumber(ARGV[3]) then
+if ARGV[4] ~= '' and acquired > now - tonumber(ARGV[4]) then
   return 0
 end
-if ARGV[4] == '0' then
+if ARGV[5] == '0' then
   redis.call('UNLINK', KEYS[1])
   if held then
-""" + _wake("ARGV[2]") + """
+    grant(now, tonumber(ARGV[2]), tonumber(ARGV[3]))
   end
 end
 return 1
@@ -241,6 +291,29 @@ return 1
 def _text(value):
     """A reply as str, whether or not the client decodes responses."""
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+_OWNER_JSON_CACHE = {}
+_OWNER_JSON_CACHE_SIZE = 1024
+
+
+def _owner_json(owner):
+    """``owner`` as compact JSON, cached: a thread writes the same owner record on
+    every acquire, and encoding it is a measurable part of an uncontended acquire."""
+    try:
+        # The value types are part of the key: 1, 1.0 and True are equal, but their
+        # JSON is not.
+        key = (*owner.items(), *map(type, owner.values()))
+        return _OWNER_JSON_CACHE[key]
+    except TypeError:  # an unhashable value: encode it every time
+        return json.dumps(owner, separators=(",", ":"), sort_keys=True)
+    except KeyError:
+        pass
+    text = json.dumps(owner, separators=(",", ":"), sort_keys=True)
+    if len(_OWNER_JSON_CACHE) >= _OWNER_JSON_CACHE_SIZE:
+        _OWNER_JSON_CACHE.clear()  # many threads or guards: start over rather than grow
+    _OWNER_JSON_CACHE[key] = text
+    return text
 
 
 def _escape_glob(text):
@@ -284,6 +357,7 @@ class _Connection:
         self.get = client.register_script(GET)
         self.delete = client.register_script(DELETE)
         self.clear = client.register_script(CLEAR)
+        self.stop_waiting = client.register_script(STOP_WAITING)
         # A BLPOP must return before the socket times out (see MAX_BLOCK). A client
         # without a single pool (a cluster client) keeps the MAX_BLOCK default.
         pool = getattr(client, "connection_pool", None)
@@ -431,14 +505,14 @@ class RedisBackend(BaseLockBackend):
             conn.client.close()
 
     def _keys(self, name):
-        """The (lock, fence, wake) keys of ``name``; they share one hash slot."""
+        """The (lock, fence, waiters, requests) keys of ``name``, in the order every
+        script takes them; they share one hash slot."""
         base = f"{self.key_prefix}:{{{name}}}"
-        return f"{base}:lock", f"{base}:fence", f"{base}:wake"
+        return f"{base}:lock", f"{base}:fence", f"{base}:waiters", f"{base}:requests"
 
-    def _queue_keys(self, name):
-        """The (waiters, handoff) keys of ``name``, in the same hash slot."""
-        base = f"{self.key_prefix}:{{{name}}}"
-        return f"{base}:waiters", f"{base}:handoff"
+    def _inbox_key(self, name, token):
+        """The list a queued caller with ``token`` blocks on (see _GRANT)."""
+        return f"{self.key_prefix}:{{{name}}}:inbox:{token}"
 
     def _name_from_key(self, key):
         return _text(key)[len(self.key_prefix) + 2 : -len("}:lock")]
@@ -466,49 +540,53 @@ class RedisBackend(BaseLockBackend):
     def acquire(self, name, token, ttl, owner, wait=0.0):
         """Returns ``AcquireResult.won(fencing)`` or ``.lost(retry_after=seconds)``.
 
-        A refused caller that will retry (``wait`` > 0 or None) is registered as a
-        waiter; a release with live waiters reserves the lock for them briefly.
+        A refused caller that will retry (``wait`` > 0 or None) is queued: a release
+        hands the lock straight to the longest-waiting queued caller (see :meth:`wait`).
         """
         conn = self.connection
-        lock_key, fence_key, _ = self._keys(name)
-        waiters_key, handoff_key = self._queue_keys(name)
-        owner_json = json.dumps(owner, separators=(",", ":"), sort_keys=True)
         wait_ms = -1 if wait is None else int(wait * 1000)
         with self._errors_as(f"acquire {name!r}"):
             try:
                 won, value = conn.acquire(
-                    keys=[lock_key, fence_key, waiters_key, handoff_key],
-                    args=[token, ttl_to_ms(ttl), owner_json, self.retention_ms, wait_ms],
+                    keys=self._keys(name),
+                    args=[token, ttl_to_ms(ttl), _owner_json(owner), self.retention_ms, wait_ms],
                 )
             except self._network_errors:
-                # The script may have run before the connection broke: undo it so no
-                # ghost lock blocks others for a whole ttl, then report the failure.
-                self._release_quietly(name, token)
+                # The script may have run before the connection broke: undo it (withdraw
+                # from the queue, release what we may hold) so no ghost lock blocks
+                # others for a whole ttl, then report the failure.
+                self._abandon_quietly(name, token)
                 raise
         if won:
             return AcquireResult.won(value)
         return AcquireResult.lost(retry_after=value / 1000)
 
     def stop_waiting(self, name, token):
-        """Forget ``token`` as a waiter (it timed out), so it holds no handoff back."""
-        waiters_key, _ = self._queue_keys(name)
+        """Withdraw ``token`` from the queue. Returns ``AcquireResult.won(fencing)`` if
+        a release handed it the lock meanwhile (the caller holds it), else None."""
+        conn = self.connection
         with self._errors_as(f"stop waiting for {name!r}"):
-            self.connection.client.zrem(waiters_key, token)
+            granted, fencing = conn.stop_waiting(
+                keys=[*self._keys(name), self._inbox_key(name, token)],
+                args=[token, self.retention_ms, self.wake_ms],
+            )
+        return AcquireResult.won(fencing) if granted else None
 
-    def _release_quietly(self, name, token):
+    def _abandon_quietly(self, name, token):
+        """Best effort, after an error: leave the queue and release whatever we hold."""
         try:
+            self.stop_waiting(name, token)
             self._release(self.connection, name, token)
-        except self._errors:
+        except Exception:  # noqa: BLE001 - the original error is the one to report
             pass
 
     def _release(self, conn, name, token):
-        lock_key, _, wake_key = self._keys(name)
-        waiters_key, handoff_key = self._queue_keys(name)
-        return bool(conn.release(keys=[lock_key, wake_key, waiters_key, handoff_key],
-                                 args=[token, self.wake_ms]))
+        return bool(conn.release(keys=self._keys(name),
+                                 args=[token, self.retention_ms, self.wake_ms]))
 
     def release(self, name, token):
-        """Returns True if the record carried ``token`` and was deleted."""
+        """Returns True if the record carried ``token`` and was deleted (or handed to
+        the longest-waiting queued caller)."""
         conn = self.connection
         with self._errors_as(f"release {name!r}"):
             return self._release(conn, name, token)
@@ -535,11 +613,11 @@ class RedisBackend(BaseLockBackend):
         return self._info(name, fields, now) if fields else None
 
     def delete(self, name):
-        """Force-release ``name`` and wake a waiter. Returns the removed LockInfo or None."""
+        """Force-release ``name`` (a queued waiter gets it next). Returns the removed
+        LockInfo or None."""
         conn = self.connection
-        lock_key, _, wake_key = self._keys(name)
         with self._errors_as(f"delete {name!r}"):
-            now, fields = conn.delete(keys=[lock_key, wake_key], args=[self.wake_ms])
+            now, fields = conn.delete(keys=self._keys(name), args=[self.retention_ms, self.wake_ms])
         return self._info(name, fields, now) if fields else None
 
     # -- listing and clearing -----------------------------------------------------
@@ -606,7 +684,8 @@ class RedisBackend(BaseLockBackend):
         conn = self.connection
         result = ClearResult(self.alias)
         older_than_ms = "" if older_than is None else int(older_than * 1000)
-        args = [int(bool(include_held)), self.wake_ms, older_than_ms, int(bool(dry_run))]
+        args = [int(bool(include_held)), self.retention_ms, self.wake_ms, older_than_ms,
+                int(bool(dry_run))]
         with self._errors_as("clear"):
             for client, keys in self._scan_all(conn, name_glob):
                 # One script call per key, pipelined: each is atomic, and per-key calls
@@ -614,8 +693,7 @@ class RedisBackend(BaseLockBackend):
                 pipe = client.pipeline(transaction=False)
                 names = [self._name_from_key(key) for key in keys]
                 for name in names:
-                    lock_key, _, wake_key = self._keys(name)
-                    conn.clear(keys=[lock_key, wake_key], args=args, client=pipe)
+                    conn.clear(keys=self._keys(name), args=args, client=pipe)
                 removed = [name for name, done in zip(names, pipe.execute()) if done]
                 if removed:
                     result.names.extend(removed)
@@ -625,15 +703,19 @@ class RedisBackend(BaseLockBackend):
 
     # -- waiting ------------------------------------------------------------------
 
-    def wait(self, name, *, attempt, max_wait, retry_after):
-        """Block on the wake list until a release, the holder's expiry or ``max_wait``."""
+    def wait(self, name, *, token, attempt, max_wait, retry_after):
+        """Block on ``token``'s inbox until a release hands it the lock, the holder's
+        expiry, ``max_wait`` or ``WAIT_BLOCK`` (then the caller retries, which keeps
+        it queued). Returns ``AcquireResult.won(fencing)`` when handed the lock."""
         conn = self.connection
-        timeout = conn.max_block
+        timeout = min(WAIT_BLOCK, conn.max_block)
         if retry_after is not None:
             timeout = min(timeout, max(retry_after, 0) + 0.001)
         if max_wait is not None:
             timeout = min(timeout, max_wait)
         if timeout <= 0:
-            return
+            return None
         with self._errors_as(f"wait for {name!r}"):
-            conn.client.blpop([self._keys(name)[2]], timeout=max(timeout, MIN_BLOCK))
+            reply = conn.client.blpop([self._inbox_key(name, token)],
+                                      timeout=max(timeout, MIN_BLOCK))
+        return None if reply is None else AcquireResult.won(int(reply[1]))

@@ -451,9 +451,10 @@ class RedlockBackend(BaseLockBackend):
             node.close()
 
     def _keys(self, name):
+        """(lock, fence, waiters, requests): the keys every shared script takes. Redlock
+        never queues waiters, so the last two stay empty on its nodes."""
         base = f"{self.key_prefix}:{{{name}}}"
-        return (f"{base}:lock", f"{base}:fence", f"{base}:wake", f"{base}:waiters",
-                f"{base}:handoff")
+        return f"{base}:lock", f"{base}:fence", f"{base}:waiters", f"{base}:requests"
 
     def _name_from_key(self, key):
         return _text(key)[len(self.key_prefix) + 2 : -len("}:lock")]
@@ -655,9 +656,8 @@ class RedlockBackend(BaseLockBackend):
         within its validity, else ``.lost(retry_after)``; raises LockBackendError when
         no node answered. ``wait`` is not used (no waiter queue on Redlock)."""
         ttl_ms = self._check_ttl(ttl, "acquire")
-        lock_key, fence_key, _, waiters_key, handoff_key = self._keys(name)
         owner_json = json.dumps(owner, separators=(",", ":"), sort_keys=True)
-        acquire_call = (_ACQUIRE, (lock_key, fence_key, waiters_key, handoff_key),
+        acquire_call = (_ACQUIRE, self._keys(name),
                         (token, ttl_ms, owner_json, self.retention_ms, 0))
         # The node's marker and clock ride along in the same round (plain commands:
         # cheaper than a script); a node without a marker is created one after.
@@ -737,9 +737,8 @@ class RedlockBackend(BaseLockBackend):
     def _release_on(self, name, token, indexes):
         """Best-effort release of ``token`` on ``indexes`` (errors are ignored: the
         records expire with their ttl anyway)."""
-        lock_key, _, wake_key, waiters_key, handoff_key = self._keys(name)
-        self._round({i: [(_RELEASE, (lock_key, wake_key, waiters_key, handoff_key),
-                          (token, 1000))] for i in indexes})
+        self._round({i: [(_RELEASE, self._keys(name), (token, self.retention_ms, 1000))]
+                     for i in indexes})
 
     def _warn_untrusted(self, untrusted):
         now = time.monotonic()
@@ -767,9 +766,8 @@ class RedlockBackend(BaseLockBackend):
         """Release on every node. True if a majority held our token and deleted it;
         False if too many nodes answered that it was not ours for a majority to have
         held it; LockBackendError if too few answered to tell."""
-        lock_key, _, wake_key, waiters_key, handoff_key = self._keys(name)
-        results = self._round(self._all(_RELEASE, (lock_key, wake_key, waiters_key,
-                                                   handoff_key), (token, 1000)))
+        results = self._round(self._all(_RELEASE, self._keys(name),
+                                        (token, self.retention_ms, 1000)))
         released, answered = self._count(results)
         if released >= self.quorum:
             return True
@@ -870,8 +868,7 @@ class RedlockBackend(BaseLockBackend):
     def delete(self, name):
         """Force-release ``name`` on every node. Returns the majority view of what was
         removed, or None."""
-        lock_key, _, wake_key = self._keys(name)[:3]
-        results = self._round(self._all(_DELETE, (lock_key, wake_key), (1000,)))
+        results = self._round(self._all(_DELETE, self._keys(name), (self.retention_ms, 1000)))
         replies = self._replies(results)
         if not replies:
             raise self._fail(f"delete {name!r}", results)
@@ -952,7 +949,8 @@ class RedlockBackend(BaseLockBackend):
         ``:fence`` counters and the node marker are never touched."""
         result = ClearResult(self.alias)
         older_than_ms = "" if older_than is None else int(older_than * 1000)
-        args = (int(bool(include_held)), 1000, older_than_ms, int(bool(dry_run)))
+        args = (int(bool(include_held)), self.retention_ms, 1000, older_than_ms,
+                int(bool(dry_run)))
         for names, results in self._batches(name_glob):
             chosen = []
             for j, name in enumerate(names):
@@ -962,7 +960,7 @@ class RedlockBackend(BaseLockBackend):
                     chosen.append(name)
             if not chosen:
                 continue
-            calls = [(_CLEAR, self._keys(n)[0:3:2], args) for n in chosen]
+            calls = [(_CLEAR, self._keys(n), args) for n in chosen]
             done = self._round({i: calls for i in range(len(self.locations))},
                                timeout=BATCH_TIMEOUT)
             removed = [name for j, name in enumerate(chosen)
