@@ -130,12 +130,12 @@ def seed_postgres(count):
         for start in range(0, count, INSERT_ROWS):
             idx = range(start, min(start + INSERT_ROWS, count))
             rows = ", ".join(
-                [f"(%s, %s, %s, {now} - 120000, {now} + %s)"] * len(idx))
+                [f"(%s, %s, %s, {now} - 120000, {now} + %s, '', 0, 0)"] * len(idx))
             params = []
             for i in idx:
                 params += [lock_name(i), f"{i:032x}", OWNER, -60_000 if is_stale(i) else 3_600_000]
             cursor.execute("INSERT INTO django_setnx_lock (name, token, owner, acquired_at, "
-                           f"expires_at) VALUES {rows}", params)
+                           f"expires_at, next_token, next_since, next_seen) VALUES {rows}", params)
             fences = ", ".join(["(%s, %s)"] * len(idx))
             fparams = []
             for i in idx:

@@ -108,13 +108,13 @@ def seed_postgres(count):
         now = "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000)::bigint"
         for start in range(0, count, INSERT_ROWS):
             names = [lock_name(i) for i in range(start, min(start + INSERT_ROWS, count))]
-            rows = ", ".join([f"(%s, %s, %s, {now} - 120000, {now} - 60000)"] * len(names))
+            rows = ", ".join([f"(%s, %s, %s, {now} - 120000, {now} - 60000, '', 0, 0)"] * len(names))
             params = []
             for i, name in enumerate(names, start):
                 params += [name, f"{i:032x}", OWNER]
             cursor.execute(
-                "INSERT INTO django_setnx_lock (name, token, owner, acquired_at, expires_at) "
-                f"VALUES {rows}", params)
+                "INSERT INTO django_setnx_lock (name, token, owner, acquired_at, expires_at, "
+                f"next_token, next_since, next_seen) VALUES {rows}", params)
             fences = ", ".join(["(%s, 1)"] * len(names))
             cursor.execute(f"INSERT INTO django_setnx_fence (name, value) VALUES {fences} "
                            "ON CONFLICT (name) DO NOTHING", names)

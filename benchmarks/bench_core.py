@@ -140,7 +140,8 @@ def lock_factory(kind, cfg, alias, name, sleep=0.1):
     """Return ``make()`` -> (acquire(timeout) -> bool, release()) for a fresh lock object.
 
     kind: ``ours`` (django-setnx, lock alias ``alias``), ``redispy`` (redis-py's
-    Lock, polling every ``sleep`` s), ``prl`` (python-redis-lock).
+    Lock, polling every ``sleep`` s), ``prl`` (python-redis-lock), ``floor`` (the
+    least a safe wake-up lock does), ``raw`` (the machine's wake-up floor, not a lock).
     """
     if kind == "ours":
         from django_setnx import lock
@@ -180,6 +181,8 @@ def lock_factory(kind, cfg, alias, name, sleep=0.1):
                 check(release_script(keys=[name, wake_key], args=[token]) == 1, "floor release")
             return acquire, release
         return make
+    if kind == "raw":
+        return raw_token_lock(client, cfg["redis_url"], name)
     if kind == "prl":
         import redis_lock
 
@@ -189,6 +192,55 @@ def lock_factory(kind, cfg, alias, name, sleep=0.1):
             return (lambda timeout: lk.acquire(blocking=True, timeout=min(timeout, TTL))), lk.release
         return make
     raise ValueError(kind)
+
+
+def raw_token_lock(client, url, name):
+    """The machine's floor for a Redis wake-up: one token passed through a Redis list.
+
+    acquire = ``BLPOP`` the token, release = ``RPUSH`` it back, each a hand-written
+    RESP command on a raw socket: no client library, no ttl, no owner check, no
+    fencing. Not a usable lock (a holder that dies loses the token for good); it
+    shows what a release-to-acquire wake-up costs on this machine before any lock
+    logic or client library is added.
+    """
+    from urllib.parse import urlsplit
+
+    if client.set(name + ":init", 1, nx=True, ex=3600):  # the first process seeds it
+        client.rpush(name, 1)
+        client.expire(name, 3600)
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 6379))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    reader = sock.makefile("rb")
+
+    def command(*words):
+        words = [str(w).encode() for w in words]
+        sock.sendall(b"*%d\r\n" % len(words)
+                     + b"".join(b"$%d\r\n%s\r\n" % (len(w), w) for w in words))
+
+    db = (parts.path or "/0").strip("/") or "0"
+    command("SELECT", db)
+    check(reader.readline() == b"+OK\r\n", "raw SELECT")
+    key = name.encode()
+
+    def make():
+        def acquire(timeout):
+            command("BLPOP", name, f"{timeout:.3f}")
+            head = reader.readline()
+            if head.startswith(b"*-1"):
+                return False
+            check(head == b"*2\r\n", f"raw BLPOP reply {head!r}")
+            reader.readline()
+            check(reader.readline().rstrip(b"\r\n") == key, "raw BLPOP key")
+            reader.readline()
+            reader.readline()
+            return True
+
+        def release():
+            command("RPUSH", name, 1)
+            check(reader.readline() == b":1\r\n", "raw RPUSH")
+        return acquire, release
+    return make
 
 
 # -- 1. uncontended ----------------------------------------------------------------------
@@ -360,8 +412,8 @@ def db_variants(cfg, engine):
     raw = wrapper.connection
     ph = "?" if wrapper.vendor == "sqlite" else "%s"
     table_name = wrapper.ops.quote_name("django_setnx_lock")
-    insert = (f"INSERT INTO {table_name} (name, token, owner, acquired_at, expires_at) "
-              f"VALUES ({ph}, {ph}, {ph}, {ph}, {ph})")
+    insert = (f"INSERT INTO {table_name} (name, token, owner, acquired_at, expires_at, "
+              f"next_token, next_since, next_seen) VALUES ({ph}, {ph}, {ph}, {ph}, {ph}, '', 0, 0)")
     delete = f"DELETE FROM {table_name} WHERE name = {ph} AND token = {ph}"
     f_name, f_token = f"{np}:u:floor", secrets.token_hex(16)
     f_owner = json.dumps(current_owner(), sort_keys=True)
@@ -663,14 +715,17 @@ def section_handoff(cfg, p, results):
     rows = []
     plan = []
     if cfg.get("redis_url"):
+        plan.append(("machine: a token through a Redis list, raw sockets (RPUSH → BLPOP; "
+                     "not a lock, no client library)", "raw", None, False))
         plan.append(("floor: minimal wake-up lock (CAD+RPUSH script → BLPOP → SET NX PX)",
                      "floor", None, False))
-        plan.append(("**ours: Redis** (BLPOP wake-up)", "ours", "redis", True))
+        plan.append(("**ours: Redis** (direct handoff to the first waiter, BLPOP)", "ours",
+                     "redis", True))
         plan.append(("peer: redis-py Lock (`blocking_timeout`, default sleep=0.1)", "redispy", None, False))
         if have("redis_lock"):
             plan.append(("peer: python-redis-lock (BLPOP signal)", "prl", None, False))
     for engine in cfg["engines"]:
-        plan.append((f"ours: {engine} (backoff polling; for information)", "ours", engine, False))
+        plan.append((f"ours: {engine} (polling; for information)", "ours", engine, False))
     for label, kind, alias, targeted in plan:
         try:
             lat, failures = run_handoff(cfg, kind, alias, n)
@@ -796,6 +851,8 @@ def section_throughput(cfg, p, results):
     out()
     plan = []
     if cfg.get("redis_url"):
+        plan.append(("machine: a token through a Redis list, raw sockets (not a lock)", "raw",
+                     None, 0.1, False))
         plan.append(("floor: minimal wake-up lock (SET NX PX, BLPOP, CAD+RPUSH)", "floor", None,
                      0.1, False))
         plan.append(("**ours: Redis**", "ours", "redis", 0.1, True))

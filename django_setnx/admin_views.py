@@ -201,7 +201,8 @@ class DatabaseSource(StreamSource):
         return RawSQL(self.now_sql, (), output_field=BigIntegerField())
 
     def _queryset(self, state, glob):
-        qs = LockRecord.objects.using(self.database)
+        # An empty token marks a row kept only for the waiter next in line: no lock.
+        qs = LockRecord.objects.using(self.database).exclude(token="")
         if state == STALE:
             qs = qs.filter(expires_at__lte=self._now())
         elif state == HELD:
@@ -273,7 +274,8 @@ class DatabaseSource(StreamSource):
     def owner_token(self, name):
         def work():
             rows = (
-                self._with_info_columns(LockRecord.objects.using(self.database).filter(name=name))
+                self._with_info_columns(
+                    LockRecord.objects.using(self.database).filter(name=name).exclude(token=""))
                 .values_list("token", "_fencing")[:1]
             )
             return tuple(rows[0]) if rows else None

@@ -1,7 +1,8 @@
 """Tables of the database backend.
 
 ``LockRecord`` holds one row per held or stale lock; its unique ``name`` is the
-SETNX. ``FencingCounter`` holds the last fencing token handed out per name and is
+SETNX. A row whose ``token`` is empty is no lock: it was released while a waiter
+was next in line, and only keeps that waiter's place (the backend hides it). ``FencingCounter`` holds the last fencing token handed out per name and is
 never deleted, so tokens strictly increase across releases, takeovers, ``clearlocks``
 and restarts. Times are integer milliseconds since the epoch **from the database's
 clock**, so comparisons never depend on an app server's clock or time zone.
@@ -22,6 +23,12 @@ class LockRecord(models.Model):
     owner = models.TextField(_("owner"), default="{}", help_text=_("JSON: host, pid, thread, guards."))
     acquired_at = models.BigIntegerField(_("acquired at"), help_text=_("Milliseconds since the epoch, database clock."))
     expires_at = models.BigIntegerField(_("expires at"), help_text=_("Milliseconds since the epoch, database clock."))
+    # The waiter next in line (see backends/database.py, "Fairness"): the token of
+    # the longest-waiting caller, when it started waiting (its own clock, ms; only
+    # compared with other waiters') and when it last asked (database clock, ms).
+    next_token = models.CharField(_("next in line"), max_length=64, default="", blank=True)
+    next_since = models.BigIntegerField(_("waiting since"), default=0)
+    next_seen = models.BigIntegerField(_("last seen waiting"), default=0)
 
     class Meta:
         db_table = "django_setnx_lock"

@@ -199,6 +199,8 @@ class BaseLockBackend:
 
     #: Whether :meth:`wait` is woken by a release (True) or polls with backoff.
     wakes_waiters = False
+    #: The longest sleep of :meth:`backoff` (seconds).
+    max_backoff = MAX_BACKOFF
 
     def __init__(self, alias, params):
         self.alias = alias
@@ -286,7 +288,7 @@ class BaseLockBackend:
     def backoff(self, attempt, max_wait, retry_after):
         """Seconds to sleep before attempt ``attempt + 1``: capped exponential with
         jitter, never past ``max_wait`` nor much past the holder's expiry."""
-        ceiling = min(MAX_BACKOFF, BASE_BACKOFF * (2 ** min(attempt, 16)))
+        ceiling = min(self.max_backoff, BASE_BACKOFF * (2 ** min(attempt, 16)))
         delay = random.uniform(ceiling / 2, ceiling)
         if retry_after is not None:
             # Wake up right after the holder's expiry rather than up to MAX_BACKOFF late.

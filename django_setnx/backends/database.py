@@ -17,6 +17,20 @@ other processes at once, survives the caller's rollback, and a contention never
 breaks the caller's transaction. Expiry is judged by the database's clock, in
 integer milliseconds since the epoch.
 
+Fairness. A caller that was refused and will retry asks for the place *next in
+line*, kept in three columns of the lock row (``next_token``, ``next_since``,
+``next_seen``): it gets it if nobody has it, if its holder stopped asking for
+``NEXT_LAPSE_MS``, or if it has been waiting longer than its holder. While a live
+waiter is next in line, only that waiter may take the lock over: a release leaves
+the row behind with an empty token (no lock, hidden from ``get``, ``list``, the
+admin and ``clearlocks``) instead of deleting it, so a client that releases and
+loops straight back to acquire cannot take the lock again ahead of the waiters. The
+waiter next in line polls every few milliseconds (``HEAD_POLL``), the others back
+off (up to ``WAITER_MAX_BACKOFF``); each waiter takes the place over from a later
+one at its next attempt, so the longest-waiting caller gets the lock within about
+one ``WAITER_MAX_BACKOFF`` of becoming the longest-waiting. Mutual exclusion never
+depends on this: it is only about who wins next.
+
 SQLite has a single writer. The backend switches an SQLite database to WAL mode
 (``OPTIONS["SQLITE_WAL"]``, default True; the mode is stored in the database file),
 so that a caller's open read transaction does not block our writes. A lock
@@ -25,10 +39,12 @@ transaction still waits for it, and fails with ``LockBackendError`` after the
 database's ``timeout`` option: take locks outside such blocks on SQLite.
 """
 
+import asyncio
 import copy
 import json
 import os
 import threading
+import time
 import weakref
 
 from django.core import checks
@@ -54,6 +70,20 @@ NOW_MS = {
 #: How many rows list() and clear() read per round trip.
 BATCH_SIZE = 500
 
+#: A waiter next in line that has not asked for this long (ms, database clock) has
+#: given up or died: it loses its place. A live one renews it every NEXT_RENEW.
+NEXT_LAPSE_MS = 1000
+NEXT_RENEW = 0.25
+#: The waiter next in line retries after HEAD_POLL seconds, doubling up to
+#: HEAD_POLL_MAX: only that one caller per lock polls this fast (the others back
+#: off, up to WAITER_MAX_BACKOFF), so a release is taken up within milliseconds at
+#: a bounded cost to the database (at most 1 / HEAD_POLL_MAX queries a second while
+#: a long hold lasts).
+HEAD_POLL = 0.0005
+HEAD_POLL_MAX = 0.008
+#: The other waiters' longest backoff (seconds), below the base class' MAX_BACKOFF.
+WAITER_MAX_BACKOFF = 0.1
+
 _INFO_COLUMNS = "l.name, l.owner, l.acquired_at, l.expires_at, COALESCE(f.value, 0), {now}"
 
 
@@ -69,14 +99,48 @@ class _Dialect:
         lock, fence = quote(LOCK_TABLE), quote(FENCE_TABLE)
         self.now = now
         self.lock_table, self.fence_table = lock, fence
-        self.release = f"DELETE FROM {lock} WHERE name = %s AND token = %s"
+        # Who may take over an expired (or released-to-the-next-waiter) row: anyone
+        # when no live waiter is next in line, else only that waiter. {t} is the
+        # row's table reference, {x} the new values' ("excluded" row).
+        self.may_take = (
+            "{t}.expires_at <= {x}.acquired_at AND ({t}.next_token = '' "
+            "OR {t}.next_token = {x}.token "
+            f"OR {{t}}.next_seen <= {{x}}.acquired_at - {NEXT_LAPSE_MS})"
+        )
+        self.release = (
+            f"DELETE FROM {lock} WHERE name = %s AND token = %s "
+            f"AND (next_token = '' OR next_seen <= {now} - {NEXT_LAPSE_MS})"
+        )
+        # A waiter is next in line: leave it the lock (expired, empty token) instead
+        # of deleting the row, so nobody else can take it before that waiter does.
+        self.release_to_next = (
+            f"UPDATE {lock} SET token = '', owner = '{{}}', expires_at = {now} "
+            f"WHERE name = %s AND token = %s"
+        )
+        # A refused caller that will retry: take the place next in line if it is
+        # free, lapsed, already ours, or held by a caller who started waiting later.
+        # Params: token, since, name, token, token, since.
+        self.queue = (
+            f"UPDATE {lock} SET next_token = %s, next_since = %s, next_seen = {now} "
+            f"WHERE name = %s AND token <> %s AND (next_token = '' OR next_token = %s "
+            f"OR next_seen <= {now} - {NEXT_LAPSE_MS} OR next_since > %s)"
+        )
+        self.unqueue = (
+            f"UPDATE {lock} SET next_token = '', next_since = 0, next_seen = 0 "
+            f"WHERE name = %s AND next_token = %s"
+        )
+        # A row released to a waiter that then withdrew or lapsed is no lock: drop it.
+        self.drop_placeholder = f"DELETE FROM {lock} WHERE name = %s AND token = '' AND next_token = ''"
+        self.purge_placeholders = (
+            f"DELETE FROM {lock} WHERE token = '' AND next_seen <= {now} - {NEXT_LAPSE_MS}"
+        )
         self.extend = f"UPDATE {lock} SET expires_at = {now} + %s WHERE name = %s AND token = %s"
         self.owns = f"SELECT 1 FROM {lock} WHERE name = %s AND token = %s AND expires_at > {now}"
         self.info_select = (
             f"SELECT {_INFO_COLUMNS.format(now=now)}, l.id, l.token FROM {lock} l "
             f"LEFT JOIN {fence} f ON f.name = l.name"
         )
-        self.get = f"{self.info_select} WHERE l.name = %s"
+        self.get = f"{self.info_select} WHERE l.name = %s AND l.token <> ''"
         self.delete_owned = f"DELETE FROM {lock} WHERE id = %s AND token = %s"
         self.returning = vendor in ("postgresql", "sqlite") or is_mariadb
 
@@ -86,12 +150,14 @@ class _Dialect:
             # handed out in commit order. On contention, the holder's remaining ms.
             self.acquire = f"""
                 WITH taken AS (
-                    INSERT INTO {lock} AS l (name, token, owner, acquired_at, expires_at)
-                    VALUES (%s, %s, %s, {now}, {now} + %s)
+                    INSERT INTO {lock} AS l (name, token, owner, acquired_at, expires_at,
+                                             next_token, next_since, next_seen)
+                    VALUES (%s, %s, %s, {now}, {now} + %s, '', 0, 0)
                     ON CONFLICT (name) DO UPDATE SET
                         token = EXCLUDED.token, owner = EXCLUDED.owner,
-                        acquired_at = EXCLUDED.acquired_at, expires_at = EXCLUDED.expires_at
-                    WHERE l.expires_at <= EXCLUDED.acquired_at
+                        acquired_at = EXCLUDED.acquired_at, expires_at = EXCLUDED.expires_at,
+                        next_token = '', next_since = 0, next_seen = 0
+                    WHERE {self.may_take.format(t="l", x="EXCLUDED")}
                     RETURNING l.name
                 ), fenced AS (
                     INSERT INTO {fence} AS f (name, value) SELECT name, 1 FROM taken
@@ -105,12 +171,14 @@ class _Dialect:
             """
         elif vendor == "sqlite":
             self.take = f"""
-                INSERT INTO {lock} (name, token, owner, acquired_at, expires_at)
-                VALUES (%s, %s, %s, {now}, {now} + %s)
+                INSERT INTO {lock} (name, token, owner, acquired_at, expires_at,
+                                    next_token, next_since, next_seen)
+                VALUES (%s, %s, %s, {now}, {now} + %s, '', 0, 0)
                 ON CONFLICT (name) DO UPDATE SET
                     token = excluded.token, owner = excluded.owner,
-                    acquired_at = excluded.acquired_at, expires_at = excluded.expires_at
-                WHERE {lock}.expires_at <= excluded.acquired_at
+                    acquired_at = excluded.acquired_at, expires_at = excluded.expires_at,
+                    next_token = '', next_since = 0, next_seen = 0
+                WHERE {self.may_take.format(t=lock, x="excluded")}
                 RETURNING token, expires_at - {now}
             """
             self.bump_fence = f"""
@@ -121,14 +189,23 @@ class _Dialect:
         else:  # MySQL / MariaDB
             # MySQL applies the assignments left to right, each seeing the previous
             # ones: once ``token`` is ours, the other columns follow it.
+            may_take = (
+                "expires_at <= VALUES(acquired_at) AND (next_token = '' "
+                "OR next_token = VALUES(token) "
+                f"OR next_seen <= VALUES(acquired_at) - {NEXT_LAPSE_MS})"
+            )
             upsert = f"""
-                INSERT INTO {lock} (name, token, owner, acquired_at, expires_at)
-                VALUES (%s, %s, %s, {now}, {now} + %s)
+                INSERT INTO {lock} (name, token, owner, acquired_at, expires_at,
+                                    next_token, next_since, next_seen)
+                VALUES (%s, %s, %s, {now}, {now} + %s, '', 0, 0)
                 ON DUPLICATE KEY UPDATE
-                    token = IF(expires_at <= VALUES(acquired_at), VALUES(token), token),
+                    token = IF({may_take}, VALUES(token), token),
                     owner = IF(token = VALUES(token), VALUES(owner), owner),
                     acquired_at = IF(token = VALUES(token), VALUES(acquired_at), acquired_at),
-                    expires_at = IF(token = VALUES(token), VALUES(expires_at), expires_at)
+                    expires_at = IF(token = VALUES(token), VALUES(expires_at), expires_at),
+                    next_token = IF(token = VALUES(token), '', next_token),
+                    next_since = IF(token = VALUES(token), 0, next_since),
+                    next_seen = IF(token = VALUES(token), 0, next_seen)
             """
             if is_mariadb:
                 self.take = upsert + f" RETURNING token, expires_at - {now}"
@@ -159,8 +236,14 @@ class _Dialect:
 class DatabaseBackend(BaseLockBackend):
     """Locks in a table of a Django database (``OPTIONS["DATABASE"]``, default ``"default"``)."""
 
+    #: Waiters poll: the longest-waiting one must come back soon enough to claim the
+    #: place next in line (see "Fairness" above) before a newer one does.
+    max_backoff = WAITER_MAX_BACKOFF
+
     def __init__(self, alias, params):
         super().__init__(alias, params)
+        # token -> _Waiter, for the refused callers of this process that will retry.
+        self._waiting = {}
         self.database = self.options.get("DATABASE", "default")
         self.sqlite_wal = bool(self.options.get("SQLITE_WAL", True))
         self._local = threading.local()
@@ -264,6 +347,11 @@ class DatabaseBackend(BaseLockBackend):
     # -- acquire ------------------------------------------------------------------
 
     def acquire(self, name, token, ttl, owner, wait=0.0):
+        """Returns ``AcquireResult.won(fencing)`` or ``.lost(retry_after=seconds)``.
+
+        A refused caller that will retry (``wait`` > 0 or None) also asks for the
+        place next in line (see "Fairness" in the module docstring).
+        """
         owner_json = json.dumps(owner, sort_keys=True)
         ttl_ms = ttl_to_ms(ttl)
 
@@ -272,11 +360,68 @@ class DatabaseBackend(BaseLockBackend):
                 cursor.execute(sql.acquire, (name, token, owner_json, ttl_ms, name))
                 row = cursor.fetchone()
                 if row is not None and row[0] is not None:
-                    return AcquireResult.won(row[0])
-                return AcquireResult.lost(retry_after=_remaining(row and row[1]))
-            return self._acquire_in_transaction(cursor, sql, raw, name, token, owner_json, ttl_ms)
+                    result = AcquireResult.won(row[0])
+                else:
+                    result = AcquireResult.lost(retry_after=_remaining(row and row[1]))
+            else:
+                result = self._acquire_in_transaction(cursor, sql, raw, name, token, owner_json,
+                                                      ttl_ms)
+            if result.acquired:
+                # Taking the row cleared the place next in line if it was ours.
+                self._waiting.pop(token, None)
+            elif wait != 0:
+                self._queue(cursor, sql, name, token)
+            return result
 
         return self._run("acquire", work)
+
+    def _queue(self, cursor, sql, name, token):
+        """Ask for (or renew) the place next in line; remember whether we have it."""
+        waiter = self._waiting.get(token)
+        if waiter is None:
+            waiter = self._waiting[token] = _Waiter()
+        elif waiter.head and time.monotonic() - waiter.renewed < NEXT_RENEW:
+            return  # ours, and renewed recently enough not to lapse
+        cursor.execute(sql.queue, (token, waiter.since_ms, name, token, token, waiter.since_ms))
+        head = cursor.rowcount == 1
+        if head and not waiter.head:
+            waiter.polls = 0
+        waiter.head = head
+        waiter.renewed = time.monotonic()
+
+    def stop_waiting(self, name, token):
+        """Give up the place next in line, if this caller had asked for it. Returns
+        None: a database lock is never handed to a caller that is not retrying."""
+        if self._waiting.pop(token, None) is None:
+            return None
+
+        def work(cursor, sql, raw):
+            cursor.execute(sql.unqueue, (name, token))
+            if cursor.rowcount:
+                # Released to us and we leave: the row is no lock any more.
+                cursor.execute(sql.drop_placeholder, (name,))
+
+        self._run("stop waiting", work)
+        return None
+
+    def _delay(self, token, attempt, max_wait, retry_after):
+        waiter = self._waiting.get(token)
+        if waiter is None or not waiter.head:
+            return self.backoff(attempt, max_wait, retry_after)
+        delay = min(HEAD_POLL * (2 ** min(waiter.polls, 8)), HEAD_POLL_MAX)
+        waiter.polls += 1
+        return max(delay if max_wait is None else min(delay, max_wait), 0)
+
+    def wait(self, name, *, token, attempt, max_wait, retry_after):
+        """Sleep before the next attempt: briefly for the caller next in line, a
+        capped exponential backoff with jitter for the others. Returns None."""
+        time.sleep(self._delay(token, attempt, max_wait, retry_after))
+        return None
+
+    async def await_release(self, name, *, token, attempt, max_wait, retry_after):
+        """Async twin of :meth:`wait`."""
+        await asyncio.sleep(self._delay(token, attempt, max_wait, retry_after))
+        return None
 
     def _acquire_in_transaction(self, cursor, sql, raw, name, token, owner_json, ttl_ms):
         cursor.execute(sql.begin())
@@ -313,8 +458,13 @@ class DatabaseBackend(BaseLockBackend):
     # -- token-checked single statements -------------------------------------------
 
     def release(self, name, token):
+        """Returns True if the row carried ``token`` and was deleted (or, with a
+        waiter next in line, left to that waiter)."""
         def work(cursor, sql, raw):
             cursor.execute(sql.release, (name, token))
+            if cursor.rowcount == 1:
+                return True
+            cursor.execute(sql.release_to_next, (name, token))
             return cursor.rowcount == 1
 
         return self._run("release", work)
@@ -358,7 +508,7 @@ class DatabaseBackend(BaseLockBackend):
         """Yield raw rows in id order, BATCH_SIZE per query (keyset pagination)."""
         while True:
             def work(cursor, sql, raw, after_id=after_id):
-                where = f"l.id > {sql.placeholder}"
+                where = f"l.id > {sql.placeholder} AND l.token <> ''"
                 if state is not None:
                     where += f" AND l.expires_at {'<=' if state == STALE else '>'} {sql.now}"
                 cursor.execute(
@@ -411,6 +561,8 @@ class DatabaseBackend(BaseLockBackend):
                 if progress is not None:
                     progress(removed)
 
+        if not dry_run:
+            self._run("clear", lambda cursor, sql, raw: cursor.execute(sql.purge_placeholders))
         for row in self._scan(state=None if include_held else STALE):
             info = self._info(row)
             if matches is not None and not matches(info.name):
@@ -429,7 +581,7 @@ class DatabaseBackend(BaseLockBackend):
         stale (and old enough), so a lock re-acquired meanwhile is never removed.
         Returns the names actually deleted."""
         def work(cursor, sql, raw):
-            where = f"id IN ({sql.placeholders(len(ids))})"
+            where = f"id IN ({sql.placeholders(len(ids))}) AND token <> ''"
             params = list(ids)
             if not include_held:
                 where += f" AND expires_at <= {sql.now}"
@@ -451,6 +603,20 @@ class DatabaseBackend(BaseLockBackend):
             return names
 
         return self._run("clear", work)
+
+
+class _Waiter:
+    """A refused caller of this process that will retry."""
+
+    __slots__ = ("since_ms", "head", "renewed", "polls")
+
+    def __init__(self):
+        # When it started waiting, by this app server's clock: only compared with
+        # other waiters' to find the longest-waiting one (fairness, never safety).
+        self.since_ms = int(time.time() * 1000)
+        self.head = False  # it has the place next in line
+        self.renewed = 0.0  # monotonic time of its last queue statement
+        self.polls = 0  # retries since it became next in line
 
 
 def _remaining(ms):

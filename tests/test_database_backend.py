@@ -1,0 +1,182 @@
+"""Database backend specifics: the place next in line (fairness), on every database.
+
+Driven through the backend's own calls with explicit tokens, so each step is
+deterministic; the shared contract is in test_contract.py, the multi-process
+races in test_races.py.
+"""
+
+import secrets
+import threading
+import time
+
+from django_setnx import lock, locks
+from django_setnx.backends import database
+
+OWNER = {"host": "test", "pid": 1, "thread": "MainThread"}
+
+
+def _token():
+    return secrets.token_hex(16)
+
+
+class _Row:
+    def __init__(self, token, next_token, next_since, next_seen):
+        self.token, self.next_token = token, next_token
+        self.next_since, self.next_seen = next_since, next_seen
+
+
+def _sql(alias, statement, params):
+    """Run SQL on the backend's own autocommit connection: the test's ORM connection
+    sits in a transaction whose snapshot would not see the backend's writes."""
+    def work(cursor, sql, raw):
+        cursor.execute(statement.format(table=sql.lock_table, p=sql.placeholder), params)
+        return cursor.fetchone() if cursor.description else None
+
+    return locks[alias]._run("test", work)
+
+
+def _row(alias, name):
+    row = _sql(alias, "SELECT token, next_token, next_since, next_seen FROM {table} "
+                      "WHERE name = {p}", (name,))
+    return None if row is None else _Row(*row)
+
+
+def _lapse(alias, name):
+    """Make the waiter next in line look as if it stopped asking long ago."""
+    _sql(alias, "UPDATE {table} SET next_seen = 1 WHERE name = {p}", (name,))
+
+
+def test_release_leaves_the_lock_to_the_waiter_next_in_line(db_alias, name):
+    backend = locks[db_alias]
+    holder, waiter, newcomer = _token(), _token(), _token()
+    assert backend.acquire(name, holder, 30, OWNER).acquired
+    assert not backend.acquire(name, waiter, 30, OWNER, wait=10).acquired  # queues
+    assert _row(db_alias, name).next_token == waiter
+
+    assert backend.release(name, holder) is True
+    # The row stays for the waiter, with no token: it is no lock to anyone else...
+    row = _row(db_alias, name)
+    assert (row.token, row.next_token) == ("", waiter)
+    assert backend.get(name) is None
+    assert [i.name for i in backend.list() if i.name == name] == []
+    # ...and a caller that did not wait (the releaser coming straight back, say)
+    # cannot take it ahead of the waiter.
+    assert not backend.acquire(name, newcomer, 30, OWNER).acquired
+    assert not backend.acquire(name, holder, 30, OWNER).acquired
+
+    won = backend.acquire(name, waiter, 30, OWNER, wait=10)
+    assert won.acquired
+    row = _row(db_alias, name)
+    assert (row.token, row.next_token, row.next_since, row.next_seen) == (waiter, "", 0, 0)
+    assert backend.get(name).fencing_token == won.fencing_token
+    assert backend.release(name, waiter) is True
+    assert _row(db_alias, name) is None, "no waiter left: the release deletes the row"
+
+
+def test_the_longest_waiting_caller_takes_the_place(db_alias, name):
+    backend = locks[db_alias]
+    holder, early, late = _token(), _token(), _token()
+    assert backend.acquire(name, holder, 30, OWNER).acquired
+    # The late caller asks first; the early one (refused before it) takes the
+    # place over at its next attempt; the late one cannot take it back.
+    assert not backend.acquire(name, late, 30, OWNER, wait=10).acquired
+    assert _row(db_alias, name).next_token == late
+    backend._waiting[early] = database._Waiter()
+    backend._waiting[early].since_ms = backend._waiting[late].since_ms - 1000
+    assert not backend.acquire(name, early, 30, OWNER, wait=10).acquired
+    assert _row(db_alias, name).next_token == early
+    backend._waiting[late].head = False
+    assert not backend.acquire(name, late, 30, OWNER, wait=10).acquired
+    assert _row(db_alias, name).next_token == early
+    backend.release(name, holder)
+    assert not backend.acquire(name, late, 30, OWNER, wait=10).acquired
+    assert backend.acquire(name, early, 30, OWNER, wait=10).acquired
+    # The late caller asks again and is next.
+    assert not backend.acquire(name, late, 30, OWNER, wait=10).acquired
+    backend.release(name, early)
+    assert backend.acquire(name, late, 30, OWNER, wait=10).acquired
+    backend.release(name, late)
+
+
+def test_a_lapsed_place_holds_nothing_back(db_alias, name):
+    backend = locks[db_alias]
+    holder, ghost, newcomer = _token(), _token(), _token()
+    assert backend.acquire(name, holder, 30, OWNER).acquired
+    assert not backend.acquire(name, ghost, 30, OWNER, wait=10).acquired
+    backend.release(name, holder)
+    assert _row(db_alias, name).token == ""
+    # The waiter died without a word: once it has not asked for NEXT_LAPSE_MS,
+    # anyone may take the lock.
+    _lapse(db_alias, name)
+    assert backend.acquire(name, newcomer, 30, OWNER).acquired
+    assert _row(db_alias, name).next_token == ""
+    backend.release(name, newcomer)
+    backend._waiting.pop(ghost, None)
+
+
+def test_a_waiter_that_gives_up_leaves_no_place_behind(db_alias, name):
+    backend = locks[db_alias]
+    holder, quitter, newcomer = _token(), _token(), _token()
+    assert backend.acquire(name, holder, 30, OWNER).acquired
+    assert not backend.acquire(name, quitter, 30, OWNER, wait=10).acquired
+    backend.release(name, holder)
+    assert backend.stop_waiting(name, quitter) is None
+    assert _row(db_alias, name) is None, "the row kept for the quitter is gone"
+    assert quitter not in backend._waiting
+    assert backend.acquire(name, newcomer, 30, OWNER).acquired
+    backend.release(name, newcomer)
+
+
+def test_timed_out_lock_gives_up_its_place(db_alias, name):
+    holder = lock(name, backend=db_alias)
+    holder.acquire()
+    assert lock(name, backend=db_alias).acquire(timeout=0.05) is False
+    assert _row(db_alias, name).next_token == ""
+    holder.release()
+    assert _row(db_alias, name) is None
+    assert locks[db_alias]._waiting == {}
+
+
+def test_blocking_waiter_gets_the_lock_before_a_looping_releaser(db_alias, name):
+    """The releaser loops straight back to acquire; the blocked waiter still wins."""
+    backend = locks[db_alias]
+    holder = lock(name, backend=db_alias)
+    holder.acquire()
+    got = []
+    waiter = threading.Thread(
+        target=lambda: got.append(lock(name, backend=db_alias).acquire(timeout=10)))
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not (_row(db_alias, name).next_token or time.monotonic() > deadline):
+        time.sleep(0.002)
+    holder.release()
+    assert lock(name, backend=db_alias).acquire(blocking=False) is False
+    waiter.join(timeout=10)
+    assert got == [True]
+    locks[db_alias].clear(include_held=True)
+    assert backend._waiting == {}
+
+
+def test_clear_purges_lapsed_places_and_never_reports_them(db_alias, name):
+    backend = locks[db_alias]
+    holder, ghost = _token(), _token()
+    backend.acquire(name, holder, 30, OWNER)
+    backend.acquire(name, ghost, 30, OWNER, wait=10)
+    backend.release(name, holder)
+    assert name not in backend.clear(include_held=True).names
+    assert _row(db_alias, name) is not None, "a live waiter's place is kept"
+    _lapse(db_alias, name)
+    assert name not in backend.clear().names
+    assert _row(db_alias, name) is None
+    backend._waiting.pop(ghost, None)
+
+
+def test_migrations_match_the_models():
+    """A model change without its migration would break every fresh install."""
+    from io import StringIO
+
+    from django.core.management import call_command
+
+    out = StringIO()
+    call_command("makemigrations", "django_setnx", check=True, dry_run=True, stdout=out)
+    assert "No changes detected" in out.getvalue()
