@@ -9,7 +9,10 @@ Release and extend are single statements conditioned on the token.
 
 Fencing tokens come from ``django_setnx_fence`` (one counter per name, never
 deleted), bumped in the same transaction as the insert or takeover, while the lock
-row is locked, so they strictly increase per name in commit order.
+row is locked, so they strictly increase per name in commit order. An acquire is
+one round trip on PostgreSQL (one statement) and on MySQL/MariaDB (one query of
+several statements: our private connection is opened with ``MULTI_STATEMENTS``;
+every value in it is a bound parameter), a few calls into the library on SQLite.
 
 Every statement runs on a connection of our own (one per thread) in autocommit,
 never on the caller's: a lock taken inside ``transaction.atomic()`` is visible to
@@ -207,15 +210,19 @@ class _Dialect:
                     next_since = IF(token = VALUES(token), 0, next_since),
                     next_seen = IF(token = VALUES(token), 0, next_seen)
             """
-            if is_mariadb:
-                self.take = upsert + f" RETURNING token, expires_at - {now}"
-            else:
-                self.take = upsert
-                self.take_result = f"SELECT token, expires_at - {now} FROM {lock} WHERE name = %s"
-            # LAST_INSERT_ID(expr) makes the new value the connection's insert id.
-            self.bump_fence = f"""
-                INSERT INTO {fence} (name, value) VALUES (%s, LAST_INSERT_ID(1))
-                ON DUPLICATE KEY UPDATE value = LAST_INSERT_ID(value + 1)
+            # The whole acquire in one round trip (our connection allows several
+            # statements per query), in one transaction: the upsert, a fence bump
+            # that only happens if the row is ours now, then who holds the row and
+            # the fence's value. Params: name, token, owner, ttl_ms, name, token, name.
+            self.acquire = f"""
+                START TRANSACTION;
+                {upsert};
+                INSERT INTO {fence} (name, value)
+                    SELECT name, 1 FROM {lock} WHERE name = %s AND token = %s
+                    ON DUPLICATE KEY UPDATE value = value + 1;
+                SELECT l.token, l.expires_at - {now}, f.value
+                    FROM {lock} l LEFT JOIN {fence} f ON f.name = l.name WHERE l.name = %s;
+                COMMIT
             """
 
         if vendor == "sqlite":
@@ -292,7 +299,15 @@ class DatabaseBackend(BaseLockBackend):
                 raise LockBackendError(self.alias, f"database {self.database!r} is not configured") from exc
             # A private copy of the caller's connection: same settings (including a
             # test database's name), but its own socket and transaction state.
-            wrapper = base.__class__(copy.deepcopy(base.settings_dict), alias=self.database)
+            settings_dict = copy.deepcopy(base.settings_dict)
+            if base.vendor == "mysql":
+                # Several statements per query, for the one-round-trip acquire.
+                from MySQLdb.constants import CLIENT  # what Django's MySQL backend uses
+
+                options = settings_dict.setdefault("OPTIONS", {})
+                options["client_flag"] = (options.get("client_flag", CLIENT.FOUND_ROWS)
+                                          | CLIENT.MULTI_STATEMENTS)
+            wrapper = base.__class__(settings_dict, alias=self.database)
             self._local.wrapper = wrapper
             with self._wrappers_lock:
                 self._wrappers.add(wrapper)
@@ -363,6 +378,8 @@ class DatabaseBackend(BaseLockBackend):
                     result = AcquireResult.won(row[0])
                 else:
                     result = AcquireResult.lost(retry_after=_remaining(row and row[1]))
+            elif sql.vendor == "mysql":
+                result = self._acquire_mysql(cursor, sql, name, token, owner_json, ttl_ms)
             else:
                 result = self._acquire_in_transaction(cursor, sql, raw, name, token, owner_json,
                                                       ttl_ms)
@@ -423,29 +440,36 @@ class DatabaseBackend(BaseLockBackend):
         await asyncio.sleep(self._delay(token, attempt, max_wait, retry_after))
         return None
 
+    def _acquire_mysql(self, cursor, sql, name, token, owner_json, ttl_ms):
+        """MySQL/MariaDB: the multi-statement acquire; reads each statement's result
+        in turn (an error in one is raised here, and _run drops the connection,
+        which rolls the open transaction back)."""
+        cursor.execute(sql.acquire, (name, token, owner_json, ttl_ms, name, token, name))
+        row = None
+        while True:  # every statement's result must be read, in order
+            if cursor.description is not None:
+                row = cursor.fetchone()
+            if not cursor.nextset():
+                break
+        holder_token, remaining_ms, fencing = row
+        if holder_token == token:
+            return AcquireResult.won(fencing)
+        return AcquireResult.lost(retry_after=_remaining(remaining_ms))
+
     def _acquire_in_transaction(self, cursor, sql, raw, name, token, owner_json, ttl_ms):
+        """SQLite: the upsert and the fence bump in one write transaction."""
         cursor.execute(sql.begin())
         try:
             cursor.execute(sql.take, (name, token, owner_json, ttl_ms))
-            if sql.vendor == "mysql" and not sql.is_mariadb:
-                cursor.execute(sql.take_result, (name,))
             row = cursor.fetchone()
-            won = row is not None and row[0] == token
-            if not won:
-                if sql.vendor == "sqlite":
-                    # A refused upsert returns no row; ask how long the holder has left.
-                    cursor.execute(sql.remaining, (name,))
-                    row = cursor.fetchone()
-                    remaining = row and row[0]
-                else:
-                    remaining = row and row[1]
+            if row is None or row[0] != token:
+                # A refused upsert returns no row; ask how long the holder has left.
+                cursor.execute(sql.remaining, (name,))
+                row = cursor.fetchone()
                 cursor.execute("ROLLBACK")
-                return AcquireResult.lost(retry_after=_remaining(remaining))
+                return AcquireResult.lost(retry_after=_remaining(row and row[0]))
             cursor.execute(sql.bump_fence, (name,))
-            if sql.vendor == "sqlite":
-                fencing = cursor.fetchone()[0]
-            else:
-                fencing = cursor.lastrowid
+            fencing = cursor.fetchone()[0]
             cursor.execute("COMMIT")
             return AcquireResult.won(fencing)
         except BaseException:
