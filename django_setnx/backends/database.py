@@ -444,13 +444,19 @@ class DatabaseBackend(BaseLockBackend):
         """MySQL/MariaDB: the multi-statement acquire; reads each statement's result
         in turn (an error in one is raised here, and _run drops the connection,
         which rolls the open transaction back)."""
-        cursor.execute(sql.acquire, (name, token, owner_json, ttl_ms, name, token, name))
         row = None
-        while True:  # every statement's result must be read, in order
-            if cursor.description is not None:
-                row = cursor.fetchone()
-            if not cursor.nextset():
-                break
+        try:
+            cursor.execute(sql.acquire, (name, token, owner_json, ttl_ms, name, token, name))
+            while True:  # every statement's result must be read, in order
+                if cursor.description is not None:
+                    row = cursor.fetchone()
+                if not cursor.nextset():
+                    break
+        except BaseException:
+            # Interrupted halfway (an error, a KeyboardInterrupt): unread results and
+            # the open transaction must not reach the next call on this connection.
+            self._drop(self._wrapper())
+            raise
         holder_token, remaining_ms, fencing = row
         if holder_token == token:
             return AcquireResult.won(fencing)
