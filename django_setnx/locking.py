@@ -197,10 +197,10 @@ class Lock:
         """After an error or interruption while queued: withdraw, and release a lock
         handed to us that the caller will never know it holds."""
         try:
-            if self.backend.stop_waiting(self.name, token) is not None:
+            if self._stop_waiting(token) is not None:
                 self.backend.release(self.name, token)
         except Exception:  # noqa: BLE001 - the error in flight is the one to report
-            logger.warning("Could not withdraw from the waiters of %r", self.name, exc_info=True)
+            logger.warning("Could not give up the lock handed to %r", self.name, exc_info=True)
 
     # -- release ------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import random
 import re
+import time
 from dataclasses import dataclass, field
 
 from asgiref.sync import sync_to_async
@@ -297,18 +298,22 @@ class BaseLockBackend:
             delay = min(delay, max_wait)
         return max(delay, 0)
 
+    def retry_delay(self, token, attempt, max_wait, retry_after):
+        """Seconds the caller with ``token`` sleeps before its next attempt, in the
+        default :meth:`wait` and :meth:`await_release`: :meth:`backoff`, unless a
+        backend paces some waiters differently."""
+        return self.backoff(attempt, max_wait, retry_after)
+
     def wait(self, name, *, token, attempt, max_wait, retry_after):
         """Block until the lock may be free: a release, an expiry or ``max_wait``.
 
         ``token`` is the caller's, as in its refused :meth:`acquire`. Returns None
         (the caller retries), or ``AcquireResult.won(fencing)`` when a backend that
         queues waiters handed the lock to this caller while it waited (it holds the
-        lock). The default sleeps a jittered backoff; backends that can be woken by a
-        release override it. Returning early is always allowed.
+        lock). The default sleeps :meth:`retry_delay`; backends that can be woken by
+        a release override it. Returning early is always allowed.
         """
-        import time
-
-        time.sleep(self.backoff(attempt, max_wait, retry_after))
+        time.sleep(self.retry_delay(token, attempt, max_wait, retry_after))
         return None
 
     def stop_waiting(self, name, token):
@@ -333,7 +338,7 @@ class BaseLockBackend:
             return await sync_to_async(self.wait, thread_sensitive=False)(
                 name, token=token, attempt=attempt, max_wait=max_wait, retry_after=retry_after
             )
-        await asyncio.sleep(self.backoff(attempt, max_wait, retry_after))
+        await asyncio.sleep(self.retry_delay(token, attempt, max_wait, retry_after))
         return None
 
     # -- async twins ------------------------------------------------------------

@@ -42,7 +42,6 @@ transaction still waits for it, and fails with ``LockBackendError`` after the
 database's ``timeout`` option: take locks outside such blocks on SQLite.
 """
 
-import asyncio
 import copy
 import json
 import os
@@ -421,24 +420,15 @@ class DatabaseBackend(BaseLockBackend):
         self._run("stop waiting", work)
         return None
 
-    def _delay(self, token, attempt, max_wait, retry_after):
+    def retry_delay(self, token, attempt, max_wait, retry_after):
+        """Briefly (HEAD_POLL, doubling to HEAD_POLL_MAX) for the caller next in
+        line; the usual capped, jittered backoff for the others."""
         waiter = self._waiting.get(token)
         if waiter is None or not waiter.head:
             return self.backoff(attempt, max_wait, retry_after)
         delay = min(HEAD_POLL * (2 ** min(waiter.polls, 8)), HEAD_POLL_MAX)
         waiter.polls += 1
         return max(delay if max_wait is None else min(delay, max_wait), 0)
-
-    def wait(self, name, *, token, attempt, max_wait, retry_after):
-        """Sleep before the next attempt: briefly for the caller next in line, a
-        capped exponential backoff with jitter for the others. Returns None."""
-        time.sleep(self._delay(token, attempt, max_wait, retry_after))
-        return None
-
-    async def await_release(self, name, *, token, attempt, max_wait, retry_after):
-        """Async twin of :meth:`wait`."""
-        await asyncio.sleep(self._delay(token, attempt, max_wait, retry_after))
-        return None
 
     def _acquire_mysql(self, cursor, sql, name, token, owner_json, ttl_ms):
         """MySQL/MariaDB: the multi-statement acquire; reads each statement's result

@@ -316,6 +316,19 @@ def _owner_json(owner):
     return text
 
 
+def lock_keys(prefix, name):
+    """The (lock, fence, waiters, requests) keys of ``name`` under ``prefix``, in
+    the order every script takes them; the ``{name}`` hash tag keeps them in one
+    Cluster slot (see the key layout above)."""
+    base = f"{prefix}:{{{name}}}"
+    return f"{base}:lock", f"{base}:fence", f"{base}:waiters", f"{base}:requests"
+
+
+def name_from_lock_key(prefix, key):
+    """The lock name in a ``P:{N}:lock`` key (``lock_keys(prefix, N)[0]``)."""
+    return _text(key)[len(prefix) + 2 : -len("}:lock")]
+
+
 def _escape_glob(text):
     """Escape Redis glob metacharacters so ``text`` only matches itself."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
@@ -505,17 +518,14 @@ class RedisBackend(BaseLockBackend):
             conn.client.close()
 
     def _keys(self, name):
-        """The (lock, fence, waiters, requests) keys of ``name``, in the order every
-        script takes them; they share one hash slot."""
-        base = f"{self.key_prefix}:{{{name}}}"
-        return f"{base}:lock", f"{base}:fence", f"{base}:waiters", f"{base}:requests"
+        return lock_keys(self.key_prefix, name)
 
     def _inbox_key(self, name, token):
         """The list a queued caller with ``token`` blocks on (see _GRANT)."""
         return f"{self.key_prefix}:{{{name}}}:inbox:{token}"
 
     def _name_from_key(self, key):
-        return _text(key)[len(self.key_prefix) + 2 : -len("}:lock")]
+        return name_from_lock_key(self.key_prefix, key)
 
     def _info(self, name, fields, now):
         """A LockInfo from a hash's fields (a dict or a flat field/value list)."""

@@ -103,7 +103,10 @@ from .redis import (
     RELEASE,
     SCAN_COUNT,
     _escape_glob,
+    _owner_json,
     _text,
+    lock_keys,
+    name_from_lock_key,
     require_redis_py,
 )
 
@@ -451,13 +454,12 @@ class RedlockBackend(BaseLockBackend):
             node.close()
 
     def _keys(self, name):
-        """(lock, fence, waiters, requests): the keys every shared script takes. Redlock
-        never queues waiters, so the last two stay empty on its nodes."""
-        base = f"{self.key_prefix}:{{{name}}}"
-        return f"{base}:lock", f"{base}:fence", f"{base}:waiters", f"{base}:requests"
+        """The single Redis backend's keys: the scripts are shared. Redlock never
+        queues waiters, so the waiters and requests keys stay empty on its nodes."""
+        return lock_keys(self.key_prefix, name)
 
     def _name_from_key(self, key):
-        return _text(key)[len(self.key_prefix) + 2 : -len("}:lock")]
+        return name_from_lock_key(self.key_prefix, key)
 
     def _check_ttl(self, ttl, action):
         if ttl > self.max_ttl:
@@ -656,9 +658,8 @@ class RedlockBackend(BaseLockBackend):
         within its validity, else ``.lost(retry_after)``; raises LockBackendError when
         no node answered. ``wait`` is not used (no waiter queue on Redlock)."""
         ttl_ms = self._check_ttl(ttl, "acquire")
-        owner_json = json.dumps(owner, separators=(",", ":"), sort_keys=True)
         acquire_call = (_ACQUIRE, self._keys(name),
-                        (token, ttl_ms, owner_json, self.retention_ms, 0))
+                        (token, ttl_ms, _owner_json(owner), self.retention_ms, 0))
         # The node's marker and clock ride along in the same round (plain commands:
         # cheaper than a script); a node without a marker is created one after.
         batch = [(None, ("GET", self.marker_key), ()), (None, ("TIME",), ()), acquire_call]
