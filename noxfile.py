@@ -43,8 +43,8 @@ ALL_BACKENDS = "sqlite,postgres,mysql,redis,locmem"
 
 #: (session, Python, Django requirement, SETNX_TEST_BACKENDS)
 MATRIX = [
-    ("django42", "3.10", "Django>=4.2,<5.0", "sqlite,redis,locmem"),
-    ("django52", "3.11", "Django>=5.2,<6.0", "sqlite,redis,locmem"),
+    ("django42", "3.10", "Django>=4.2,<5.0", ALL_BACKENDS),
+    ("django52", "3.11", "Django>=5.2,<6.0", ALL_BACKENDS),
     ("django6", "3.13", "Django>=6.0,<7", ALL_BACKENDS),
 ]
 

@@ -229,7 +229,7 @@ def teardown(config, keep, notes):
 
 
 def _delete_rows(config, notes):
-    """Delete this run's rows (locks, fencing counters, db_mutex rows)."""
+    """Delete this run's rows (locks, db_mutex rows)."""
     try:
         from django.db import connections
     except Exception:  # noqa: BLE001
@@ -238,7 +238,7 @@ def _delete_rows(config, notes):
     for engine in config["engines"]:
         try:
             with connections[engine].cursor() as cur:
-                for table, column in (("django_setnx_lock", "name"), ("django_setnx_fence", "name"),
+                for table, column in (("django_setnx_lock", "name"),
                                       ("db_mutex_dbmutex", "lock_id")):
                     try:
                         cur.execute(f"DELETE FROM {table} WHERE {column} LIKE %s", [like])
@@ -302,11 +302,20 @@ def configure(config, default="sqlite"):
         "BACKEND": "django_setnx.backends.database.DatabaseBackend",
         "OPTIONS": {"DATABASE": "default"},
     }
+    caches = {}
     if config.get("redis_url"):
         locks["redis"] = {
             "BACKEND": "django_setnx.backends.redis.RedisBackend",
             "LOCATION": config["redis_url"],
             "KEY_PREFIX": config["key_prefix"],
+        }
+        # The same server through a django-redis cache's connection (OPTIONS["CACHE"]).
+        caches["bench"] = {"BACKEND": "django_redis.cache.RedisCache",
+                           "LOCATION": config["redis_url"]}
+        locks["redis-cache"] = {
+            "BACKEND": "django_setnx.backends.redis.RedisBackend",
+            "KEY_PREFIX": config["key_prefix"] + "-cache",
+            "OPTIONS": {"CACHE": "bench"},
         }
     apps = ["django.contrib.contenttypes", "django.contrib.auth", "django_setnx"]
     if have_db_mutex():
@@ -317,6 +326,7 @@ def configure(config, default="sqlite"):
         USE_TZ=True,
         INSTALLED_APPS=apps,
         DATABASES=databases,
+        CACHES=caches or {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}},
         SETNX_LOCKS=locks,
         DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
         LOGGING_CONFIG=None,

@@ -10,7 +10,7 @@ here and dropped at the end. Redis: ``SETNX_BENCH_REDIS_URL`` if set (under a
 ``redis-server`` (``tests/servers.RedisServer``).
 
 COUNT locks are seeded in bulk on each backend, bypassing the lock API: multi-row
-INSERTs into ``django_setnx_lock`` / ``django_setnx_fence`` with times from the
+INSERTs into ``django_setnx_lock`` with times from the
 database's clock, and Redis pipelines writing the Redis backend's layout
 (``P:{N}:lock`` hashes with ``token``, ``fencing``, ``owner``, ``acquired``,
 ``expires`` in ms by Redis' clock, plus ``P:{N}:fence``). One lock in three is stale.
@@ -130,19 +130,15 @@ def seed_postgres(count):
         for start in range(0, count, INSERT_ROWS):
             idx = range(start, min(start + INSERT_ROWS, count))
             rows = ", ".join(
-                [f"(%s, %s, %s, {now} - 120000, {now} + %s, '', 0, 0)"] * len(idx))
+                [f"(%s, %s, %s, {now} - 120000, {now} + %s, %s, '', 0, 0)"] * len(idx))
             params = []
             for i in idx:
-                params += [lock_name(i), f"{i:032x}", OWNER, -60_000 if is_stale(i) else 3_600_000]
+                params += [lock_name(i), f"{i:032x}", OWNER,
+                           -60_000 if is_stale(i) else 3_600_000, 1 + i % 7]
             cursor.execute("INSERT INTO django_setnx_lock (name, token, owner, acquired_at, "
-                           f"expires_at, next_token, next_since, next_seen) VALUES {rows}", params)
-            fences = ", ".join(["(%s, %s)"] * len(idx))
-            fparams = []
-            for i in idx:
-                fparams += [lock_name(i), 1 + i % 7]
-            cursor.execute(f"INSERT INTO django_setnx_fence (name, value) VALUES {fences}", fparams)
+                           f"expires_at, fencing, next_token, next_since, next_seen) "
+                           f"VALUES {rows}", params)
         cursor.execute("ANALYZE django_setnx_lock")
-        cursor.execute("ANALYZE django_setnx_fence")
 
 
 def seed_redis(url, count):

@@ -8,7 +8,7 @@ script created it) and Redis at ``$SETNX_BENCH_REDIS_URL`` (default
 ``redis://127.0.0.1:6379/15``) under ``KEY_PREFIX`` ``setnx-bench``.
 
 COUNT stale locks are seeded in bulk on each backend, bypassing the lock API:
-multi-row INSERTs into ``django_setnx_lock`` (and ``django_setnx_fence``) with
+multi-row INSERTs into ``django_setnx_lock`` with
 ``expires_at`` in the past by the database's clock, and one Redis pipeline writing
 the Redis backend's layout (``P:{N}:lock`` hashes with ``token``, ``fencing``,
 ``owner``, ``acquired``, ``expires`` in ms by Redis' clock, plus ``P:{N}:fence``).
@@ -108,16 +108,14 @@ def seed_postgres(count):
         now = "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000)::bigint"
         for start in range(0, count, INSERT_ROWS):
             names = [lock_name(i) for i in range(start, min(start + INSERT_ROWS, count))]
-            rows = ", ".join([f"(%s, %s, %s, {now} - 120000, {now} - 60000, '', 0, 0)"] * len(names))
+            rows = ", ".join([f"(%s, %s, %s, {now} - 120000, {now} - 60000, 1, '', 0, 0)"]
+                             * len(names))
             params = []
             for i, name in enumerate(names, start):
                 params += [name, f"{i:032x}", OWNER]
             cursor.execute(
                 "INSERT INTO django_setnx_lock (name, token, owner, acquired_at, expires_at, "
-                f"next_token, next_since, next_seen) VALUES {rows}", params)
-            fences = ", ".join(["(%s, 1)"] * len(names))
-            cursor.execute(f"INSERT INTO django_setnx_fence (name, value) VALUES {fences} "
-                           "ON CONFLICT (name) DO NOTHING", names)
+                f"fencing, next_token, next_since, next_seen) VALUES {rows}", params)
         cursor.execute("ANALYZE django_setnx_lock")
 
 
@@ -135,7 +133,6 @@ def cleanup_postgres():
 
     with connection.cursor() as cursor:
         cursor.execute("DELETE FROM django_setnx_lock WHERE name LIKE %s", [NAME_PREFIX + "%"])
-        cursor.execute("DELETE FROM django_setnx_fence WHERE name LIKE %s", [NAME_PREFIX + "%"])
     connection.close()
 
 

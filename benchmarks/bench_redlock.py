@@ -1,6 +1,6 @@
 """Uncontended acquire + release on Redlock with 3 masters, next to the floor and pottery.
 
-    python3 benchmarks/bench_redlock.py [--ops 2000] [--rounds 10]
+    python3 benchmarks/bench_redlock.py [--ops 2000] [--rounds 10] [--compare-backend PATH ...]
 
 Starts three throwaway ``redis-server`` masters on 127.0.0.1 (``tests/servers.py``),
 stopped again at the end, and times, in one run and interleaved round by round (so
@@ -19,7 +19,11 @@ a noisy machine hurts every contestant alike):
 - **django-setnx Redlock (backend)**: ``RedlockBackend.acquire`` / ``.release``;
 - **pottery Redlock**: ``pottery.Redlock(key=..., masters={3 clients},
   auto_release_time=...)`` ``.acquire()`` / ``.release()`` (skipped if pottery is not
-  installed: ``pip install pottery``).
+  installed: ``pip install pottery``);
+- with ``--compare-backend dotted.path.Class`` (repeatable): that backend class on the
+  same three masters, through the Lock API and alone (to compare other
+  implementations of Redlock, e.g. an older one copied into an importable module,
+  in the same run).
 
 Every Redlock contestant talks to all three masters per operation. Prints a
 markdown table of median and p99 microseconds per acquire+release and the ratio
@@ -50,37 +54,65 @@ return 0
 """
 
 
-def configure(urls, key_prefix):
+def configure(urls, key_prefix, compare_backends=()):
     import django
     from django.conf import settings
 
+    aliases = {
+        "default": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend"},
+        "redlock": {
+            "BACKEND": "django_setnx.backends.redlock.RedlockBackend",
+            "LOCATION": list(urls),
+            "KEY_PREFIX": key_prefix,
+            "TTL": TTL,
+        },
+    }
+    for number, path in enumerate(compare_backends, 1):
+        aliases[f"compare{number}"] = {**aliases["redlock"], "BACKEND": path}
     settings.configure(
         DEBUG=False,
         SECRET_KEY="django-setnx-benchmarks",
         USE_TZ=True,
         INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth", "django_setnx"],
         DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
-        SETNX_LOCKS={
-            "default": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend"},
-            "redlock": {
-                "BACKEND": "django_setnx.backends.redlock.RedlockBackend",
-                "LOCATION": list(urls),
-                "KEY_PREFIX": key_prefix,
-                "TTL": TTL,
-            },
-        },
+        SETNX_LOCKS=aliases,
         DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
         LOGGING_CONFIG=None,
     )
     django.setup()
 
 
-def contestants(urls, run_id):
-    """``{label: (setup, op)}``; ``op()`` does one acquire + release and returns
-    True if the acquire succeeded."""
-    import redis
+def _lock_api_op(alias, name):
+    from django_setnx import lock
 
-    from django_setnx import lock, locks
+    def op():
+        lk = lock(name, backend=alias)
+        ok = lk.acquire(blocking=False)
+        lk.release()
+        return ok
+
+    return op
+
+
+def _backend_op(backend, name, owner):
+    def op():
+        token = secrets.token_hex(16)
+        ok = backend.acquire(name, token, TTL, owner).acquired
+        backend.release(name, token)
+        return ok
+
+    return op
+
+
+def contestants(urls, run_id):
+    """``{label: op}``; ``op()`` does one acquire + release and returns True if the
+    acquire succeeded."""
+    import redis
+    from django.conf import settings
+
+    from django_setnx import locks
+
+    backend_paths = {alias: params["BACKEND"] for alias, params in settings.SETNX_LOCKS.items()}
 
     out = {}
 
@@ -104,29 +136,14 @@ def contestants(urls, run_id):
     if raw is not None:
         out["reference: floor's 2 commands on 3 servers in parallel (raw sockets)"] = raw
 
-    # django-setnx, through the public Lock API.
-    api_name = f"bench-api-{run_id}"
-
-    def setnx_api():
-        lk = lock(api_name, backend="redlock")
-        ok = lk.acquire(blocking=False)
-        lk.release()
-        return ok
-
-    out["django-setnx Redlock, Lock API (3 masters)"] = setnx_api
-
-    # django-setnx, the backend alone.
-    backend = locks["redlock"]
-    backend_name = f"bench-backend-{run_id}"
     owner = {"host": "bench", "pid": os.getpid(), "thread": "main"}
-
-    def setnx_backend():
-        token = secrets.token_hex(16)
-        ok = backend.acquire(backend_name, token, TTL, owner).acquired
-        backend.release(backend_name, token)
-        return ok
-
-    out["django-setnx RedlockBackend (3 masters)"] = setnx_backend
+    for alias, path in backend_paths.items():
+        if alias == "default":
+            continue
+        label = "django-setnx Redlock" if alias == "redlock" else f"compare: {path}"
+        out[f"{label}, Lock API (3 masters)"] = _lock_api_op(alias, f"bench-api-{alias}-{run_id}")
+        out[f"{label}, backend alone (3 masters)"] = _backend_op(
+            locks[alias], f"bench-backend-{alias}-{run_id}", owner)
 
     try:
         import pottery
@@ -236,6 +253,10 @@ def main(argv=None):
     parser.add_argument("--ops", type=int, default=2000, help="acquire+release per round")
     parser.add_argument("--rounds", type=int, default=10,
                         help="rounds; the contestants take turns every round")
+    parser.add_argument("--compare-backend", metavar="PATH", action="append", default=[],
+                        dest="compare_backends",
+                        help="also time this Redlock backend class (dotted path) on the same "
+                             "masters (repeatable)")
     args = parser.parse_args(argv)
 
     from tests.servers import RedisMasterSet
@@ -243,7 +264,7 @@ def main(argv=None):
     run_id = uuid.uuid4().hex[:8]
     key_prefix = f"setnx-bench-{run_id}"
     with RedisMasterSet(3) as masters:
-        configure(masters.urls, key_prefix)
+        configure(masters.urls, key_prefix, args.compare_backends)
         from django_setnx import locks
 
         locks["redlock"].trust_nodes()  # brand-new masters: no lock can be held yet
@@ -258,7 +279,7 @@ def main(argv=None):
     print(table(samples))
     labels = list(samples)
     floor = statistics.median(samples[labels[0]])
-    ours = statistics.median(samples[next(x for x in labels if "Lock API" in x)])
+    ours = statistics.median(samples["django-setnx Redlock, Lock API (3 masters)"])
     met = "OK" if ours / floor <= TARGET_RATIO else "MISSED"
     verdicts = [(f"\ndjango-setnx Redlock (Lock API) / floor = {ours / floor:.2f}× "
                  f"(target <= {TARGET_RATIO}×): {met}")]

@@ -10,22 +10,44 @@ Permissions: ``django_setnx.view_lockrecord`` shows the page;
 selected locks and to clear stale locks. Both actions go through a confirmation page
 and a CSRF-protected POST; each forced release is written to the admin history
 (``LogEntry``) and sends ``lock_force_released``.
+
+As on a native changelist:
+
+- the action form posts to the list itself; "Go" with no lock ticked, or with no
+  (or an unknown) action, comes back to the list with Django's own warning;
+- the list's query string (filters, search, sort, page) travels as
+  ``_changelist_filters`` through the confirmation pages (and their "No, take me
+  back" link) to the redirect after the action (``get_preserved_filters``);
+- the column headers sort (``o``, in Django's ChangeList syntax: ``o=6.-1`` is
+  "acquired, then name descending"; columns are numbered as Django numbers them,
+  the action checkbox being column 0, whether or not it is shown);
+- "Show counts" (``ModelAdmin.show_facets`` and ``_facets``, Django 5.0 and
+  later) puts the number of locks next to each filter choice.
+
+Times are shown in the current time zone with ``USE_TZ = True`` and in UTC
+otherwise (the backends' clocks are epoch milliseconds), always with the zone's
+name next to them.
 """
 
+import datetime
 import json
 from urllib.parse import urlencode
 
+from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.models import DELETION, LogEntry
+from django.contrib.admin.templatetags.admin_urls import add_preserved_filters
 from django.contrib.contenttypes.models import ContentType
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.http import HttpResponseBadRequest, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
+from django.utils import timezone
 from django.utils.translation import gettext as _
-from django.utils.translation import ngettext
+from django.utils.translation import gettext_lazy, ngettext
 
+from . import admin_views
 from .admin_views import (
     PER_PAGE,
     LockPage,
@@ -33,28 +55,121 @@ from .admin_views import (
     format_duration,
     owner_fields,
     release_if_unchanged,
-    search_to_glob,
     source_for,
+    state_counts,
 )
 from .backends.base import HELD, STALE, STATES
+from .conf import MAX_NAME_LENGTH
 from .exceptions import LockBackendError
+from .globs import compile_glob, escape, search_to_glob
 from .handler import locks
 from .models import LockRecord
 from .signals import lock_force_released
 from .validation import validate_name
 
+try:  # Django 5.0+: "Show counts" next to the filter choices.
+    from django.contrib.admin.options import IS_FACETS_VAR, ShowFacets
+except ImportError:  # Django 4.2: no facets, so no counts.
+    IS_FACETS_VAR = ShowFacets = None
+
 PAGE_VAR = "p"
 SEARCH_VAR = "q"
 BACKEND_VAR = "backend"
 STATE_VAR = "state"
+ORDER_VAR = "o"
 SELECTED_VAR = "_selected_action"
 LOCK_VAR = "lock"
+ACTION_VAR = "action"
+RELEASE_ACTION = "release_selected"
+#: The list's columns, in order: (CSS name, sort field or None, header). In ``o``,
+#: a column's number is its position + 1 (Django's, with the action checkbox first).
+COLUMNS = (
+    ("name", "name", gettext_lazy("Name")),
+    ("backend", "backend", gettext_lazy("Backend")),
+    ("state", "state", gettext_lazy("State")),
+    ("owner", None, gettext_lazy("Owner")),
+    ("fencing_token", "fencing_token", gettext_lazy("Fencing token")),
+    ("acquired_at", "acquired_at", gettext_lazy("Acquired at")),
+    ("expires_in", "expires_at", gettext_lazy("Expires")),
+)
+SORTABLE = {number: field for number, (_css, field, _text) in enumerate(COLUMNS, 1) if field}
 #: Names listed in a LogEntry of "clear stale locks" (the count is always exact).
 LOGGED_NAMES = 50
 
 
 def _selection_value(alias, name):
     return json.dumps([alias, name])
+
+
+def parse_ordering(value):
+    """``[(column number, descending)]`` of an ``o`` value such as ``"6.-1"``,
+    read as Django's ChangeList reads it: parts that are not a sortable column
+    are ignored, and so is a column's second mention."""
+    ordering = []
+    for part in value.split("."):
+        _none, minus, number = part.rpartition("-")
+        try:
+            number = int(number)
+        except ValueError:
+            continue
+        if number in SORTABLE and number not in dict(ordering):
+            ordering.append((number, minus == "-"))
+    return ordering
+
+
+def format_ordering(ordering):
+    """The ``o`` value of ``[(column number, descending)]``."""
+    return ".".join(f"{'-' if descending else ''}{number}" for number, descending in ordering)
+
+
+def sort_headers(ordering, query_string):
+    """The column headers, as Django's ``result_headers`` gives them to
+    ``change_list_results.html``: a click on a header sorts by it first (toggling
+    its direction when it already leads), "toggle" reverses it in place, "remove"
+    drops it."""
+    position = {number: i for i, (number, _descending) in enumerate(ordering)}
+    headers = []
+    for number, (css, field, text) in enumerate(COLUMNS, 1):
+        if field is None:
+            headers.append({"text": text, "class_attrib": f"column-{css}", "sortable": False})
+            continue
+        classes = ["sortable", f"column-{css}"]
+        descending = dict(ordering).get(number)
+        if number in position:
+            classes.append("sorted " + ("descending" if descending else "ascending"))
+        others = [(n, d) for n, d in ordering if n != number]
+        flipped = (number, not descending) if number in position else (number, False)
+        toggled = [flipped if n == number else (n, d) for n, d in ordering]
+        headers.append({
+            "text": text,
+            "class_attrib": " ".join(classes),
+            "sortable": True,
+            "sorted": number in position,
+            "ascending": descending is False,
+            "sort_priority": position.get(number, -1) + 1,
+            "url_primary": query_string(**{ORDER_VAR: format_ordering([flipped, *others])}),
+            "url_remove": query_string(**{ORDER_VAR: format_ordering(others)}),
+            "url_toggle": query_string(**{ORDER_VAR: format_ordering(toggled)}),
+        })
+    return headers
+
+
+def display_time(moment):
+    """``{"text", "iso", "zone"}`` of an aware datetime: in the current time zone
+    with USE_TZ (zone: its name), else in UTC (zone: "UTC"), which is also where a
+    clamped, absurd time that the zone cannot represent stays."""
+    zone, zone_name = datetime.timezone.utc, "UTC"
+    if settings.USE_TZ:
+        zone, zone_name = timezone.get_current_timezone(), timezone.get_current_timezone_name()
+    try:
+        local = moment.astimezone(zone)
+    except OverflowError:
+        local, zone_name = moment.astimezone(datetime.timezone.utc), "UTC"
+    return {
+        "text": local.replace(tzinfo=None).isoformat(sep=" ", timespec="seconds"),
+        "iso": local.isoformat(timespec="seconds"),
+        "zone": zone_name,
+    }
 
 
 class BadSelection(ValueError):
@@ -115,6 +230,17 @@ class LockRecordAdmin(admin.ModelAdmin):
                 errors[alias] = str(exc)
         return sources, errors
 
+    def _preserved(self, request, url):
+        """``url`` carrying the list's query string: merged into it when ``url`` is
+        the list, as ``_changelist_filters`` otherwise (Django's
+        ``add_preserved_filters``)."""
+        return add_preserved_filters(
+            {"preserved_filters": self.get_preserved_filters(request), "opts": self.opts}, url)
+
+    def _back_to_list(self, request):
+        """A redirect to the list, with the query string it was left with."""
+        return HttpResponseRedirect(self._preserved(request, self._url("changelist")))
+
     def _context(self, request, **extra):
         return {
             **self.admin_site.each_context(request),
@@ -142,11 +268,20 @@ class LockRecordAdmin(admin.ModelAdmin):
             "thread": thread,
             "guards": guards,
             "fencing_token": info.fencing_token,
-            "acquired_at": info.acquired_at,
-            "expires_at": info.expires_at,
+            "acquired_at": display_time(info.acquired_at),
+            "expires_at": display_time(info.expires_at),
             "expires_text": expires_text,
             "selection_value": _selection_value(info.backend, info.name),
         }
+
+    def _facets(self, request):
+        """``(show counts now, can the user toggle them)`` by ``show_facets``."""
+        mode = getattr(self, "show_facets", None)
+        if ShowFacets is None or mode is None:
+            return False, False
+        shown = mode is ShowFacets.ALWAYS or (
+            mode is ShowFacets.ALLOW and IS_FACETS_VAR in request.GET)
+        return shown, mode is ShowFacets.ALLOW
 
     # -- the list -----------------------------------------------------------------
 
@@ -154,8 +289,8 @@ class LockRecordAdmin(admin.ModelAdmin):
         if not self.has_view_permission(request):
             raise PermissionDenied
         if request.method == "POST":
-            # The changelist form posts its selection here (as Django's does).
-            return self.release_view(request)
+            # The changelist form posts its action and selection here (as Django's does).
+            return self._run_action(request)
 
         aliases = self._aliases()
         params = {}
@@ -178,32 +313,94 @@ class LockRecordAdmin(admin.ModelAdmin):
         query = request.GET.get(SEARCH_VAR, "")
         if query:
             params[SEARCH_VAR] = query
+        columns = parse_ordering(request.GET.get(ORDER_VAR, ""))
+        if columns:
+            params[ORDER_VAR] = format_ordering(columns)
+        show_counts, counts_optional = self._facets(request)
+        if counts_optional and show_counts:
+            params[IS_FACETS_VAR] = "True"
         try:
             number = max(1, int(request.GET.get(PAGE_VAR, 1)))
         except ValueError:
             number = 1
 
-        selected = [backend_filter] if backend_filter else aliases
-        sources, load_errors = self._sources(selected)
-        page = LockPage(sources, state=state, glob=search_to_glob(query), number=number)
-        errors = {**load_errors, **page.errors}
+        glob = search_to_glob(query)
+        matches_nothing = False
+        if glob is not None:
+            try:
+                compile_glob(glob)
+            except ValueError as exc:
+                notes.append(_("%(error)s Searching for the text as typed instead.")
+                             % {"error": exc})
+                glob = f"*{escape(query)}*"
+                # Text longer than any name is in no name: say so rather than search
+                # for it (its glob may be longer than compile_glob accepts).
+                matches_nothing = len(query) > MAX_NAME_LENGTH
+                if matches_nothing:
+                    notes.append(_("No lock name is longer than %(limit)s characters: "
+                                   "nothing contains these %(length)s.")
+                                 % {"limit": MAX_NAME_LENGTH, "length": len(query)})
+        sources, load_errors = self._sources(aliases)
+        selected = [src for src in sources
+                    if backend_filter in (None, src.alias) and not matches_nothing]
+        page = LockPage(selected, state=state, glob=glob, number=number,
+                        ordering=[(SORTABLE[n], descending) for n, descending in columns])
+        errors = {**{alias: error for alias, error in load_errors.items()
+                     if backend_filter in (None, alias)}, **page.errors}
+        if page.partially_sorted:
+            notes.append(ngettext(
+                "Only partly sorted: the backend %(aliases)s has more than %(limit)s "
+                "matching locks. The first %(limit)s it returned are sorted with the "
+                "others; the rest follow, unsorted, after them. Filter or search to "
+                "narrow the list for a complete order.",
+                "Only partly sorted: the backends %(aliases)s have more than %(limit)s "
+                "matching locks each. The first %(limit)s each returned are sorted with "
+                "the others; the rest follow, unsorted, after them. Filter or search to "
+                "narrow the list for a complete order.",
+                len(page.partially_sorted),
+            ) % {"aliases": ", ".join(page.partially_sorted), "limit": admin_views.SORT_LIMIT})
 
         def query_string(**changes):
             new = {**params, **changes}
             return "?" + urlencode({k: v for k, v in new.items() if v not in (None, "")})
 
+        counts = {}
+        if show_counts:
+            # Each filter's counts apply the other filter and the search, as
+            # Django's facets do; a backend that failed is not asked again.
+            counts = state_counts([src for src in sources
+                                   if src.alias not in errors and not matches_nothing], glob)
+
+        def with_count(display, count):
+            return display if count is None else f"{display} ({count})"
+
+        def backend_count(alias):
+            per_state = counts.get(alias, {})
+            wanted = [per_state.get(s) for s in ([state] if state else STATES)]
+            return None if None in wanted else sum(wanted)
+
+        def state_count(value):
+            wanted = [counts.get(alias, {}).get(value)
+                      for alias in ([backend_filter] if backend_filter else aliases)]
+            return None if None in wanted else sum(wanted)
+
         backend_choices = [
             {"display": _("All"), "selected": backend_filter is None,
              "query_string": query_string(**{BACKEND_VAR: None, PAGE_VAR: None})},
         ] + [
-            {"display": alias, "selected": backend_filter == alias,
+            {"display": with_count(alias, backend_count(alias) if show_counts else None),
+             "selected": backend_filter == alias,
              "query_string": query_string(**{BACKEND_VAR: alias, PAGE_VAR: None})}
             for alias in aliases
         ]
         state_choices = [
-            {"display": label, "selected": state == value,
+            {"display": _("All"), "selected": state is None,
+             "query_string": query_string(**{STATE_VAR: None, PAGE_VAR: None})},
+        ] + [
+            {"display": with_count(label, state_count(value) if show_counts else None),
+             "selected": state == value,
              "query_string": query_string(**{STATE_VAR: value, PAGE_VAR: None})}
-            for value, label in ((None, _("All")), (HELD, _("Held")), (STALE, _("Stale")))
+            for value, label in ((HELD, _("Held")), (STALE, _("Stale")))
         ]
 
         page_links = []
@@ -216,10 +413,17 @@ class LockRecordAdmin(admin.ModelAdmin):
                     page_links.append({"number": i, "current": i == number,
                                        "query_string": query_string(**{PAGE_VAR: i})})
 
+        facet_links = {}
+        if counts_optional:
+            facet_links = {"add_counts_query": query_string(**{IS_FACETS_VAR: "True"}),
+                           "remove_counts_query": query_string(**{IS_FACETS_VAR: None})}
+        headers = sort_headers(columns, query_string)
         context = self._context(
             request,
             title=_("Locks"),
             subtitle=None,
+            headers=headers,
+            num_sorted_fields=len(columns),
             rows=[self._row(info) for info in page.rows],
             errors=sorted(errors.items()),
             notes=notes,
@@ -233,15 +437,19 @@ class LockRecordAdmin(admin.ModelAdmin):
             has_filters=True,
             has_active_filters=bool(backend_filter or state),
             clear_filters_query=query_string(**{BACKEND_VAR: None, STATE_VAR: None, PAGE_VAR: None}),
+            counts_optional=counts_optional,
+            show_counts=show_counts,
+            **facet_links,
             filter_specs=[
                 {"title": _("backend"), "choices": backend_choices},
                 {"title": _("state"), "choices": state_choices},
             ],
             backend_filter=backend_filter,
-            clear_url=self._url("clear") + (
-                "?" + urlencode({BACKEND_VAR: backend_filter}) if backend_filter else ""),
-            release_url=self._url("release"),
+            clear_url=self._preserved(request, self._url("clear") + (
+                "?" + urlencode({BACKEND_VAR: backend_filter}) if backend_filter else "")),
             selected_var=SELECTED_VAR,
+            action_var=ACTION_VAR,
+            release_action=RELEASE_ACTION,
         )
         request.current_app = self.admin_site.name
         return TemplateResponse(request, "admin/django_setnx/locks/change_list.html", context)
@@ -279,25 +487,43 @@ class LockRecordAdmin(admin.ModelAdmin):
         return list(seen.values())
 
     def release_view(self, request):
-        """GET or POST (the list's selection): the confirmation page.
-        POST with ``post=yes``: release the confirmed locks."""
+        """GET (``lock`` values): the confirmation page. POST with ``post=yes``:
+        release the confirmed locks. Any other POST: the list's action form."""
         if not self.has_release_permission(request):
             raise PermissionDenied
-        if request.method == "POST" and request.POST.get("post") == "yes":
-            return self._do_release(request)
-        data = request.POST if request.method == "POST" else request.GET
-        values = data.getlist(SELECTED_VAR) or data.getlist(LOCK_VAR)
+        if request.method == "POST":
+            if request.POST.get("post") == "yes":
+                return self._do_release(request)
+            return self._run_action(request)
+        return self._confirm_release(request, request.GET.getlist(LOCK_VAR))
+
+    def _run_action(self, request):
+        """The list's action form, answered as Django's changelist_view and
+        response_action answer theirs: with nothing ticked, or no known action
+        chosen, a warning and back to the list (as it was); else the confirmation."""
+        if not self.has_release_permission(request):
+            raise PermissionDenied
+        values = request.POST.getlist(SELECTED_VAR)
+        if not values:
+            return self._nothing_selected(request)
+        if request.POST.get(ACTION_VAR) != RELEASE_ACTION:
+            messages.warning(request, _("No action selected."))
+            return self._back_to_list(request)
+        return self._confirm_release(request, values)
+
+    def _nothing_selected(self, request):
+        messages.warning(request, _(
+            "Items must be selected in order to perform actions on them. No items "
+            "have been changed."))
+        return self._back_to_list(request)
+
+    def _confirm_release(self, request, values):
         try:
             selection = self._parse_all(values, with_token=False)
         except BadSelection as exc:
             return HttpResponseBadRequest(f"Invalid lock selection: {exc}", content_type="text/plain")
-        if request.method == "POST" and data.get("action", "release_selected") != "release_selected":
-            return HttpResponseBadRequest("Unknown action.", content_type="text/plain")
         if not selection:
-            messages.warning(request, _(
-                "Items must be selected in order to perform actions on them. No locks "
-                "have been released."))
-            return HttpResponseRedirect(self._url("changelist"))
+            return self._nothing_selected(request)
 
         found, gone, errors = [], [], []
         for alias, name in selection:
@@ -320,7 +546,8 @@ class LockRecordAdmin(admin.ModelAdmin):
             gone=gone,
             errors=errors,
             lock_var=LOCK_VAR,
-            release_url=self._url("release"),
+            release_url=self._preserved(request, self._url("release")),
+            cancel_url=self._preserved(request, self._url("changelist")),
         )
         request.current_app = self.admin_site.name
         return TemplateResponse(
@@ -377,7 +604,7 @@ class LockRecordAdmin(admin.ModelAdmin):
             messages.info(request, ngettext(
                 "Already gone: %(names)s.", "Already gone: %(names)s.", len(gone))
                 % {"names": ", ".join(gone)})
-        return HttpResponseRedirect(self._url("changelist"))
+        return self._back_to_list(request)
 
     def log_force_release(self, request, alias, info):
         """Write the admin history entry of one forced release."""
@@ -425,7 +652,8 @@ class LockRecordAdmin(admin.ModelAdmin):
             subtitle=None,
             backends=backends,
             backend_filter=alias,
-            clear_url=self._url("clear"),
+            clear_url=self._preserved(request, self._url("clear")),
+            cancel_url=self._preserved(request, self._url("changelist")),
         )
         request.current_app = self.admin_site.name
         return TemplateResponse(
@@ -461,10 +689,11 @@ class LockRecordAdmin(admin.ModelAdmin):
                 "Cleared %(count)d stale lock on %(alias)r.",
                 "Cleared %(count)d stale locks on %(alias)r.",
                 result.count) % {"count": result.count, "alias": alias})
-        url = self._url("changelist")
-        if len(selected) == 1:
-            url += "?" + urlencode({BACKEND_VAR: selected[0]})
-        return HttpResponseRedirect(url)
+        if self.get_preserved_filters(request) or len(selected) != 1:
+            return self._back_to_list(request)
+        # Reached without the list's query string: show the backend just cleared.
+        return HttpResponseRedirect(
+            self._url("changelist") + "?" + urlencode({BACKEND_VAR: selected[0]}))
 
 
 admin.site.register(LockRecord, LockRecordAdmin)

@@ -23,6 +23,23 @@ Streamed sources count the remaining records only up to :data:`COUNT_BUDGET`, an
 Redis only when the SCAN finds at most :data:`SORT_LIMIT` lock keys; past that the page shows
 "next/previous" instead of a total.
 
+That is the default order: backend after backend, by name within each. A page
+sorted by a column (:class:`LockPage` with ``ordering``) merges the backends into
+one order, by :func:`sort_key`, which every source follows:
+
+- the database sorts in SQL (``ORDER BY`` the column, then the name in code point
+  order: ``COLLATE "C"`` on PostgreSQL; the column's own collation is binary on
+  SQLite and MySQL/MariaDB), with ``LIMIT/OFFSET``;
+- Redis and any streamed backend read at most :data:`SORT_LIMIT` matching records
+  from ``backend.list()`` and sort them in Python. A backend with more is sorted
+  only partly: those records take their place in the merged order, the others
+  follow after every sorted lock in the backend's own order (not counted), and
+  the page says so (``LockPage.partially_sorted``).
+
+A page of a sorted listing of several backends reads, from each, the records up to
+the end of that page (the merge needs them); one backend alone is read from the
+page's offset.
+
 Force-release compares before it deletes: the confirmation page shows each lock's
 fencing token and the final POST carries it back. A backend whose ``delete()``
 takes ``fencing_token`` does the compare-and-delete itself. On the database and Redis
@@ -35,19 +52,22 @@ could be removed; that case is detected (the removed record's fencing token diff
 and reported.
 """
 
+import functools
+import heapq
 import itertools
-import json
 import math
 
 from django.db import connections
-from django.db.models import BigIntegerField, OuterRef, Subquery, Value
+from django.db.models import BigIntegerField, Case, F, Value, When
 from django.db.models.expressions import RawSQL
-from django.db.models.functions import Coalesce
+from django.db.models.functions import Collate
 
-from .backends.base import HELD, STALE, LockInfo
-from .backends.redis import _NOW
+from .backends.base import HELD, STALE, STATES
+from .backends.database import row_info
+from .backends.redis import _NOW, _whole
 from .exceptions import LockBackendError
-from .models import FencingCounter, LockRecord
+from .globs import compile_glob, escape, redis_match
+from .models import LockRecord
 
 #: Rows per page of the Locks page.
 PER_PAGE = 100
@@ -77,69 +97,107 @@ for _, key in ipairs(KEYS) do
 end
 return out
 """
-GLOB_METACHARACTERS = "*?[]\\"
 
 
-# -- search ------------------------------------------------------------------------
+# -- sorting -----------------------------------------------------------------------
+
+#: What a listing can be sorted by, and each field's value for a LockInfo
+#: (``backend`` is its alias; the times compare as epoch milliseconds).
+SORT_FIELDS = {
+    "name": lambda info: info.name,
+    "backend": lambda info: info.backend,
+    # "held" < "stale": ascending shows held locks first.
+    "state": lambda info: info.state,
+    "fencing_token": lambda info: info.fencing_token,
+    "acquired_at": lambda info: info.acquired_at_ms,
+    "expires_at": lambda info: info.expires_at_ms,
+}
 
 
-def escape_glob(text):
-    """Escape glob metacharacters so ``text`` only matches itself."""
-    return "".join("\\" + c if c in GLOB_METACHARACTERS else c for c in text)
+@functools.total_ordering
+class _Descending:
+    """A sort key value that sorts in reverse (strings cannot be negated)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return self.value == other.value
+
+    def __lt__(self, other):
+        return other.value < self.value
 
 
-def search_to_glob(query):
-    """The name glob for the search box's ``query`` (None for an empty search).
-
-    A query with ``*`` or ``?`` is a Redis-style glob, matched against the whole
-    name (``\\`` escapes, ``[abc]`` classes); anything else is a substring, with
-    every glob metacharacter in it escaped.
-    """
-    if not query:
-        return None
-    if "*" in query or "?" in query:
-        return query
-    return f"*{escape_glob(query)}*"
+def complete_ordering(ordering):
+    """``ordering`` (``[(field, descending)]``) followed by the name, then the
+    backend, ascending, unless already in it. Returns a tuple: a total order, since
+    a name is unique within a backend, so pages never overlap or skip a lock."""
+    present = {field for field, _descending in ordering}
+    return tuple(ordering) + tuple(
+        (field, False) for field in ("name", "backend") if field not in present)
 
 
-def _regex_literal(c):
-    # Escape ASCII punctuation only: a backslash before a letter or digit means
-    # something else in PostgreSQL's, MySQL's and Python's regex dialects alike.
-    return "\\" + c if ord(c) < 128 and not c.isalnum() else c
+def sort_key(ordering):
+    """The key function (LockInfo -> comparable) of ``complete_ordering(ordering)``;
+    names compare by code point, as Python compares strings."""
+    parts = [(SORT_FIELDS[field], descending)
+             for field, descending in complete_ordering(ordering)]
+
+    def key(info):
+        return tuple(_Descending(value(info)) if descending else value(info)
+                     for value, descending in parts)
+
+    return key
 
 
-def glob_to_sql_regex(pattern):
-    """Translate a Redis-style glob into a regex that PostgreSQL (ARE), MySQL (ICU),
-    MariaDB (PCRE) and SQLite (Python ``re``) all read the same way."""
-    out = ["^"]
-    i, n = 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if c == "\\" and i + 1 < n:
-            out.append(_regex_literal(pattern[i + 1]))
-            i += 2
-            continue
-        if c == "*":
-            out.append(".*")
-        elif c == "?":
-            out.append(".")
-        elif c == "[":
-            j = pattern.find("]", i + 2)
-            if j == -1:
-                out.append(_regex_literal(c))
-            else:
-                body = pattern[i + 1 : j]
-                negate = body[:1] in ("^", "!")
-                if negate:
-                    body = body[1:]
-                body = body.replace("\\", "\\\\")
-                out.append(f"[{'^' if negate else ''}{body}]")
-                i = j
-        else:
-            out.append(_regex_literal(c))
-        i += 1
-    out.append("$")
-    return "".join(out)
+class StreamRun:
+    """A sorted listing of one backend read from ``backend.list()``: at most
+    SORT_LIMIT matching records, sorted by ``key`` (the *sorted part*); when there
+    are more, the others are the *tail*, in the backend's own order."""
+
+    def __init__(self, alias, stream, key):
+        self.alias = alias
+        stream = iter(stream)
+        head = list(itertools.islice(stream, SORT_LIMIT + 1))
+        #: Whether some matching records are left out of the sorted part.
+        self.partial = len(head) > SORT_LIMIT
+        self._rest = itertools.chain(head[SORT_LIMIT:], stream)
+        # SCAN may return a key twice while Redis rehashes: one row per name.
+        head = list({info.name: info for info in head[:SORT_LIMIT]}.values())
+        head.sort(key=key)
+        self._head = head
+        #: The number of records in the sorted part.
+        self.size = len(head)
+
+    def rows(self, offset, limit):
+        """The sorted part's records ``offset`` to ``offset + limit``."""
+        return self._head[offset : offset + limit]
+
+    def tail(self, offset, limit):
+        """``(infos, total)``: the tail's records ``offset`` to ``offset + limit``,
+        and its length when it ends within them, else None: past SORT_LIMIT records,
+        counting the rest would double the cost of every page. Call it once."""
+        skipped = sum(1 for _ in itertools.islice(self._rest, offset))
+        infos = list(itertools.islice(self._rest, limit))
+        total = skipped + len(infos) if len(infos) < limit else None
+        return list({info.name: info for info in infos}.values()), total
+
+
+class DatabaseRun:
+    """A sorted listing of one database backend: all of it sorted, in SQL."""
+
+    partial = False
+
+    def __init__(self, source, state, glob, ordering):
+        self.alias = source.alias
+        self._source = source
+        self._query = (state, glob, ordering)
+        self.size = source.count(state, glob)
+
+    def rows(self, offset, limit):
+        return self._source.fetch_sorted(*self._query, offset, limit)
 
 
 # -- sources -----------------------------------------------------------------------
@@ -180,6 +238,12 @@ class StreamSource:
             seen += 1
         return infos, seen
 
+    def sorted_run(self, state, glob, ordering):
+        """The matching locks sorted by ``ordering``: a :class:`StreamRun`, which
+        reads up to SORT_LIMIT + 1 records now."""
+        return StreamRun(self.alias, self.backend.list(state=state, name_glob=glob),
+                         sort_key(ordering))
+
     def owner_token(self, name):
         """``(owner token, fencing token)`` of ``name``'s record, read together,
         or None when there is no record (only where ``atomic_release``)."""
@@ -200,37 +264,29 @@ class DatabaseSource(StreamSource):
     def _now(self):
         return RawSQL(self.now_sql, (), output_field=BigIntegerField())
 
-    def _queryset(self, state, glob):
+    def _queryset(self, state, glob=None):
         # An empty token marks a row kept only for the waiter next in line: no lock.
         qs = LockRecord.objects.using(self.database).exclude(token="")
         if state == STALE:
             qs = qs.filter(expires_at__lte=self._now())
         elif state == HELD:
             qs = qs.filter(expires_at__gt=self._now())
-        if glob:
-            qs = qs.filter(name__regex=glob_to_sql_regex(glob))
+        if glob and glob.literal_prefix:
+            # A prefilter only (case-insensitive on some databases): the glob itself
+            # is matched in Python, in linear time, whatever a user types.
+            qs = qs.filter(name__startswith=glob.literal_prefix)
         return qs
 
-    def _with_info_columns(self, qs):
-        fence = FencingCounter.objects.using(self.database).filter(name=OuterRef("name"))
-        return qs.annotate(
-            _now_ms=self._now(),
-            _fencing=Coalesce(Subquery(fence.values("value")[:1]), Value(0),
-                              output_field=BigIntegerField()),
-        )
+    def _matching_names(self, state, glob):
+        """The names matching ``glob`` (a Glob), in name order."""
+        names = (self._queryset(state, glob).order_by("name")
+                 .values_list("name", flat=True).iterator(chunk_size=2000))
+        return [name for name in names if glob.match(name)]
+
 
     def _info(self, row):
-        name, owner, acquired, expires, fencing, now = row[:6]
-        try:
-            owner = json.loads(owner) if owner else {}
-        except ValueError:
-            owner = {"raw": owner}
-        if not isinstance(owner, dict):
-            owner = {"raw": owner}
-        return LockInfo(
-            name=name, backend=self.alias, fencing_token=int(fencing), owner=owner,
-            acquired_at_ms=int(acquired), expires_at_ms=int(expires), now_ms=int(now),
-        )
+        # The backend's own reading of a row, tolerant of rows it never wrote.
+        return row_info(self.alias, row)
 
     def _run(self, action, fn):
         from django.db import Error
@@ -243,41 +299,87 @@ class DatabaseSource(StreamSource):
             ) from exc
 
     def count(self, state, glob):
-        return self._run("count", lambda: self._queryset(state, glob).count())
+        if glob:
+            glob = compile_glob(glob)
+            return self._run("count", lambda: len(self._matching_names(state, glob)))
+        return self._run("count", lambda: self._queryset(state).count())
 
     def fetch(self, state, glob, offset, limit, total=None):
         def work():
-            qs = self._queryset(state, glob)
-            count = qs.count() if total is None else total
+            qs = self._queryset(state)
+            if glob:
+                matching = self._matching_names(state, compile_glob(glob))
+                count = len(matching)
+                qs = qs.filter(name__in=matching[offset : offset + limit])
+                window = (0, limit)
+            else:
+                count = qs.count() if total is None else total
+                window = (offset, offset + limit)
             if limit <= 0 or offset >= count:
                 return [], count
-            # The fencing tokens in a second query for the page's names only: in the
-            # first, PostgreSQL would evaluate a subquery for every row OFFSET skips.
             rows = list(
                 qs.annotate(_now_ms=self._now())
                 .order_by("name")
-                .values_list("name", "owner", "acquired_at", "expires_at", "_now_ms")
-                [offset : offset + limit]
+                .values_list(*self.PAGE_COLUMNS)
+                [window[0] : window[1]]
             )
-            fences = dict(
-                FencingCounter.objects.using(self.database)
-                .filter(name__in=[row[0] for row in rows])
-                .values_list("name", "value")
-            )
-            return [
-                self._info((name, owner, acquired, expires, fences.get(name, 0), now))
-                for name, owner, acquired, expires, now in rows
-            ], count
+            return [self._info(row) for row in rows], count
+
+        return self._run("list", work)
+
+    #: The columns of a page's rows, as row_info() takes them.
+    PAGE_COLUMNS = ("name", "owner", "acquired_at", "expires_at", "fencing", "_now_ms")
+
+    def _name_in_code_point_order(self):
+        """The name as ORDER BY must see it to sort as Python sorts strings: by code
+        point, which is UTF-8's byte order. The column's collation is that already
+        on SQLite (BINARY) and MySQL/MariaDB (binary, migration 0001); PostgreSQL
+        sorts by the database's collation unless told "C"."""
+        if connections[self.database].vendor == "postgresql":
+            return Collate(F("name"), "C")
+        return F("name")
+
+    def _order_by(self, ordering):
+        """ORDER BY expressions of ``complete_ordering(ordering)``, matching
+        sort_key() (the backend is the same for every row: left out)."""
+        expressions = {
+            "name": self._name_in_code_point_order(),
+            "state": Case(When(expires_at__gt=self._now(), then=Value(0)), default=Value(1)),
+            "fencing_token": F("fencing"),
+            "acquired_at": F("acquired_at"),
+            "expires_at": F("expires_at"),
+        }
+        return [
+            expressions[field].desc() if descending else expressions[field].asc()
+            for field, descending in complete_ordering(ordering) if field != "backend"
+        ]
+
+    def sorted_run(self, state, glob, ordering):
+        """A :class:`DatabaseRun` (it counts the matches now)."""
+        return DatabaseRun(self, state, glob, ordering)
+
+    def fetch_sorted(self, state, glob, ordering, offset, limit):
+        """The matching locks ``offset`` to ``offset + limit`` in ``ordering``
+        (LockInfos). With a glob, the rows are read in order, prefiltered by its
+        literal prefix, until ``offset + limit`` of them match."""
+        def work():
+            glob_ = compile_glob(glob) if glob else None
+            qs = self._queryset(state, glob_)
+            qs = qs.annotate(_now_ms=self._now())
+            rows = qs.order_by(*self._order_by(ordering)).values_list(*self.PAGE_COLUMNS)
+            if glob_ is None:
+                rows = list(rows[offset : offset + limit])
+            else:
+                matching = (row for row in rows.iterator(chunk_size=2000) if glob_.match(row[0]))
+                rows = list(itertools.islice(matching, offset, offset + limit))
+            return [self._info(row) for row in rows]
 
         return self._run("list", work)
 
     def owner_token(self, name):
         def work():
-            rows = (
-                self._with_info_columns(
-                    LockRecord.objects.using(self.database).filter(name=name).exclude(token=""))
-                .values_list("token", "_fencing")[:1]
-            )
+            rows = (LockRecord.objects.using(self.database).filter(name=name).exclude(token="")
+                    .values_list("token", "fencing")[:1])
             return tuple(rows[0]) if rows else None
 
         return self._run("read", work)
@@ -294,7 +396,7 @@ class RedisSource(StreamSource):
         import redis
 
         self.errors = (redis.exceptions.RedisError, OSError)
-        self.head = escape_glob(backend.key_prefix) + ":{"
+        self.head = escape(backend.key_prefix) + ":{"
         self.head_len = len(backend.key_prefix) + 2
 
     def _name(self, key):
@@ -303,11 +405,17 @@ class RedisSource(StreamSource):
         return key[self.head_len : -len("}:lock")]
 
     def _keys(self, client, glob):
-        """Yield the lock keys matching ``glob`` of each SCAN call (maybe none)."""
-        match = f"{self.head}{glob or '*'}}}:lock"
+        """Yield the lock keys matching ``glob`` of each SCAN call (maybe none).
+
+        SCAN MATCH only narrows by the glob's literal prefix; the glob itself is
+        matched here, so Redis' own glob dialect never decides what matches."""
+        glob = compile_glob(glob) if glob else None
+        match = f"{self.head}{redis_match(glob) if glob else '*'}}}:lock"
         cursor = 0
         while True:
             cursor, keys = client.scan(cursor, match=match, count=SCAN_COUNT, _type="hash")
+            if glob is not None:
+                keys = [key for key in keys if glob.match(self._name(key))]
             yield keys
             if int(cursor) == 0:
                 return
@@ -388,11 +496,12 @@ class RedisSource(StreamSource):
         key = f"{self.backend.key_prefix}:{{{name}}}:lock"
         with self.backend.translate_errors(*self.errors, action=f"read {name!r}"):
             token, fencing = self.backend.connection.client.hmget(key, "token", "fencing")
+        fencing = _whole(fencing)
         if token is None or fencing is None:
             return None
         if isinstance(token, bytes):
-            token = token.decode()
-        return token, int(fencing)
+            token = token.decode(errors="replace")
+        return token, fencing
 
 
 def source_for(alias, backend):
@@ -428,19 +537,46 @@ def source_for(alias, backend):
 class LockPage:
     """One page of the merged listing of several backends.
 
+    ``ordering`` (``[(field, descending)]``, fields of SORT_FIELDS) sorts the
+    listing across backends; without it, backend after backend (see the module's
+    docstring).
+
     ``rows``: the LockInfos of the page; ``errors``: ``{alias: message}`` of
     backends that could not be read; ``total``: the number of matching locks, or
     None when counting would be slow; ``has_next``/``has_previous``;
-    ``num_pages`` (None without a total).
+    ``num_pages`` (None without a total); ``partially_sorted``: the aliases whose
+    locks a sorted listing could sort only partly.
     """
 
-    def __init__(self, sources, *, state=None, glob=None, number=1, per_page=PER_PAGE):
+    def __init__(self, sources, *, state=None, glob=None, number=1, per_page=PER_PAGE,
+                 ordering=()):
         self.number = number
         self.per_page = per_page
         self.errors = {}
+        self.partially_sorted = []
         start = (number - 1) * per_page
-        skip = start
         want = per_page + 1  # one more than a page: tells whether there is a next page
+        if ordering:
+            rows, totals = self._sorted(sources, state, glob, ordering, start, want)
+        else:
+            rows, totals = self._by_backend(sources, state, glob, start, want)
+        self.has_next = len(rows) > per_page
+        self.rows = rows[:per_page]
+        self.has_previous = number > 1
+        if all(n is not None for n in totals):
+            self.total = sum(totals)
+        elif not self.has_next and self.rows:
+            self.total = start + len(self.rows)
+        else:
+            self.total = None
+        self.num_pages = None if self.total is None else max(1, math.ceil(self.total / per_page))
+        self.start_index = start + 1 if self.rows else 0
+        self.end_index = start + len(self.rows)
+
+    def _by_backend(self, sources, state, glob, start, want):
+        """``(rows, totals)``: rows ``start`` to ``start + want`` of the backends one
+        after the other, and each backend's total (None: not counted)."""
+        skip = start
         rows = []
         totals = []
         for src in sources:
@@ -463,18 +599,67 @@ class LockPage:
             want -= len(infos)
             totals.append(n)
             skip = 0 if n is None else max(0, skip - n)
-        self.has_next = len(rows) > per_page
-        self.rows = rows[:per_page]
-        self.has_previous = number > 1
-        if all(n is not None for n in totals):
-            self.total = sum(totals)
-        elif not self.has_next and self.rows:
-            self.total = start + len(self.rows)
-        else:
-            self.total = None
-        self.num_pages = None if self.total is None else max(1, math.ceil(self.total / per_page))
-        self.start_index = start + 1 if self.rows else 0
-        self.end_index = start + len(self.rows)
+        return rows, totals
+
+    def _sorted(self, sources, state, glob, ordering, start, want):
+        """``(rows, totals)`` of the listing sorted by ``ordering``: the sorted parts
+        of every backend merged, then the tails of the partly sorted ones."""
+        runs = []
+        for src in sources:
+            try:
+                runs.append(src.sorted_run(state, glob, ordering))
+            except LockBackendError as exc:
+                self.errors[src.alias] = str(exc)
+        rows = []
+        if start < sum(run.size for run in runs):
+            nonempty = [run for run in runs if run.size]
+            if len(nonempty) == 1:
+                offset, limit = start, want
+            else:
+                # A merged page's rows are among the first start + want of each run.
+                offset, limit = 0, start + want
+            parts = []
+            for run in nonempty:
+                try:
+                    parts.append(run.rows(offset, limit))
+                except LockBackendError as exc:
+                    self.errors[run.alias] = str(exc)
+                    runs.remove(run)
+            merged = heapq.merge(*parts, key=sort_key(ordering))
+            rows = list(itertools.islice(merged, start - offset, start - offset + want))
+        sorted_size = sum(run.size for run in runs)
+        totals = [sorted_size]
+        skip = max(0, start - sorted_size)
+        want -= len(rows)
+        for run in runs:
+            if not run.partial:
+                continue
+            self.partially_sorted.append(run.alias)
+            try:
+                infos, n = run.tail(skip, max(want, 0))
+            except LockBackendError as exc:
+                self.errors[run.alias] = str(exc)
+                continue
+            rows.extend(infos)
+            want -= len(infos)
+            totals.append(n)
+            skip = 0 if n is None else max(0, skip - n)
+        return rows, totals
+
+
+def state_counts(sources, glob):
+    """``{alias: {state: count}}`` of the locks matching ``glob`` in each state
+    (the admin's filter counts); a count is None where counting would be costly
+    (see each source's count()) or the backend cannot be read."""
+    counts = {}
+    for src in sources:
+        counts[src.alias] = dict.fromkeys(STATES)
+        for state in STATES:
+            try:
+                counts[src.alias][state] = src.count(state, glob)
+            except LockBackendError:
+                break  # unreachable: not asked again (each try may wait for a timeout)
+    return counts
 
 
 # -- force-release ------------------------------------------------------------------
@@ -509,6 +694,18 @@ def release_if_unchanged(source, name, fencing_token):
     Returns a :class:`ReleaseOutcome`. Raises LockBackendError.
     """
     backend = source.backend
+    if fencing_token == 0:
+        # An unreadable record (no backend mints token 0): nothing to compare it by
+        # but that it is still unreadable. Forcing it out is what the user asked.
+        current = backend.get(name)
+        if current is None:
+            return ReleaseOutcome(ReleaseOutcome.GONE)
+        if current.fencing_token != 0:
+            return ReleaseOutcome(ReleaseOutcome.CHANGED, current=current)
+        removed = backend.delete(name)
+        if removed is None:
+            return ReleaseOutcome(ReleaseOutcome.GONE)
+        return ReleaseOutcome(ReleaseOutcome.RELEASED, info=removed)
     if _has_compare_and_delete(backend):
         removed = backend.delete(name, fencing_token=fencing_token)
         if removed is not None:
@@ -567,10 +764,12 @@ def format_duration(seconds):
 
 
 def owner_fields(info):
-    """``(host, pid, thread, guards)`` of a LockInfo's owner, as strings."""
+    """``(host, pid, thread, guards)`` of a LockInfo's owner, as strings; the raw
+    text of an owner that could not be read comes first."""
     owner = info.owner if isinstance(info.owner, dict) else {"raw": info.owner}
-    if "raw" in owner and len(owner) == 1:
-        return str(owner["raw"]), "", "", ""
+    for key in ("raw", "unreadable"):
+        if key in owner and len(owner) == 1:
+            return str(owner[key]), "", "", ""
     return tuple(
         "" if owner.get(key) is None else str(owner.get(key))
         for key in ("host", "pid", "thread", "guards")

@@ -1,15 +1,21 @@
 """System checks for ``SETNX_LOCKS`` (``manage.py check``).
 
 Misconfiguration is reported here, with an id and a hint, instead of as a crash at
-import time. Ids: E001-E009 the setting's shape (this module), E010-E019 the Redis
-backends, E020-E029 the database backend (each backend's ``check_params``).
+import time. Ids: E001-E009 and W001-W009 the setting's shape (this module),
+E010-E019 the Redis backend, E020-E029 the database backend, E030-E039 Redlock
+(each backend's ``check_params``).
 """
 
-from django.core.checks import Error, register
+import difflib
+
+from django.core.checks import Error, Warning, register
 from django.utils.module_loading import import_string
 
 from .conf import DEFAULT_LOCK_ALIAS, get_lock_settings
-from .validation import validate_ttl
+from .validation import MAX_TTL_LIMIT, validate_ttl
+
+#: The keys an alias of SETNX_LOCKS may have (as in CACHES).
+ALIAS_KEYS = ("BACKEND", "LOCATION", "KEY_PREFIX", "TTL", "OPTIONS")
 
 _SETTING_HINT = (
     'Example: SETNX_LOCKS = {"default": {"BACKEND": '
@@ -46,16 +52,41 @@ def _check_alias(alias, params):
     except ImportError as exc:
         return [Error(f"{where}['BACKEND'] {params['BACKEND']!r} cannot be imported: {exc}",
                       id="django_setnx.E004")]
-    errors = []
-    if "TTL" in params:
-        try:
-            validate_ttl(params["TTL"], what=f"{where}['TTL']")
-        except (TypeError, ValueError) as exc:
-            errors.append(Error(str(exc), id="django_setnx.E005"))
-    if not isinstance(params.get("OPTIONS", {}), dict):
+    errors = [
+        Warning(f"{where} has an unknown key {key!r}; it is ignored.",
+                hint=_did_you_mean(key, ALIAS_KEYS), id="django_setnx.W001")
+        for key in params if key not in ALIAS_KEYS
+    ]
+    options = params.get("OPTIONS", {})
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
         errors.append(Error(f"{where}['OPTIONS'] must be a dict, got {params['OPTIONS']!r}.",
                             id="django_setnx.E006"))
         return errors
+    max_ttl = None
+    if "MAX_TTL" in options:
+        try:
+            max_ttl = validate_ttl(options["MAX_TTL"], what=f"{where}['OPTIONS']['MAX_TTL']",
+                                   maximum=MAX_TTL_LIMIT,
+                                   where="the most any backend accepts: 10 years")
+        except (TypeError, ValueError) as exc:
+            errors.append(Error(str(exc), id="django_setnx.E008"))
+    else:
+        max_ttl = getattr(backend_cls, "default_max_ttl", None)
+    if "TTL" in params:
+        try:
+            validate_ttl(params["TTL"], what=f"{where}['TTL']", maximum=max_ttl,
+                         where=f"{where}['OPTIONS']['MAX_TTL']")
+        except (TypeError, ValueError) as exc:
+            errors.append(Error(str(exc), id="django_setnx.E005"))
+    known = getattr(backend_cls, "option_names", None)
+    if known is not None:
+        errors.extend(
+            Warning(f"{where}['OPTIONS'] has an unknown key {key!r}; it is ignored.",
+                    hint=_did_you_mean(key, sorted(known)), id="django_setnx.W002")
+            for key in options if key not in known
+        )
     check_params = getattr(backend_cls, "check_params", None)
     if check_params is None:
         errors.append(Error(f"{where}['BACKEND'] {params['BACKEND']!r} is not a lock backend "
@@ -65,3 +96,11 @@ def _check_alias(alias, params):
         errors.extend(check_params(alias, params))
     return errors
 
+
+
+def _did_you_mean(key, known):
+    close = difflib.get_close_matches(str(key), known, n=1)
+    listed = ", ".join(map(repr, known))
+    if close:
+        return f"Did you mean {close[0]!r}? Known keys: {listed}."
+    return f"Known keys: {listed}."

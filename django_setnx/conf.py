@@ -21,6 +21,11 @@ DEFAULT_SETNX_LOCKS = {
 #: Default ttl in seconds when neither the call nor the backend's ``TTL`` sets one.
 DEFAULT_TTL = 60.0
 
+#: Default of a backend's ``OPTIONS["MAX_TTL"]`` (seconds): the longest ttl accepted,
+#: checked before anything is written. 30 days: longer than any sane lock, and long
+#: enough for an enqueue-once lock that covers a Celery ``eta`` weeks ahead.
+DEFAULT_MAX_TTL = 30 * 86400.0
+
 #: Longest lock name, in characters (the database column's width).
 MAX_NAME_LENGTH = 200
 

@@ -1,4 +1,4 @@
-"""``@locked``: run a function, method, async function or Django view under a lock.
+"""``@locked``: run a function, method, generator or Django view under a lock.
 
     @locked("invoice:{invoice_id}", ttl=60)
     def charge(invoice_id): ...
@@ -6,28 +6,57 @@
 The lock name is a ``str.format`` template filled from the call's bound arguments
 (attribute and index lookups work: ``"checkout:{request.user.pk}"``), or a callable
 that returns the name from the call's arguments.
+
+What is held, and for how long:
+
+- a function, method or ``async def``: for the call;
+- a generator or async generator: from its first step until it is exhausted,
+  raises or is closed (``close()``, or the garbage collector closing an abandoned
+  one); a contended generator yields nothing (``skip``) or raises at its first step;
+- a view: for the view call, and when it returns a streaming response
+  (``StreamingHttpResponse``, ``FileResponse``), until the response has been sent
+  or closed: the lock covers the streamed body too;
+- inside a database transaction, until the transaction commits (see
+  :mod:`django_setnx.transactions`).
+
+Views are recognised by their request argument: a Django ``HttpRequest``, or an
+object wrapping one in ``_request`` (Django REST framework's ``Request``) as the
+first argument, or the second for a method (``self, request``). Class-based views
+work through Django's ``method_decorator`` on ``dispatch`` or on a handler method.
 """
 
+import asyncio
+import contextvars
 import functools
 import inspect
 import math
 import string
+import logging
+import threading
+import weakref
+from collections.abc import AsyncIterator
 
 from asgiref.sync import iscoroutinefunction
 from django.core.exceptions import ImproperlyConfigured
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from .conf import DEFAULT_LOCK_ALIAS
-from .exceptions import LockNotAcquired
+from .exceptions import LockError, LockNotAcquired
 from .locking import Lock
+from .transactions import database_aliases, deferred_lock
 from .validation import validate_timeout
+
+logger = logging.getLogger("django_setnx")
 
 RAISE = "raise"
 SKIP = "skip"
+#: Request methods a decorated view serves without taking the lock by default.
+UNLOCKED_METHODS = ("HEAD", "OPTIONS")
 
 _formatter = string.Formatter()
 
 
+@functools.lru_cache(maxsize=512)
 def _template_roots(template):
     """The argument names a template refers to: ``"{request.user.pk}"`` -> {"request"}."""
     roots = set()
@@ -39,18 +68,63 @@ def _template_roots(template):
                 f"Lock name template {template!r} uses a positional field; name the "
                 f"argument instead, e.g. '{{invoice_id}}'."
             )
-        root = field.split(".", 1)[0].split("[", 1)[0]
-        roots.add(root)
-    return roots
+        roots.add(field.split(".", 1)[0].split("[", 1)[0])
+    return frozenset(roots)
 
 
-class _LockName:
-    """Builds the lock name of one call from the decorated function's arguments."""
+@functools.lru_cache(maxsize=512)
+def _unbound_signature(function):
+    """The signature of ``function`` called as a bound method (its first parameter
+    dropped), computed once per function."""
+    signature = inspect.signature(function)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def call_signature(func):
+    """The signature ``func`` is *called* with.
+
+    ``inspect.signature`` follows ``__wrapped__``, which is right for a function
+    wrapped by another decorator but wrong for the per-call ``functools.partial``
+    that Django's ``method_decorator`` builds around a bound method: its
+    ``__wrapped__`` is the unbound method, whose signature has ``self`` first. So the
+    ``__wrapped__`` chain is followed by hand, and stops at such a partial, also
+    behind other decorators (``method_decorator([never_cache, locked(...)])``).
+    """
+    target, seen = func, set()
+    while id(target) not in seen:
+        seen.add(id(target))
+        if isinstance(target, functools.partial):
+            inner = target.func
+            if inspect.ismethod(inner) and not target.args and not target.keywords:
+                return _unbound_signature(inner.__func__)
+            return inspect.signature(target, follow_wrapped=False)
+        wrapped = getattr(target, "__wrapped__", None)
+        if wrapped is None:
+            break
+        target = wrapped
+    return inspect.signature(func)
+
+
+def _is_async_view_dispatch(func):
+    """True for the per-call partial of an async class-based view's method that is
+    itself sync and returns the handler's coroutine (``View.dispatch`` of a view whose
+    handlers are ``async def``): it must be locked the async way."""
+    target = func
+    while not isinstance(target, functools.partial):
+        target = getattr(target, "__wrapped__", None)
+        if target is None:
+            return False
+    view = getattr(target.func, "__self__", None)
+    return bool(getattr(view, "view_is_async", False)) and not iscoroutinefunction(target)
+
+
+class LockName:
+    """Builds the lock name of one call from the decorated callable's arguments."""
 
     def __init__(self, func, template):
         self.func = func
         self.template = template
-        self.signature = inspect.signature(func)
+        self.signature = call_signature(func)
         if callable(template):
             return
         if not isinstance(template, str) or not template:
@@ -64,14 +138,15 @@ class _LockName:
         if unknown and not takes_any_keyword:
             raise ImproperlyConfigured(
                 f"Lock name template {template!r} refers to {', '.join(sorted(unknown))}, "
-                f"which {_qualname(func)}{self.signature} does not take."
+                f"which {qualname(func)}{self.signature} does not take."
             )
 
     def __call__(self, args, kwargs):
         if callable(self.template):
             name = self.template(*args, **kwargs)
             if not isinstance(name, str):
-                raise TypeError(f"The lock name callable {self.template!r} returned {name!r}, not a str.")
+                raise TypeError(
+                    f"The lock name callable {self.template!r} returned {name!r}, not a str.")
             return name
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
@@ -84,47 +159,145 @@ class _LockName:
         except (KeyError, AttributeError, IndexError, LookupError) as exc:
             raise ValueError(
                 f"Lock name template {self.template!r} cannot be filled from the call to "
-                f"{_qualname(self.func)} ({type(exc).__name__}: {exc}); arguments were "
+                f"{qualname(self.func)} ({type(exc).__name__}: {exc}); arguments were "
                 f"{sorted(arguments)}."
             ) from exc
 
 
-def _qualname(func):
+def qualname(func):
+    func = getattr(func, "func", func)  # a partial: name what it calls
+    func = getattr(func, "__func__", func)  # a bound method: its function
     return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
 
 
-def _find_request(args):
-    # A function view's first argument, or a class-based view method's second.
-    for arg in args[:2]:
+def find_request(args):
+    """``(request, http_request)`` of a view call, or ``(None, None)``.
+
+    ``request`` is what the view got (a Django ``HttpRequest``, or a wrapper such as
+    DRF's ``Request``), ``http_request`` the Django ``HttpRequest`` itself. DRF is
+    recognised without importing it: its ``Request`` keeps the ``HttpRequest`` in
+    ``_request``.
+    """
+    for arg in args[:2]:  # a function view's first argument, a method's second
         if isinstance(arg, HttpRequest):
-            return arg
-    return None
+            return arg, arg
+        inner = getattr(arg, "_request", None)
+        if isinstance(inner, HttpRequest):
+            return arg, inner
+    return None, None
 
 
-def default_contention_response(request, lock, status=409):
+def retry_after_seconds(lock, retry_after=None, request=None):
+    """The ``Retry-After`` of a contended view, in whole seconds (at least 1).
+
+    ``retry_after``: None (the holder's remaining ttl, by the backend's clock), a
+    number of seconds, or a callable ``(lock, request) -> seconds``.
+    """
+    if callable(retry_after):
+        retry_after = retry_after(lock, request)
+    if retry_after is None:
+        try:
+            info = lock.info()
+        except LockError:  # an outage must not turn a 409 into a 500
+            info = None
+        retry_after = info.expires_in if info is not None and info.is_held else 1
+    return max(1, math.ceil(retry_after))
+
+
+def _wants_json(http_request, is_api):
+    """Content negotiation for the contention response: JSON when the client
+    prefers it (or sent no preference to an API view, as DRF's are), else text."""
+    accept = http_request.headers.get("Accept", "").strip()
+    if not accept or accept == "*/*":
+        return is_api
+    preferred = getattr(http_request, "get_preferred_type", None)  # Django >= 5.2
+    if preferred is not None:
+        return preferred(["text/plain", "text/html", "application/json"]) == "application/json"
+    return http_request.accepts("application/json") and not http_request.accepts("text/html")
+
+
+def default_contention_response(request, lock, status=409, retry_after=None):
     """The view response on contention: ``status`` (409) with ``Retry-After``.
 
-    ``Retry-After`` is the holder's remaining time by the backend's clock, rounded
-    up to whole seconds (at least 1).
+    JSON (``{"detail": ..., "retry_after": seconds}``) when content negotiation asks
+    for it, plain text otherwise. ``request`` may be a Django ``HttpRequest`` or a
+    DRF ``Request``.
     """
-    retry_after = 1
-    try:
-        info = lock.info()
-    except Exception:  # an outage must not turn a 409 into a 500
-        info = None
-    if info is not None and info.is_held:
-        retry_after = max(1, math.ceil(info.expires_in))
-    response = HttpResponse(
-        f"The resource is busy (lock held by another request). Retry in {retry_after} s.\n",
-        status=status,
-        content_type="text/plain; charset=utf-8",
-    )
-    response["Retry-After"] = str(retry_after)
+    request, http_request = find_request((request,))
+    seconds = retry_after_seconds(lock, retry_after, request)
+    detail = (f"The resource is busy (a lock is held by another request). "
+              f"Retry in {seconds} s.")
+    if _wants_json(http_request, request is not http_request):
+        response = JsonResponse({"detail": detail, "retry_after": seconds}, status=status)
+    else:
+        response = HttpResponse(detail + "\n", status=status,
+                                content_type="text/plain; charset=utf-8")
+    response["Retry-After"] = str(seconds)
     return response
 
 
+# -- re-entry -------------------------------------------------------------------------
+
+#: The locks held by @locked calls in progress in this thread or task.
+_in_progress = contextvars.ContextVar("django_setnx_in_progress", default=())
+
+
+def _current_runner():
+    """The asyncio task running this code, or else this thread's id."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no event loop running here
+        task = None
+    return task if task is not None else threading.get_ident()
+
+
+class _Held:
+    __slots__ = ("key", "runner", "active")
+
+    def __init__(self, key):
+        self.key = key
+        self.runner = _current_runner()
+        self.active = True
+
+
+def _refuse_reentry(lk, func):
+    """Raise a clear LockError for a recursive call: a lock is not reentrant, and the
+    inner call would wait for its own caller's lock until the ttl (then the outer
+    call's release would fail with LockNotOwned)."""
+    key = (lk.backend_alias, lk.name)
+    # Only the same task or thread: an asyncio task created inside a guarded call
+    # copies the context, but waiting there for the lock is waiting for another task
+    # (``active`` also clears the mark once that call has ended).
+    runner = _current_runner()
+    if any(held.active and held.key == key and held.runner == runner
+           for held in _in_progress.get()):
+        raise LockError(
+            f"Lock {lk.name!r} is already held by this thread or task, in a call to "
+            f"{qualname(func)} that has not returned (a recursive call?); locks are not "
+            f"reentrant."
+        )
+
+
+def _enter(lk):
+    held = _Held((lk.backend_alias, lk.name))
+    return held, _in_progress.set(_in_progress.get() + (held,))
+
+
+def _leave(entered):
+    held, token = entered
+    held.active = False
+    try:
+        _in_progress.reset(token)
+    except ValueError:  # reset from another context (a generator resumed elsewhere)
+        pass
+
+
+# -- the decorator ----------------------------------------------------------------------
+
+
 def locked(name, ttl=None, *, timeout=0, backend=DEFAULT_LOCK_ALIAS, on_contention=None,
-           auto_renew=False, status=409):
+           auto_renew=False, status=409, retry_after=None, unlocked_methods=UNLOCKED_METHODS,
+           release_on_commit=True, using=None):
     """Decorate a callable so that each call runs while holding a lock.
 
     - ``name``: a ``str.format`` template over the call's arguments, or a callable
@@ -136,74 +309,276 @@ def locked(name, ttl=None, *, timeout=0, backend=DEFAULT_LOCK_ALIAS, on_contenti
     - ``timeout``: seconds to wait for the lock (default 0: do not wait; ``None``
       waits forever).
     - ``on_contention``: ``"raise"`` (``LockNotAcquired``; the default for
-      functions), ``"skip"`` (return None without calling), or a callable
-      ``on_contention(lock, *args, **kwargs)`` whose result is returned. For views
-      (a first argument that is an ``HttpRequest``) the default is an HTTP
-      ``status`` (409) response with ``Retry-After``.
+      functions), ``"skip"`` (return None without calling; a view answers ``204 No
+      Content``; a generator yields nothing), or a callable
+      ``on_contention(lock, *args, **kwargs)`` whose result is returned. A view's
+      default is an HTTP ``status`` (409) response with ``Retry-After``, in JSON when
+      the client asks for JSON.
+    - ``retry_after``: the view's ``Retry-After``: None (the holder's remaining
+      ttl), seconds, or a callable ``(lock, request) -> seconds``.
+    - ``unlocked_methods``: request methods a view serves without the lock
+      (default HEAD and OPTIONS). Note that Django runs a GET view for HEAD.
+    - ``release_on_commit`` (default True) and ``using`` (a database alias or a
+      sequence of them; default ``"default"``): a call made inside a transaction on
+      one of those databases (``atomic()``, ``ATOMIC_REQUESTS``) keeps the lock until
+      that transaction commits, so the next holder reads what this call wrote; after
+      a rollback the lock is released at once. A second call with the same lock
+      name before that commit, in the same thread, runs under the lock still held.
+    - A recursive call (the same lock, while a call holding it has not returned) is
+      a ``LockError``: locks are not reentrant.
 
-    Works on functions, methods, ``async def`` functions and sync or async views.
-    The owner record says what is guarded: the view's method and path, or the
-    function's dotted name.
+    Works on functions, methods (also above ``@staticmethod``/``@classmethod``),
+    generators, ``async def`` functions and async generators, and sync or async
+    views, class-based ones through ``method_decorator``. The owner record says what
+    is guarded: the view's method and path, or the function's dotted name.
     """
     validate_timeout(timeout)
-    if on_contention is not None and on_contention not in (RAISE, SKIP) and not callable(on_contention):
+    if on_contention is not None and on_contention not in (RAISE, SKIP) \
+            and not callable(on_contention):
         raise ImproperlyConfigured(
             f"on_contention must be 'raise', 'skip' or a callable, got {on_contention!r}."
         )
+    if retry_after is not None and not callable(retry_after):
+        if isinstance(retry_after, bool) or not isinstance(retry_after, (int, float)) \
+                or not math.isfinite(retry_after) or retry_after < 0:
+            raise ImproperlyConfigured(
+                f"retry_after must be None, a number of seconds >= 0 or a callable, got "
+                f"{retry_after!r}.")
+    if isinstance(unlocked_methods, str) or not all(
+            isinstance(method, str) for method in unlocked_methods or ()):
+        raise ImproperlyConfigured(
+            f"unlocked_methods must be a sequence of HTTP method names such as "
+            f"('HEAD', 'OPTIONS'), got {unlocked_methods!r}.")
+    unlocked = frozenset(method.upper() for method in unlocked_methods or ())
+    using = database_aliases(using)
 
     def decorator(func):
-        make_name = _LockName(func, name)
-        dotted = _qualname(func)
+        if isinstance(func, (staticmethod, classmethod)):
+            # Decorate the function inside, and keep the descriptor around it.
+            return type(func)(decorator(func.__func__))
+        if not callable(func):
+            raise ImproperlyConfigured(f"@locked can only decorate a callable, not {func!r}.")
+        make_name = LockName(func, name)
+        dotted = qualname(func)
 
-        def build_lock(args, kwargs):
-            request = _find_request(args)
-            guards = f"{request.method} {request.path} ({dotted})" if request is not None else dotted
+        def begin(args, kwargs):
+            """``(lock, request, http_request)`` for one call; lock is None for an
+            unlocked request method."""
+            request, http_request = find_request(args)
+            if http_request is not None and http_request.method in unlocked:
+                return None, request, http_request
+            guards = (f"{http_request.method} {http_request.path} ({dotted})"
+                      if http_request is not None else dotted)
             lk = Lock(make_name(args, kwargs), ttl, backend=backend, timeout=timeout,
-                      auto_renew=auto_renew, guards=guards)
-            return lk, request
+                      auto_renew=auto_renew, guards=guards,
+                      release_on_commit=release_on_commit, using=using)
+            _refuse_reentry(lk, func)
+            return lk, request, http_request
 
         def contended(lk, request, args, kwargs):
             if callable(on_contention):
                 return on_contention(lk, *args, **kwargs)
+            if request is not None and on_contention in (None, SKIP):
+                if on_contention == SKIP:
+                    return HttpResponse(status=204)
+                return default_contention_response(request, lk, status, retry_after)
             if on_contention == SKIP:
                 return None
-            if on_contention is None and request is not None:
-                return default_contention_response(request, lk, status)
             raise LockNotAcquired(lk.name, timeout)
 
-        if iscoroutinefunction(func):
-            @functools.wraps(func)
-            async def async_wrapper(*args, **kwargs):
-                lk, request = build_lock(args, kwargs)
-                if not await lk.aacquire():
-                    result = contended(lk, request, args, kwargs)
-                    return await result if inspect.isawaitable(result) else result
-                try:
-                    result = await func(*args, **kwargs)
-                except BaseException as exc:
-                    await lk.__aexit__(type(exc), exc, exc.__traceback__)
-                    raise
-                await lk.arelease()
-                return result
-
-            async_wrapper.lock_name = make_name
-            return async_wrapper
-
-        @functools.wraps(func)
-        def wrapper(*args, **kwargs):
-            lk, request = build_lock(args, kwargs)
-            if not lk.acquire():
-                return contended(lk, request, args, kwargs)
-            try:
-                result = func(*args, **kwargs)
-            except BaseException as exc:
-                # Releases without masking ``exc`` even if the lock was lost meanwhile.
-                lk.__exit__(type(exc), exc, exc.__traceback__)
-                raise
-            lk.release()  # LockNotOwned here: the call was not exclusive; say so.
-            return result
-
+        if inspect.isasyncgenfunction(func):
+            wrapper = _async_generator_wrapper(func, begin, contended)
+        elif inspect.isgeneratorfunction(func):
+            wrapper = _generator_wrapper(func, begin, contended)
+        elif iscoroutinefunction(func):
+            wrapper = _coroutine_wrapper(func, begin, contended)
+        elif _is_async_view_dispatch(func):
+            wrapper = _coroutine_wrapper(func, begin, contended, returns_awaitable=True)
+        else:
+            wrapper = _function_wrapper(func, begin, contended)
         wrapper.lock_name = make_name
         return wrapper
 
     return decorator
+
+
+def _function_wrapper(func, begin, contended):
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        lk, request, http_request = begin(args, kwargs)
+        if lk is None or deferred_lock(lk) is not None:
+            # An unlocked method, or this transaction's earlier call still holds it.
+            return func(*args, **kwargs)
+        if not lk.acquire():
+            return contended(lk, request, args, kwargs)
+        entered = _enter(lk)
+        try:
+            result = func(*args, **kwargs)
+        except BaseException as exc:
+            _leave(entered)
+            # Releases without masking ``exc`` even if the lock was lost meanwhile.
+            lk.release_at_exit(exc)
+            raise
+        _leave(entered)
+        if http_request is not None and getattr(result, "streaming", False):
+            return _hold_while_streaming(result, lk)
+        lk.release_at_exit()  # LockNotOwned here: the call was not exclusive; say so.
+        return result
+
+    return wrapper
+
+
+def _coroutine_wrapper(func, begin, contended, returns_awaitable=False):
+    """``async def`` functions, and (``returns_awaitable``) sync callables whose
+    result is awaited by the caller: held until that result has been awaited."""
+    @functools.wraps(func)
+    async def wrapper(*args, **kwargs):
+        lk, request, http_request = begin(args, kwargs)
+        if lk is None or deferred_lock(lk) is not None:
+            result = func(*args, **kwargs)
+            return await result if inspect.isawaitable(result) else result
+        if not await lk.aacquire():
+            result = contended(lk, request, args, kwargs)
+            return await result if inspect.isawaitable(result) else result
+        entered = _enter(lk)
+        try:
+            result = func(*args, **kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+        except BaseException as exc:
+            _leave(entered)
+            await lk.arelease_at_exit(exc)
+            raise
+        _leave(entered)
+        if http_request is not None and getattr(result, "streaming", False):
+            return _hold_while_streaming(result, lk)
+        await lk.arelease_at_exit()
+        return result
+
+    return wrapper
+
+
+def _generator_wrapper(func, begin, contended):
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        lk, request, _ = begin(args, kwargs)
+        if lk is None or deferred_lock(lk) is not None:
+            return (yield from func(*args, **kwargs))
+        if not lk.acquire():
+            result = contended(lk, request, args, kwargs)
+            if result is not None:
+                yield from result
+            return None
+        entered = _enter(lk)
+        try:
+            # ``yield from`` passes send(), throw() and close() through to func's
+            # generator; close() raises GeneratorExit here and the lock is released.
+            result = yield from func(*args, **kwargs)
+        except BaseException as exc:
+            _leave(entered)
+            lk.release_at_exit(exc)
+            raise
+        _leave(entered)
+        lk.release_at_exit()
+        return result
+
+    return wrapper
+
+
+def _async_generator_wrapper(func, begin, contended):
+    @functools.wraps(func)
+    async def wrapper(*args, **kwargs):
+        lk, request, _ = begin(args, kwargs)
+        if lk is None or deferred_lock(lk) is not None:
+            async for item in _delegate(func(*args, **kwargs)):
+                yield item
+            return
+        if not await lk.aacquire():
+            result = contended(lk, request, args, kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+            if result is not None:
+                async for item in result:
+                    yield item
+            return
+        entered = _enter(lk)
+        try:
+            async for item in _delegate(func(*args, **kwargs)):
+                yield item
+        except BaseException as exc:
+            _leave(entered)
+            await lk.arelease_at_exit(exc)
+            raise
+        _leave(entered)
+        await lk.arelease_at_exit()
+
+    return wrapper
+
+
+async def _delegate(agen):
+    """Iterate ``agen``, closing it when the consumer stops early (an async
+    generator has no ``yield from``: asend/athrow are not passed on)."""
+    try:
+        async for item in agen:
+            yield item
+    finally:
+        await agen.aclose()
+
+
+def _hold_while_streaming(response, lk):
+    """Keep ``lk`` held until the streaming ``response`` is sent or discarded.
+
+    The server iterates the body after the view returned, then calls
+    ``response.close()``: the release happens when the body is exhausted or the
+    response closed (a client that disconnects makes the server close it), or when
+    the response object is dropped unsent (a middleware that answers 304 instead).
+    A ``FileResponse`` keeps its file for the server's ``sendfile``
+    (``wsgi.file_wrapper``): it is released when the server closes it.
+    """
+    state = {"released": False}
+
+    def release(exc=None):
+        if not state["released"]:
+            state["released"] = True
+            lk.release_at_exit(exc)
+
+    def release_quietly():
+        # From close() or the garbage collector: nobody to raise to. A lock lost
+        # meanwhile has sent lock_lost; say so in the log.
+        try:
+            release()
+        except LockError:
+            logger.warning("Lock %r of a streaming response was lost before the response "
+                           "was closed", lk.name, exc_info=True)
+
+    async def arelease(exc=None):
+        if not state["released"]:
+            state["released"] = True
+            await lk.arelease_at_exit(exc)
+
+    response._resource_closers.append(release_quietly)
+    # The finalizer holds no reference to the response: it runs when the response
+    # is collected, so a response that is never sent nor closed frees the lock too.
+    weakref.finalize(response, release_quietly)
+    if getattr(response, "file_to_stream", None) is not None:
+        return response
+    content = response.streaming_content
+    if getattr(response, "is_async", False) or isinstance(content, AsyncIterator):
+        async def stream():
+            try:
+                async for chunk in content:
+                    yield chunk
+            except BaseException as exc:
+                await arelease(exc)
+                raise
+            await arelease()
+    else:
+        def stream():
+            try:
+                yield from content
+            except BaseException as exc:
+                release(exc)
+                raise
+            release()
+    response.streaming_content = stream()
+    return response

@@ -4,6 +4,11 @@ Every exception derives from :class:`LockError`, so ``except LockError`` catches
 anything this package raises on purpose. Configuration mistakes raise Django's
 ``ImproperlyConfigured`` (an unknown alias raises :class:`InvalidLockBackendError`,
 a subclass of it) and bad arguments raise ``ValueError``/``TypeError``.
+
+Every exception survives ``pickle`` (multiprocessing, Celery's pickle serializer)
+and Celery's JSON serialization of task errors with the same class, message and
+attributes: ``args`` holds exactly the constructor's arguments (both rebuild an
+exception as ``cls(*args)``), and ``str()`` is the message.
 """
 
 from django.core.exceptions import ImproperlyConfigured
@@ -12,11 +17,18 @@ from django.core.exceptions import ImproperlyConfigured
 class LockError(Exception):
     """Base class of every lock error."""
 
+    #: The text ``str()`` returns; subclasses compose it from their arguments.
+    message = ""
+
+    def __str__(self):
+        return self.message or super().__str__()
+
 
 class LockNotAcquired(LockError):
     """The lock could not be acquired within the timeout (``with lock(...)``)."""
 
     def __init__(self, name, timeout=None, message=None):
+        super().__init__(name, timeout, message)
         self.name = name
         self.timeout = timeout
         if message is None:
@@ -24,7 +36,7 @@ class LockNotAcquired(LockError):
                 message = f"Lock {name!r} is held by another owner."
             else:
                 message = f"Lock {name!r} was not acquired within {timeout:g} s."
-        super().__init__(message)
+        self.message = message
 
 
 class LockNotOwned(LockError):
@@ -35,16 +47,23 @@ class LockNotOwned(LockError):
     """
 
     def __init__(self, name, message=None):
+        super().__init__(name, message)
         self.name = name
-        super().__init__(message or f"Lock {name!r} is not owned by this Lock object.")
+        self.message = message or f"Lock {name!r} is not owned by this Lock object."
 
 
 class LockBackendError(LockError):
-    """The backend could not be reached or failed; nothing was reported as acquired."""
+    """The backend could not be reached or failed; nothing was reported as acquired.
+
+    ``alias`` names the backend; ``reason`` is what failed (the ``message``
+    argument), without the alias.
+    """
 
     def __init__(self, alias, message):
+        super().__init__(alias, message)
         self.alias = alias
-        super().__init__(f"Lock backend {alias!r}: {message}")
+        self.reason = message
+        self.message = f"Lock backend {alias!r}: {message}"
 
 
 class InvalidLockBackendError(ImproperlyConfigured):

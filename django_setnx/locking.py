@@ -21,7 +21,9 @@ from asgiref.sync import sync_to_async
 from . import signals
 from .conf import DEFAULT_LOCK_ALIAS
 from .exceptions import LockBackendError, LockError, LockNotAcquired, LockNotOwned
+from .backends.base import AcquireResult
 from .handler import locks
+from .transactions import database_aliases, deferred_lock, release_after_commit
 from .validation import validate_name, validate_timeout, validate_ttl
 
 logger = logging.getLogger("django_setnx")
@@ -47,6 +49,30 @@ def current_owner(guards=None):
     return owner
 
 
+_thread_owners = threading.local()
+
+
+def _forget_thread_owners():
+    # A forked child is another pid: its threads build their records anew.
+    global _thread_owners
+    _thread_owners = threading.local()
+
+
+os.register_at_fork(after_in_child=_forget_thread_owners)
+
+
+def _owner_record(guards, extra):
+    """The owner record of an acquire. The plain one (no guards, no extra fields) is
+    built once per thread and shared by its acquires, so that backends can reuse its
+    encoding (the Redis backends cache it by content); nothing writes to it."""
+    if guards or extra:
+        return {**current_owner(guards), **extra}
+    owner = getattr(_thread_owners, "owner", None)
+    if owner is None:
+        owner = _thread_owners.owner = current_owner()
+    return owner
+
+
 class Lock:
     """One named lock in one backend. Creating it does nothing; :meth:`acquire` does.
 
@@ -55,22 +81,28 @@ class Lock:
     """
 
     def __init__(self, name, ttl=None, *, backend=DEFAULT_LOCK_ALIAS, timeout=None,
-                 blocking=True, auto_renew=False, guards=None):
+                 blocking=True, auto_renew=False, guards=None, release_on_commit=False,
+                 using=None):
         self.name = validate_name(name)
         self.backend_alias = backend
         # Resolving the alias now makes an unknown alias fail here, before any write.
         self.backend = locks[backend]
-        self.ttl = self.backend.default_ttl if ttl is None else validate_ttl(ttl)
+        self.ttl = self.backend.default_ttl if ttl is None else self._validate_ttl(ttl)
         self.timeout = validate_timeout(timeout)
         self.blocking = bool(blocking)
         self.auto_renew = bool(auto_renew)
         if guards is not None and not isinstance(guards, str):
             raise TypeError(f"guards must be a str describing what the lock protects, got {guards!r}.")
         self.guards = guards
+        self.release_on_commit = bool(release_on_commit)
+        self.using = database_aliases(using)
         self.fencing_token = None
         self.lost = False
         self._token = None
         self._renewer = None
+        #: Extra fields of the owner record (integrations: a Celery task's id).
+        self.owner_extra = {}
+        self._borrowed = False
 
     def __repr__(self):
         state = "lost" if self.lost else ("acquired" if self._token else "unlocked")
@@ -92,14 +124,18 @@ class Lock:
         if not blocking:
             timeout = 0
         deadline = None if timeout is None else time.monotonic() + timeout
-        return secrets.token_hex(16), current_owner(self.guards), deadline
+        return secrets.token_hex(16), _owner_record(self.guards, self.owner_extra), deadline
 
-    def _acquired(self, token, result):
+    def _acquired(self, token, result, written_after):
         self._token = token
         self.fencing_token = result.fencing_token
         self.lost = False
         if self.auto_renew:
-            self._renewer = _Renewer(self)
+            # The record expires ttl after the backend wrote it, which was no earlier
+            # than ``written_after`` (monotonic): the renewer must mark the lock lost
+            # by then unless it has extended it.
+            self._renewer = _Renewer(
+                self, valid_until=written_after + self.backend.validity(self.ttl))
             self._renewer.start()
         logger.debug("Acquired lock %r (fencing token %s)", self.name, self.fencing_token)
         signals.lock_acquired.send(sender=Lock, lock=self)
@@ -120,8 +156,10 @@ class Lock:
         attempt = 0
         max_wait = _remaining(deadline)
         queued = False  # a refused caller that will retry is queued by the backend
+        calls = _CallClock()
         try:
             while True:
+                calls.tick()
                 result = self.backend.acquire(self.name, token, self.ttl, owner, max_wait)
                 if result.acquired:
                     break
@@ -129,10 +167,12 @@ class Lock:
                 self._contended(result, attempt > 0)
                 max_wait = _remaining(deadline)
                 if max_wait is not None and max_wait <= 0:
+                    calls.tick()
                     result = self._stop_waiting(token) if queued else None
                     if result is None:
                         return False
                     break  # handed to us just before we gave up: ours after all
+                calls.tick()
                 result = self.backend.wait(self.name, token=token, attempt=attempt,
                                            max_wait=max_wait, retry_after=result.retry_after)
                 if result is not None:  # a release handed the lock to us
@@ -142,7 +182,7 @@ class Lock:
             if queued:  # interrupted while queued: leave nothing held or queued behind
                 self._abandon(token)
             raise
-        self._acquired(token, result)
+        self._acquired(token, result, calls.earliest_write())
         return True
 
     async def aacquire(self, blocking=None, timeout=_UNSET):
@@ -151,8 +191,10 @@ class Lock:
         attempt = 0
         max_wait = _remaining(deadline)
         queued = False
+        calls = _CallClock()
         try:
             while True:
+                calls.tick()
                 result = await self.backend.aacquire(self.name, token, self.ttl, owner, max_wait)
                 if result.acquired:
                     break
@@ -160,10 +202,12 @@ class Lock:
                 self._contended(result, attempt > 0)
                 max_wait = _remaining(deadline)
                 if max_wait is not None and max_wait <= 0:
+                    calls.tick()
                     result = await self._astop_waiting(token) if queued else None
                     if result is None:
                         return False
                     break
+                calls.tick()
                 result = await self.backend.await_release(
                     self.name, token=token, attempt=attempt, max_wait=max_wait,
                     retry_after=result.retry_after)
@@ -174,8 +218,35 @@ class Lock:
             if queued:
                 await sync_to_async(self._abandon, thread_sensitive=False)(token)
             raise
-        self._acquired(token, result)
+        self._acquired(token, result, calls.earliest_write())
         return True
+
+    def adopt(self, token):
+        """Take over an acquisition made elsewhere under ``token``: for integrations
+        in which one process acquires and another holds (a Celery enqueuer and the
+        worker that runs the task). Extends the lock to now + ttl.
+
+        Returns True if the lock was still that acquisition's: this object then holds
+        it (renewed with ``auto_renew``, freed by :meth:`release`). Returns False if
+        it was lost (expired and taken over, or removed).
+        """
+        self._prepare_acquire(blocking=False, timeout=0)
+        started = time.monotonic()
+        if not self.backend.extend(self.name, token, self.ttl):
+            return False
+        info = self.backend.get(self.name)
+        fencing = info.fencing_token if info is not None else None
+        self._acquired(token, AcquireResult.won(fencing or 0), started)
+        return True
+
+    def take_token(self, token):
+        """Make this object the holder of an acquisition made elsewhere under ``token``
+        without any round trip, so that :meth:`release` frees it (token-checked, with
+        the lock signals): for integrations that release what another process took
+        (a Celery message revoked before it ran). Use :meth:`adopt` to hold it on."""
+        if self._token is not None and not self.lost:
+            raise LockError(f"Lock {self.name!r} is already acquired by this Lock object.")
+        self._token, self.lost = token, False
 
     def _stop_waiting(self, token):
         """Leave the backend's queue; returns the AcquireResult if the lock was handed
@@ -208,12 +279,36 @@ class Lock:
         if self._token is None:
             raise LockNotOwned(self.name, f"Cannot {action} lock {self.name!r}: it is not acquired.")
         if self.lost:
+            if action == "release":
+                self._release_lost()
             self._token = None
-            raise LockNotOwned(
-                self.name,
-                f"Cannot {action} lock {self.name!r}: it was lost (expired and taken over, "
-                f"or not renewed in time).",
-            )
+            raise self._lost_error(action)
+
+    def _lost_error(self, action):
+        return LockNotOwned(
+            self.name,
+            f"Cannot {action} lock {self.name!r}: it was lost (expired and taken over, "
+            f"or not renewed in time).",
+        )
+
+    # Marked lost by our own clock, the record may still carry our token (a late
+    # renewal that went through, or an expiry nobody took over): free it rather than
+    # make the next holder wait out its ttl. Token-checked, so it never touches
+    # another holder's lock; a failure changes nothing for the caller.
+
+    def _release_lost(self):
+        self._stop_renewer()
+        try:
+            self.backend.release(self.name, self._token)
+        except LockError:
+            logger.debug("Could not free lost lock %r", self.name, exc_info=True)
+
+    async def _arelease_lost(self):
+        self._stop_renewer()
+        try:
+            await self.backend.arelease(self.name, self._token)
+        except LockError:
+            logger.debug("Could not free lost lock %r", self.name, exc_info=True)
 
     def _stop_renewer(self):
         renewer, self._renewer = self._renewer, None
@@ -223,7 +318,7 @@ class Lock:
     def _released(self, released):
         self._token = None
         if not released:
-            self.lost = True
+            self._mark_lost()
             raise LockNotOwned(
                 self.name,
                 f"Lock {self.name!r} expired and was taken over by another owner before "
@@ -233,21 +328,34 @@ class Lock:
         signals.lock_released.send(sender=Lock, lock=self)
 
     def release(self):
-        """Release the lock. Raises LockNotOwned if this object no longer holds it."""
+        """Release the lock now. Raises LockNotOwned if this object no longer holds it.
+
+        Always immediate, even with ``release_on_commit``: that option only delays
+        the release at the end of a ``with`` block (see :meth:`__exit__`).
+        """
         self._check_held_by_us("release")
         self._stop_renewer()
         self._released(self.backend.release(self.name, self._token))
 
     async def arelease(self):
         """Async twin of :meth:`release`."""
+        if self.lost and self._token is not None:
+            await self._arelease_lost()
+            self._token = None
+            raise self._lost_error("release")
         self._check_held_by_us("release")
         self._stop_renewer()
         self._released(await self.backend.arelease(self.name, self._token))
 
     # -- extend -------------------------------------------------------------------
 
+    def _validate_ttl(self, ttl):
+        # Checked here, before anything is sent, against the backend's documented
+        # maximum (OPTIONS["MAX_TTL"]); the backends check again before they write.
+        return validate_ttl(ttl, maximum=self.backend.max_ttl, where=self.backend.max_ttl_setting)
+
     def _extend_ttl(self, ttl):
-        return self.ttl if ttl is None else validate_ttl(ttl)
+        return self.ttl if ttl is None else self._validate_ttl(ttl)
 
     def _extended(self, extended):
         if not extended:
@@ -270,8 +378,9 @@ class Lock:
         self._extended(await self.backend.aextend(self.name, self._token, ttl))
 
     def _mark_lost(self):
-        # The renewer thread and the owner's own extend() can both find the lock gone;
-        # the check-and-set is guarded so lock_lost is sent exactly once.
+        # The renewer, the watchdog and the owner's own extend() or release() can all
+        # find the lock gone; the check-and-set is guarded so lock_lost is sent
+        # exactly once per acquisition.
         with _MARK_LOST_GUARD:
             if self.lost:
                 return
@@ -311,36 +420,78 @@ class Lock:
     # -- context managers ---------------------------------------------------------
 
     def __enter__(self):
+        if self._borrow_deferred():
+            return self
         if not self.acquire():
             raise LockNotAcquired(self.name, self.timeout if self.blocking else 0)
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        self._exit_release(self.release, exc)
+        self.release_at_exit(exc)
 
     async def __aenter__(self):
+        if self._borrow_deferred():
+            return self
         if not await self.aacquire():
             raise LockNotAcquired(self.name, self.timeout if self.blocking else 0)
         return self
 
+    def _borrow_deferred(self):
+        """With ``release_on_commit``: a block that finds this very lock held by an
+        earlier block of the same transaction, waiting for COMMIT to be released,
+        runs under it (it would otherwise wait for itself). True if borrowed."""
+        if not self.release_on_commit or self._token is not None:
+            return False
+        held = deferred_lock(self)
+        if held is None:
+            return False
+        self._token, self.fencing_token, self.lost = held._token, held.fencing_token, False
+        self._borrowed = True
+        return True
+
+    def _return_borrowed(self):
+        """The end of a borrowing block: the pending release covers it."""
+        self._token = None
+        self._borrowed = False
+
     async def __aexit__(self, exc_type, exc, tb):
+        await self.arelease_at_exit(exc)
+
+    def release_at_exit(self, exc=None):
+        """Release at the end of a guarded block (``with``, ``@locked``, a task body).
+
+        With ``release_on_commit`` and an open transaction on one of the ``using``
+        databases, the release waits for that transaction (see
+        :mod:`django_setnx.transactions`). A lost lock is news the caller must hear
+        (its block was not exclusive): LockNotOwned is raised, but never at the price
+        of masking the exception ``exc`` already in flight.
+        """
+        if self._borrowed:
+            self._return_borrowed()
+            return
+        if self.release_on_commit and release_after_commit(self, self.using):
+            return
         if exc is None:
-            await self.arelease()
+            self.release()
             return
         try:
-            await self.arelease()
+            self.release()
         except (LockNotOwned, LockBackendError):
             logger.warning("Could not release lock %r while handling %r", self.name, exc,
                            exc_info=True)
 
-    def _exit_release(self, release, exc):
-        # A lost lock is news the caller must hear (its critical section was not
-        # exclusive), but never at the price of masking the exception in flight.
+    async def arelease_at_exit(self, exc=None):
+        """Async twin of :meth:`release_at_exit`."""
+        if self._borrowed:
+            self._return_borrowed()
+            return
+        if self.release_on_commit and release_after_commit(self, self.using):
+            return
         if exc is None:
-            release()
+            await self.arelease()
             return
         try:
-            release()
+            await self.arelease()
         except (LockNotOwned, LockBackendError):
             logger.warning("Could not release lock %r while handling %r", self.name, exc,
                            exc_info=True)
@@ -351,51 +502,159 @@ def _remaining(deadline):
     return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
-class _Renewer(threading.Thread):
-    """Extends a held lock every ttl/3 until stopped; marks it lost if it cannot."""
+class _CallClock:
+    """When each backend call of one acquire() started (monotonic seconds).
 
-    def __init__(self, lock):
+    A lock won at a call's first attempt was written during that call; one handed
+    over by a release (the backend's waiter queue) may have been written as early as
+    the call before the one that reported it. ``earliest_write`` is the earlier of
+    the two: a safe lower bound for when the record's ttl started.
+    """
+
+    __slots__ = ("current", "previous")
+
+    def __init__(self):
+        self.current = self.previous = None
+
+    def tick(self):
+        self.previous, self.current = self.current, time.monotonic()
+
+    def earliest_write(self):
+        return self.current if self.previous is None else self.previous
+
+
+class _Renewer(threading.Thread):
+    """Extends a held lock every ttl/3 until stopped; marks it lost if it cannot.
+
+    ``valid_until`` (monotonic) is when the lock expires unless renewed, taken as the
+    moment *before* the write that set the expiry. The process-wide watchdog marks
+    the lock lost at that moment if no extend has succeeded since, however long a
+    hanging extend takes to return.
+    """
+
+    def __init__(self, lock, valid_until):
         super().__init__(name=f"django-setnx renew {lock.name[:40]}", daemon=True)
         self.lock = lock
         self.token = lock._token
         self.interval = lock.ttl / 3
+        self.valid_until = valid_until
         self._stop_event = threading.Event()
+
+    def start(self):
+        _watchdog.watch(self, self.valid_until)
+        super().start()
 
     def stop(self):
         self._stop_event.set()
+        _watchdog.unwatch(self)
         if threading.current_thread() is not self:
-            # Wait for an extend in flight, so it cannot race the release that follows.
-            self.join(timeout=self.lock.ttl)
+            # Wait briefly for an extend in flight. Safe to stop waiting: a late
+            # extend is token-checked and finds the released record gone.
+            self.join(timeout=min(self.lock.ttl, STOP_JOIN_TIMEOUT))
+
+    def expired(self):
+        """Called when ``valid_until`` passed without a renewal."""
+        _watchdog.unwatch(self)
+        if not self._stop_event.is_set():
+            self._stop_event.set()
+            self.lock._mark_lost()
 
     def run(self):
         lk = self.lock
-        last_renewed = time.monotonic()
-        while not self._stop_event.wait(self.interval):
+        wait = self.interval
+        while not self._stop_event.wait(wait):
+            started = time.monotonic()
             try:
                 renewed = lk.backend.extend(lk.name, self.token, lk.ttl)
-            except LockBackendError:
+            except LockError:
                 logger.warning("Could not renew lock %r", lk.name, exc_info=True)
-                if time.monotonic() - last_renewed >= lk.ttl:
-                    lk._mark_lost()
+                left = self.valid_until - time.monotonic()
+                if left <= 0:  # the watchdog is due to mark it lost, if it has not
+                    self.expired()
                     return
+                wait = max(min(self.interval, left / 2), 0.05)  # try again while time is left
                 continue
             if self._stop_event.is_set():
                 return
             if not renewed:
+                _watchdog.unwatch(self)
                 lk._mark_lost()
                 return
-            last_renewed = time.monotonic()
+            self.valid_until = started + lk.backend.validity(lk.ttl)
+            _watchdog.watch(self, self.valid_until)
+            wait = self.interval
+
+
+#: Longest wait for an extend in flight when a renewed lock is released (seconds).
+STOP_JOIN_TIMEOUT = 5.0
+
+
+class _Watchdog:
+    """One thread per process that marks renewed locks lost when their validity ends.
+
+    A renewer blocked in a hanging ``extend`` cannot notice its own deadline, so the
+    deadlines live here: a heap-free dict (few locks are auto-renewed at once) and a
+    condition variable, woken whenever a deadline moves. Started lazily, and again in
+    a forked child (threads do not survive a fork).
+    """
+
+    def __init__(self):
+        self._reset()
+
+    def _reset(self):
+        self._cond = threading.Condition()
+        self._deadlines = {}
+        self._thread = None
+
+    def watch(self, renewer, deadline):
+        with self._cond:
+            self._deadlines[renewer] = deadline
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="django-setnx watchdog",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def unwatch(self, renewer):
+        with self._cond:
+            self._deadlines.pop(renewer, None)
+
+    def _run(self):
+        cond = self._cond
+        while True:
+            with cond:
+                now = time.monotonic()
+                due = [r for r, deadline in self._deadlines.items() if deadline <= now]
+                for renewer in due:
+                    del self._deadlines[renewer]
+                if not due:
+                    nearest = min(self._deadlines.values(), default=None)
+                    cond.wait(None if nearest is None else nearest - now)
+                    continue
+            for renewer in due:  # outside the condition: signal receivers may block
+                try:
+                    renewer.expired()
+                except Exception:  # noqa: BLE001 - a receiver's error must not stop us
+                    logger.exception("lock_lost receiver failed")
+
+
+_watchdog = _Watchdog()
+os.register_at_fork(after_in_child=_watchdog._reset)
 
 
 def lock(name, ttl=None, *, backend=DEFAULT_LOCK_ALIAS, timeout=None, blocking=True,
-         auto_renew=False, guards=None):
+         auto_renew=False, guards=None, release_on_commit=False, using=None):
     """Return a :class:`Lock` for ``name`` in ``backend``; nothing is written yet.
 
     ``ttl`` (seconds) defaults to the backend's ``TTL`` setting (60 s). ``timeout``
     and ``blocking`` are the defaults of :meth:`Lock.acquire` and of ``with``.
     ``guards`` describes what the lock protects, for the admin and ``listlocks``.
+    ``release_on_commit=True`` makes the end of a ``with`` block inside a
+    transaction on one of the ``using`` databases (default: ``"default"``) release
+    the lock only after that transaction commits, or at once after it rolls back.
     Raises TypeError/ValueError for a bad name, ttl or timeout and
     ImproperlyConfigured (InvalidLockBackendError) for an unknown alias.
     """
     return Lock(name, ttl, backend=backend, timeout=timeout, blocking=blocking,
-                auto_renew=auto_renew, guards=guards)
+                auto_renew=auto_renew, guards=guards, release_on_commit=release_on_commit,
+                using=using)

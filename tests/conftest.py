@@ -22,9 +22,10 @@ def pytest_generate_tests(metafunc):
 
 
 def _all_aliases():
-    # "default" (the database backend on SQLite) is always configured and some
-    # tests use it by name, even when SETNX_TEST_BACKENDS leaves SQLite out.
-    return list(dict.fromkeys([*settings.CONTRACT_ALIASES, "default"]))
+    # Every configured alias: "default" (the database backend on SQLite) and
+    # "locmem" are always configured, and tests use them by name even when
+    # SETNX_TEST_BACKENDS leaves them out.
+    return list(settings.SETNX_LOCKS)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,7 +39,34 @@ def _close_lock_connections(django_db_setup, django_db_blocker):
 
 
 @pytest.fixture(autouse=True)
-def _clean_locks(request):
+def _django_db_marker(request):
+    """pytest-django's own fixture of this name, except for ``autocommit`` tests.
+
+    An ``autocommit`` test keeps its ``django_db`` marker (so that pytest-django
+    creates the test databases it uses) but does not get the per-test transaction
+    that the marker would start; ``_autocommit_database_access`` opens the
+    databases to it instead.
+    """
+    if request.node.get_closest_marker("django_db") and "autocommit" not in request.keywords:
+        request.getfixturevalue("_django_db_helper")
+
+
+@pytest.fixture(autouse=True)
+def _autocommit_database_access(request):
+    """Tests marked ``autocommit`` use the test databases without pytest-django's
+    per-test transaction: every statement commits at once, as in production. Tests
+    of behaviour that depends on transactions (a lock released after COMMIT) need
+    that; they clean up what they write themselves."""
+    if "autocommit" not in request.keywords:
+        yield
+        return
+    request.getfixturevalue("django_db_setup")
+    with request.getfixturevalue("django_db_blocker").unblock():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _clean_locks(request, _autocommit_database_access):
     """Start and end every test with no lock records (fencing counters are kept)."""
     from django_setnx import locks
 
@@ -74,6 +102,13 @@ def spawn():
         proc.join(timeout=10)
 
 
+#: The parameters that name the lock backend a test runs on.
+BACKEND_PARAMS = ("alias", "shared_alias", "db_alias", "worker_alias")
+#: nodeid -> backend alias, and alias -> {outcome: count}, for the summary.
+_backend_of = {}
+_backend_outcomes = {}
+
+
 def pytest_collection_modifyitems(config, items):
     # Every test touches a backend through our own connections, so every test may
     # use every test database.
@@ -81,6 +116,45 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "no_db" not in item.keywords:
             item.add_marker(marker)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        for key in BACKEND_PARAMS:
+            if key in params:
+                _backend_of[item.nodeid] = params[key]
+
+
+def pytest_runtest_logreport(report):
+    alias = _backend_of.get(report.nodeid)
+    if alias is None:
+        return
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        outcome = "skipped" if report.skipped else ("passed" if report.passed else "failed")
+        counts = _backend_outcomes.setdefault(alias, {})
+        counts[outcome] = counts.get(outcome, 0) + 1
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say which backends the run covered, and against which servers."""
+    if not _backend_outcomes:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("backends covered")
+    engines = {alias: params.get("ENGINE", "").rsplit(".", 1)[-1]
+               for alias, params in settings.DATABASES.items()}
+    for alias, lock_params in settings.SETNX_LOCKS.items():
+        counts = _backend_outcomes.get(alias)
+        if not counts:
+            continue
+        backend = lock_params["BACKEND"].rsplit(".", 1)[-1]
+        database = (lock_params.get("OPTIONS") or {}).get("DATABASE")
+        location = lock_params.get("LOCATION", "")
+        if isinstance(location, (list, tuple)):
+            location = f"{len(location)} masters"
+        where = engines.get(database, "") if database else str(location)
+        tally = ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "skipped") if counts.get(k))
+        write(f"{alias:<10} {backend:<16} {where:<50} {tally}")
+    missing = sorted(set(settings.TEST_BACKENDS) - {"sqlite"} - set(_backend_outcomes))
+    if missing:
+        write(f"not covered: {', '.join(missing)}", yellow=True)
 
 
 def pytest_sessionfinish(session, exitstatus):

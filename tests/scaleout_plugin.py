@@ -13,7 +13,9 @@ Fixtures (every server binds 127.0.0.1 and is stopped by the fixture):
 
 - ``redlock_masters3`` / ``redlock_masters5``: session sets of 3 and 5 masters, to
   read and write (not to kill);
-- ``make_masters``: a factory of private sets, for tests that kill/restart nodes;
+- ``make_masters``: a factory of private sets, for tests that kill/restart nodes,
+  that need masters not trusted yet, or masters started with their own
+  ``redis-server`` arguments;
 - ``sentinel_set``: a master, a replica and 3 sentinels (quorum 2, down-after 1 s,
   failover-timeout 3 s), module scope;
 - ``redis_cluster``: a 3-primary Redis Cluster, session scope.
@@ -23,7 +25,7 @@ import os
 
 import pytest
 
-from tests.servers import RedisClusterSet, RedisMasterSet, RedisSentinelSet
+from tests.servers import RedisClusterSet, RedisMasterSet, RedisSentinelSet, RedisServer
 
 URLS_ENV = "SETNX_TEST_REDLOCK_URLS"
 ALIAS = "redlock"
@@ -42,11 +44,14 @@ def redlock_settings(urls, **options):
     }
 
 
-def trust(urls, prefix="setnx-test"):
-    """Mark brand-new masters trusted (RedlockBackend.trust_nodes) under ``prefix``."""
+def trust(urls, prefix="setnx-test", **options):
+    """Mark brand-new masters trusted (RedlockBackend.trust_nodes) under ``prefix``;
+    ``options`` are the backend's OPTIONS (ALLOW_EVICTION to reach masters that may
+    evict keys)."""
     from django_setnx.backends.redlock import RedlockBackend
 
-    backend = RedlockBackend("trust", {"LOCATION": list(urls), "KEY_PREFIX": prefix})
+    backend = RedlockBackend("trust", {"LOCATION": list(urls), "KEY_PREFIX": prefix,
+                                       "OPTIONS": options})
     try:
         marked = backend.trust_nodes()
     finally:
@@ -122,15 +127,22 @@ def redlock_masters5():
 
 @pytest.fixture
 def make_masters():
-    """``make_masters(n)``: a private, trusted set of n masters, stopped after the test."""
+    """``make_masters(n, trusted=True, server_args=None)``: a private set of n masters,
+    stopped after the test. ``trusted=False`` leaves them brand-new (no marker: they
+    sit out MAX_TTL once met); ``server_args`` maps a master's index to extra
+    ``redis-server`` arguments (``{2: ["--maxmemory", "64mb"]}``)."""
     _require_redis()
     made = []
 
-    def make(count=3):
+    def make(count=3, *, trusted=True, server_args=None):
         masters = RedisMasterSet(count)
         made.append(masters)
+        for index, args in (server_args or {}).items():
+            masters.servers[index].cleanup()  # replaced before it ever started
+            masters.servers[index] = RedisServer(*args)
         masters.start()
-        trust(masters.urls)
+        if trusted:
+            trust(masters.urls, ALLOW_EVICTION=True)
         return masters
 
     yield make

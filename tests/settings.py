@@ -25,7 +25,8 @@ SECRET_KEY = "django-setnx-tests-only"
 DEBUG = False
 USE_TZ = True
 ALLOWED_HOSTS = ["testserver", "127.0.0.1", "localhost"]
-ROOT_URLCONF = "tests.urls"
+# The gunicorn test serves tests/preload_app.py's URLs with these settings.
+ROOT_URLCONF = os.environ.get("SETNX_TEST_URLCONF", "tests.urls")
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 STATIC_URL = "static/"
 

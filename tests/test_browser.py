@@ -18,6 +18,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from urllib.parse import parse_qsl, urlsplit
 
 import pytest
 from django.conf import settings
@@ -128,6 +129,15 @@ def admin_user(transactional_db, django_user_model):
     return django_user_model.objects.create_superuser(USERNAME, "browser@example.invalid", PASSWORD)
 
 
+def _list_with(**query):
+    """A wait_for_url() predicate: the Locks page with exactly this query."""
+    def matches(url):
+        parts = urlsplit(url)
+        return (parts.path == "/admin/django_setnx/lockrecord/"
+                and dict(parse_qsl(parts.query)) == query)
+    return matches
+
+
 def test_force_release_a_stale_lock_in_the_browser(server_url, admin_user, seeded_locks,
                                                    browser_page):
     page = browser_page
@@ -153,7 +163,7 @@ def test_force_release_a_stale_lock_in_the_browser(server_url, admin_user, seede
 
     # Filter to stale: only the stale lock is left.
     page.locator("#changelist-filter a", has_text="Stale").click()
-    page.wait_for_url("**/admin/django_setnx/lockrecord/?state=stale")
+    page.wait_for_url(_list_with(state="stale"))
     assert rows.count() == 1
     stale_row = rows.filter(has_text=STALE_NAME)
     assert stale_row.locator(".field-state").inner_text().strip() == "stale"
@@ -170,10 +180,84 @@ def test_force_release_a_stale_lock_in_the_browser(server_url, admin_user, seede
     assert STALE_NAME in page.locator("li.lock-to-release").inner_text()
     page.click("input[type=submit][value='Yes, I’m sure']")
 
-    # Back on the list: the stale lock is gone, the held one is still there.
-    page.wait_for_url("**/admin/django_setnx/lockrecord/**")
+    # Back on the list as it was left (stale only): the stale lock is gone ...
+    page.wait_for_url(_list_with(state="stale"))
     assert page.locator("ul.messagelist li").count() >= 1
     assert page.locator("#result_list th.field-name", has_text=STALE_NAME).count() == 0
-    assert page.locator("#result_list th.field-name", has_text=HELD_NAME).count() == 1
     assert seeded_locks.get(STALE_NAME) is None
+    # ... and the held one is still there.
+    page.locator("#changelist-filter details[data-filter-title=state] a", has_text="All").click()
+    page.wait_for_url(_list_with())
+    assert page.locator("#result_list th.field-name", has_text=HELD_NAME).count() == 1
     assert seeded_locks.get(HELD_NAME).is_held
+
+
+def _log_in(page, base):
+    page.goto(f"{base}/admin/")
+    page.fill("#id_username", USERNAME)
+    page.fill("#id_password", PASSWORD)
+    page.click("input[type=submit]")
+    page.wait_for_url(f"{base}/admin/")
+
+
+def test_sort_counts_and_the_list_kept_across_actions_in_the_browser(
+        server_url, admin_user, seeded_locks, browser_page):
+    """Show counts, filter, sort by a header and reverse it, "Go" without an
+    action, cancel a confirmation, confirm one: the list stays as it was left."""
+    page = browser_page
+    base = server_url
+    # Three more stale locks with fencing tokens 1, 2 and 3.
+    stale = [f"browser:stale-{token}" for token in (1, 2, 3)]
+    for token, name in enumerate(stale, 1):
+        for _ in range(token - 1):
+            lk = lock(name, ttl=60, backend="default")
+            assert lk.acquire(blocking=False)
+            lk.release()
+        assert lock(name, ttl=0.05, backend="default").acquire(blocking=False)
+    time.sleep(0.1)
+    _log_in(page, base)
+    page.goto(f"{base}/admin/django_setnx/lockrecord/")
+
+    page.click("#changelist-filter a.viewlink")  # "Show counts"
+    page.wait_for_url(_list_with(_facets="True"))
+    page.locator("#changelist-filter a", has_text="Stale (4)").click()
+    page.wait_for_url(_list_with(_facets="True", state="stale"))
+
+    names = page.locator("#result_list tbody th.field-name")
+    page.click("#result_list thead th.column-fencing_token a")  # sort by it
+    page.wait_for_url(_list_with(_facets="True", state="stale", o="5"))
+    header = page.locator("#result_list thead th.column-fencing_token")
+    assert "sorted ascending" in header.get_attribute("class")
+    page.click("#result_list thead th.column-fencing_token a.toggle")
+    page.wait_for_url(_list_with(_facets="True", state="stale", o="-5"))
+    assert "sorted descending" in header.get_attribute("class")
+    assert names.all_inner_texts()[:3] == [stale[2], stale[1], stale[0]]
+    listed_url = page.url
+
+    # Ticked, but no action chosen: Django's warning, on the same list.
+    page.locator("tr", has_text=stale[2]).locator("input.action-select").check()
+    page.click("#changelist-form button[type=submit]")
+    page.wait_for_selector("ul.messagelist li.warning")
+    assert page.locator("ul.messagelist li.warning").inner_text() == "No action selected."
+    assert page.url == listed_url
+
+    # The confirmation's "No, take me back" returns to that list.
+    page.locator("tr", has_text=stale[2]).locator("input.action-select").check()
+    page.select_option("select[name=action]", "release_selected")
+    page.click("#changelist-form button[type=submit]")
+    page.wait_for_selector("li.lock-to-release")
+    page.click("a.cancel-link")
+    page.wait_for_url(listed_url)
+    assert seeded_locks.get(stale[2]) is not None
+
+    # Confirmed: released, and back on the same list.
+    page.locator("tr", has_text=stale[2]).locator("input.action-select").check()
+    page.select_option("select[name=action]", "release_selected")
+    page.click("#changelist-form button[type=submit]")
+    page.wait_for_selector("li.lock-to-release")
+    page.click("input[type=submit][value='Yes, I’m sure']")
+    page.wait_for_selector("ul.messagelist li.success")
+    assert page.url == listed_url
+    assert names.all_inner_texts() == [stale[1], stale[0], STALE_NAME]
+    assert page.locator("#changelist-filter a", has_text="Stale (3)").count() == 1
+    assert seeded_locks.get(stale[2]) is None

@@ -36,6 +36,10 @@ from django_setnx.contrib.celery import (
 )
 from django_setnx.exceptions import LockNotAcquired
 
+# Task bodies release their run lock after COMMIT when run inside a transaction;
+# these tests check the plain behaviour, outside any atomic block.
+pytestmark = pytest.mark.autocommit
+
 # ---------------------------------------------------------------------------
 # Eager mode
 # ---------------------------------------------------------------------------
@@ -364,6 +368,162 @@ def test_app_wide_task_class(alias, name):
     assert exclusive.delay().get() == 2
 
 
+def test_django_task_class_is_kept(alias, name):
+    """``base=ExclusiveTask`` and the app-wide task class keep Celery's DjangoTask:
+    ``delay_on_commit`` sends only after COMMIT (and, with enqueue-once, takes the once
+    lock then)."""
+    from celery.contrib.django.task import DjangoTask
+    from django.db import transaction
+
+    ran = []
+
+    @eager_task(once_policy="drop", once_name=name + ":{n}", lock_backend=alias)
+    def job(n):
+        ran.append(n)
+
+    assert isinstance(job, DjangoTask)
+    with transaction.atomic():
+        assert job.delay_on_commit(1) is None
+        assert ran == [] and locks[alias].get(f"{name}:1") is None
+    assert ran == [1]
+
+    app = Celery("setnx_cls_django", set_as_current=False,
+                 task_cls="django_setnx.contrib.celery:ExclusiveTask")
+    app.conf.update(task_always_eager=True, broker_url="memory://",
+                    result_backend="cache+memory://")
+
+    @app.task(shared=False)
+    def plain(n):
+        ran.append(n)
+
+    with transaction.atomic():
+        plain.delay_on_commit(2)
+        assert ran == [1]
+    assert ran == [1, 2]
+
+
+def test_mixin_on_a_task_class_of_ones_own(alias, name):
+    from celery import Task
+
+    from django_setnx.contrib.celery import ExclusiveTaskMixin
+
+    class AuditedTask(Task):
+        audited = []
+
+        def before_start(self, task_id, args, kwargs):
+            self.audited.append(task_id)
+
+    class ExclusiveAuditedTask(ExclusiveTaskMixin, AuditedTask):
+        pass
+
+    @eager_task(base=ExclusiveAuditedTask, once_policy="raise", once_name=name,
+                lock_backend=alias)
+    def job():
+        return "ran"
+
+    held_by_test = lock(name, ttl=30, backend=alias)
+    assert held_by_test.acquire(blocking=False)
+    with pytest.raises(AlreadyQueued):
+        job.delay()
+    held_by_test.release()
+    result = job.delay()
+    assert result.get() == "ran" and AuditedTask.audited == [result.id]
+
+
+def test_long_derived_once_names_are_bounded(alias, name):
+    """A run lock name under the 200-character limit gives a derived once name over it
+    ("celery-once:<task>:" comes first): it is shortened with a digest, never refused."""
+    long_key = "k" * 180
+
+    @eager_task(lock_name=name[:5] + ":{key}", once_policy="raise", lock_backend=alias)
+    def job(key):
+        return len(key)
+
+    once_name = job.once_lock_name((long_key,), {})
+    assert len(once_name) <= 200 and once_name.startswith("celery-once:")
+    assert once_name != job.once_lock_name(("k" * 179 + "j",), {})
+    assert job.delay(long_key).get() == 180
+
+
+def test_once_policy_given_per_call_is_held_and_released_by_the_run(alias, name):
+    """A task without a once_policy of its own, enqueued with one (as a beat entry's
+    options do): the run adopts and releases the lock the message carries."""
+    @eager_task(once_name=name + ":{n}", lock_backend=alias)
+    def job(n):
+        return locks[alias].get(f"{name}:{n}")
+
+    info = job.apply_async((1,), once_policy="raise").get()
+    assert info is not None and info.is_held, "the run held the once lock"
+    assert locks[alias].get(f"{name}:1") is None, "and released it"
+    assert job.apply_async((1,), once_policy="drop").get() is not None
+
+
+def test_a_revoked_message_releases_its_once_lock_with_signals(alias, name):
+    """What the revoke paths do for a message that never ran: a token-checked release
+    that sends lock_released like any other."""
+    from django_setnx.contrib.celery import _release_once_of
+    from django_setnx.signals import lock_released
+
+    @eager_task(once_policy="raise", once_name=name, lock_backend=alias)
+    def job():
+        return 1
+
+    holder = lock(name, ttl=30, backend=alias)
+    assert holder.acquire(blocking=False)
+
+    class Message:
+        headers = {ONCE_TOKEN_HEADER: holder._token, ONCE_NAME_HEADER: name}
+
+    released = []
+    lock_released.connect(lambda lock, **kw: released.append(lock.name), weak=False,
+                          dispatch_uid="test-revoke-signal")
+    try:
+        assert _release_once_of(job, Message()) is True
+    finally:
+        lock_released.disconnect(dispatch_uid="test-revoke-signal")
+    assert released == [name] and locks[alias].get(name) is None
+    Message.headers = {ONCE_TOKEN_HEADER: "not-the-token", ONCE_NAME_HEADER: name}
+    other = lock(name, ttl=30, backend=alias)
+    assert other.acquire(blocking=False)
+    assert _release_once_of(job, Message()) is False
+    assert other.owned(), "a lock that changed hands is left alone"
+
+
+def test_argument_digest_with_mixed_key_types(alias, name):
+    @eager_task(once_policy="raise", lock_backend=alias)
+    def job(mapping, items=()):
+        return 1
+
+    first = job.once_lock_name(({1: "a", "b": 2, (3, 4): None},), {})
+    same = job.once_lock_name(({"b": 2, (3, 4): None, 1: "a"},), {})
+    other = job.once_lock_name(({1: "a", "b": 3, (3, 4): None},), {})
+    assert first == same != other
+    assert job.once_lock_name(({1: "a"},), {"items": {2, "x"}}) == \
+        job.once_lock_name(({1: "a"},), {"items": {"x", 2}})
+    assert job.delay({1: "a", "b": 2}).get() == 1
+
+
+def test_enqueue_once_locks_send_signals(alias, name):
+    from django_setnx.signals import lock_acquired, lock_released
+
+    events = []
+    lock_acquired.connect(lambda lock, **kw: events.append(("acquired", lock.name)),
+                          weak=False, dispatch_uid="test-once-signals-a")
+    lock_released.connect(lambda lock, **kw: events.append(("released", lock.name)),
+                          weak=False, dispatch_uid="test-once-signals-r")
+    try:
+        @eager_task(once_policy="raise", once_name=name, lock_backend=alias)
+        def job():
+            return 1
+
+        assert job.delay().get() == 1
+    finally:
+        lock_acquired.disconnect(dispatch_uid="test-once-signals-a")
+        lock_released.disconnect(dispatch_uid="test-once-signals-r")
+    # Taken at enqueue, adopted by the run, released after it.
+    assert events == [("acquired", name), ("acquired", name), ("released", name)]
+
+
 def test_missing_celery_is_improperly_configured(monkeypatch):
     monkeypatch.setitem(sys.modules, "celery", None)
     monkeypatch.delitem(sys.modules, "django_setnx.contrib.celery")
@@ -687,3 +847,150 @@ def test_sigkill_mid_task_locks_expire_after_ttl(workers, victim_worker, worker_
     assert backend.get(run_name) is None
     assert backend.get(once_name) is None
     assert lock(run_name, backend=worker_alias).acquire(blocking=False)
+
+
+# -- canvases, beat, revoke: what a project does with enqueue-once tasks ---------------------
+
+
+def hold_once(alias, key):
+    """Hold ``key``'s enqueue-once lock as a queued copy of the task would."""
+    lk = lock(f"celery-once-test:{key}", ttl=60, backend=alias)
+    assert lk.acquire(blocking=False)
+    return lk
+
+
+@pytest.mark.parametrize("policy", ["drop", "raise"])
+def test_duplicate_step_of_a_chain(workers, worker_alias, policy):
+    """A chain whose second step is a duplicate: the chain completes (drop: with None)
+    or fails at that step (raise: AlreadyQueued); the first step is never blamed."""
+    from celery import chain
+
+    from tests.celery_app import app
+
+    w1, _ = workers
+    key = uuid.uuid4().hex
+    holder = hold_once(worker_alias, key)
+    try:
+        result = chain(app.tasks["setnx_tests.echo"].si("first").set(queue=w1.queue),
+                       celery_task(f"once_value_{policy}", worker_alias).si(key)
+                       .set(queue=w1.queue)).apply_async()
+        value = get(result, workers)
+        assert result.parent.state == "SUCCESS" and result.parent.result == "first"
+        if policy == "drop":
+            assert result.state == "SUCCESS" and value is None
+        else:
+            assert result.state == "FAILURE" and isinstance(value, AlreadyQueued)
+            assert value.name == f"celery-once-test:{key}"
+        assert holder.owned(), "the duplicate never touched the holder's lock"
+    finally:
+        holder.release()
+
+
+@pytest.mark.parametrize("policy", ["drop", "raise"])
+def test_duplicate_members_of_a_group_and_a_chord(workers, worker_alias, policy):
+    from celery import chord, group
+
+    from tests.celery_app import app
+
+    w1, _ = workers
+    once_value = celery_task(f"once_value_{policy}", worker_alias)
+    key = uuid.uuid4().hex
+    members = [once_value.si(key).set(queue=w1.queue) for _ in range(2)]
+    result = group(members).apply_async()
+    wait_until(result.ready, 30, "the group", workers)
+    values = [get(r, workers) for r in result.results]
+    assert values[0] == key
+    if policy == "drop":
+        assert values[1] is None and result.results[1].state == "SUCCESS"
+    else:
+        assert result.results[1].state == "FAILURE" and isinstance(values[1], AlreadyQueued)
+    wait_until(lambda: locks[worker_alias].get(f"celery-once-test:{key}") is None, 10,
+               "the first member's once lock to be released", workers)
+
+    key = uuid.uuid4().hex
+    members = [once_value.si(key).set(queue=w1.queue) for _ in range(2)]
+    body = app.tasks["setnx_tests.collect"].s().set(queue=w1.queue)
+    result = chord(members)(body)
+    value = get(result, workers, timeout=40)
+    if policy == "drop":
+        assert result.state == "SUCCESS" and value == [key, None]
+    else:
+        assert result.state == "FAILURE" and "AlreadyQueued" in repr(value)
+
+
+def test_revoked_countdown_task_frees_its_once_lock_at_once(workers, worker_alias, tmp_path):
+    """Revoking a message that waits for its countdown in a worker frees its enqueue-once
+    lock when the revoke arrives, not when the countdown ends."""
+    w1, _ = workers
+    job = celery_task("once_raise", worker_alias)
+    key, log = uuid.uuid4().hex, str(tmp_path / "runs.jsonl")
+    name = f"celery-once-test:{key}"
+    result = job.apply_async((key, log, "later", 0), queue=w1.queue, countdown=60)
+    assert held(worker_alias, name)
+
+    def scheduled_by_w1():
+        scheduled = job.app.control.inspect(destination=[w1.nodename.replace("%h", _host())],
+                                            timeout=1).scheduled() or {}
+        return any(entry["request"]["id"] == result.id
+                   for entries in scheduled.values() for entry in entries)
+
+    wait_until(scheduled_by_w1, 20, "the worker to hold the message for its countdown", workers)
+    job.app.control.revoke(result.id)
+    # Well inside the broker's visibility_timeout (4 s here), after which Redis would
+    # deliver the unacked message again and the worker would discard it (and so free
+    # the lock) anyway: with Redis' default of an hour, that is the ETA or an hour.
+    wait_until(lambda: not held(worker_alias, name), 2.5, "the revoke to free the once lock",
+               workers)
+    again = job.apply_async((key, log, "again", 0), queue=w1.queue)
+    assert get(again, workers) == "again"
+    assert not started(log, "later")
+
+
+def _host():
+    import socket
+
+    return socket.gethostname()
+
+
+def test_contention_error_comes_back_whole_from_a_worker(workers, worker_alias, tmp_path):
+    """The LockNotAcquired a worker stores (JSON result backend) is rebuilt with its
+    class, its message (not wrapped twice) and its lock name."""
+    w1, _ = workers
+    job = celery_task("exclusive_raise", worker_alias)
+    key, log = uuid.uuid4().hex, str(tmp_path / "runs.jsonl")
+    with lock(f"celery-test:{key}", ttl=60, backend=worker_alias, guards="the test"):
+        result = job.apply_async((key, log, "refused", 0), queue=w1.queue)
+        error = get(result, workers)
+    assert type(error) is LockNotAcquired
+    assert error.name == f"celery-test:{key}"
+    assert str(error) == (f"Task {job.name}[{result.id}]: lock 'celery-test:{key}' is held "
+                          f"by the test.")
+    with pytest.raises(LockNotAcquired, match=r"^Task .* is held by the test\.$"):
+        result.get(timeout=5)
+
+
+@pytest.mark.slow
+def test_beat_skips_ticks_while_a_run_is_going(worker_env, workers, worker_alias, tmp_path):
+    """A periodic enqueue-once task whose run (2.5 s) outlasts its interval (1 s),
+    scheduled by a real ``celery beat`` with ``once_policy="drop"`` in the entry's
+    options: runs never overlap, the ticks in between are skipped quietly (no error,
+    no traceback in beat's log), and a tick after a run enqueues the next one."""
+    from tests.celery_support.worker import CeleryBeat
+
+    w1, _ = workers
+    env, log_dir = worker_env
+    key, log = uuid.uuid4().hex, str(tmp_path / "runs.jsonl")
+    beat = CeleryBeat({**env, "SETNX_TEST_BEAT_QUEUE": w1.queue,
+                       "SETNX_TEST_BEAT_ALIAS": worker_alias, "SETNX_TEST_BEAT_KEY": key,
+                       "SETNX_TEST_BEAT_LOG": log}, log_dir).start()
+    try:
+        wait_until(lambda: len(runs(log)) >= 2, 40, "two periodic runs", workers)
+    finally:
+        beat.stop()
+    text = beat.log()
+    intervals = assert_no_overlap(log)
+    assert len(intervals) >= 2
+    assert "Traceback" not in text and "ERROR" not in text, text[-3000:]
+    assert "not enqueued: a copy is already queued or running" in text, text[-3000:]
+    wait_until(lambda: locks[worker_alias].get(f"celery-once-test:{key}") is None, 10,
+               "the last run's once lock to be released", workers)

@@ -91,3 +91,33 @@ def test_importing_reads_no_settings():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin"}, cwd=".")
     assert out.stdout.strip() == "ok", out.stderr
+
+
+LOCMEM = "django_setnx.backends.locmem.LocMemBackend"
+
+
+@pytest.mark.parametrize("max_ttl", [10 * 365 * 86400 + 1, 1e15])
+def test_a_max_ttl_above_ten_years_is_refused_by_checks_and_backends(max_ttl):
+    value = {"default": {"BACKEND": LOCMEM, "OPTIONS": {"MAX_TTL": max_ttl}}}
+    errors = setnx_errors(SETNX_LOCKS=value)
+    assert ids(errors) == ["django_setnx.E008"]
+    [(_, message)] = errors
+    assert "MAX_TTL" in message and "10 years" in message
+    with pytest.raises(ImproperlyConfigured, match="10 years"):
+        LocMemBackend("default", value["default"])
+
+
+@pytest.mark.parametrize("ttl, shown", [(3601, "3601 s"), (2592000.25, "2592000.25 s"),
+                                        (3600.5, "3600.5 s")])
+def test_a_ttl_above_max_ttl_is_named_exactly(ttl, shown):
+    backend = LocMemBackend("capped", {"BACKEND": LOCMEM, "OPTIONS": {"MAX_TTL": 3600}})
+    with pytest.raises(ValueError) as caught:
+        backend.check_ttl(ttl)
+    assert str(caught.value) == (f"ttl {shown} is above the maximum of 3600 s "
+                                 "(SETNX_LOCKS['capped']['OPTIONS']['MAX_TTL']).")
+
+
+@pytest.mark.parametrize("name", ["\udcff", "a\ud800b"])
+def test_a_name_utf8_cannot_encode_is_refused(name):
+    with pytest.raises(ValueError, match="UTF-8"):
+        lock(name)

@@ -7,9 +7,12 @@ short ttl, then polling until the backend's own clock says the lock expired.
 
 import importlib.util
 import json
+import os
 import re
+import sys
 import time
 from io import StringIO
+from pathlib import Path
 
 import pytest
 from django.conf import settings
@@ -34,11 +37,19 @@ needs_redis = pytest.mark.skipif(
 # -- helpers -------------------------------------------------------------------------
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
 def run(command, *args, **options):
     """Run a management command; return (stdout, stderr)."""
     out, err = StringIO(), StringIO()
     call_command(command, *args, stdout=out, stderr=err, **options)
     return out.getvalue(), err.getvalue()
+
+
+def ndjson(text):
+    """The records of ``listlocks --json``: one JSON object per line."""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def make_held(alias, names, ttl=60, guards=None):
@@ -336,8 +347,9 @@ def test_listlocks_json_matches_backend(alias, name):
     make_held(alias, [f"{name}:h2"], guards="reports.views.daily")
     make_stale(alias, [f"{name}:s1"])
     out, _ = run("listlocks", "--backend", alias, "--json")
-    records = json.loads(out)
-    assert isinstance(records, list) and len(records) == 3
+    assert all(line.startswith("{") and line.endswith("}") for line in out.splitlines())
+    records = ndjson(out)
+    assert len(records) == 3
     expected = [info.as_dict() for info in locks[alias].list()]
     got, want = by_name(records), by_name(expected)
     assert got.keys() == want.keys() == {f"{name}:h1", f"{name}:h2", f"{name}:s1"}
@@ -354,10 +366,10 @@ def test_listlocks_json_matches_backend(alias, name):
 
 def test_listlocks_json_every_backend_and_empty(name):
     out, _ = run("listlocks", "--json")
-    assert json.loads(out) == []
+    assert out == ""
     for alias in settings.CONTRACT_ALIASES:
         make_held(alias, [f"{name}:{alias}"])
-    records = json.loads(run("listlocks", "--json")[0])
+    records = ndjson(run("listlocks", "--json")[0])
     assert sorted((r["backend"], r["name"]) for r in records) == sorted(
         (alias, f"{name}:{alias}") for alias in settings.CONTRACT_ALIASES)
 
@@ -418,7 +430,7 @@ def test_listlocks_table_escapes_control_characters(alias):
     assert rows[0].startswith(
         "x\\nFAKE  default  held\\x1b[31mred\\x1b]0;t\\x07\\r\\u202eend\\\\n ")
     # JSON has the name exactly.
-    (record,) = json.loads(run("listlocks", "--backend", alias, "--json")[0])
+    (record,) = ndjson(run("listlocks", "--backend", alias, "--json")[0])
     assert record["name"] == evil
     # clearlocks' listing is escaped as well.
     out, _ = run("clearlocks", "--backend", alias, "--all", "--noinput", verbosity=2)
@@ -437,7 +449,7 @@ def test_listlocks_truncates_long_values_in_table_only(alias, name):
     assert long_name not in out and "g" * 100 not in out
     owner_cell = row[table(out)[0].index("OWNER"):].split("  ")[0]
     assert owner_cell.endswith("...") and len(owner_cell) == listlocks.MAX_OWNER_WIDTH
-    (record,) = json.loads(run("listlocks", "--backend", alias, "--json")[0])
+    (record,) = ndjson(run("listlocks", "--backend", alias, "--json")[0])
     assert record["name"] == long_name and record["owner"]["guards"] == "g" * 150
 
 
@@ -456,8 +468,8 @@ def test_listlocks_wide_characters_stay_aligned(name):
 def test_listlocks_state_filter(alias, name):
     make_held(alias, [f"{name}:h1", f"{name}:h2"])
     make_stale(alias, [f"{name}:s1"])
-    held = json.loads(run("listlocks", "--backend", alias, "--json", "--state", "held")[0])
-    stale = json.loads(run("listlocks", "--backend", alias, "--json", "--state", "stale")[0])
+    held = ndjson(run("listlocks", "--backend", alias, "--json", "--state", "held")[0])
+    stale = ndjson(run("listlocks", "--backend", alias, "--json", "--state", "stale")[0])
     assert sorted(r["name"] for r in held) == [f"{name}:h1", f"{name}:h2"]
     assert [r["name"] for r in stale] == [f"{name}:s1"]
     assert {r["state"] for r in held} == {"held"} and {r["state"] for r in stale} == {"stale"}
@@ -470,10 +482,10 @@ def test_listlocks_state_filter(alias, name):
 
 def test_listlocks_name_glob(alias, name):
     make_held(alias, [f"{name}:a1", f"{name}:b2", f"{name}:*"])
-    records = json.loads(run("listlocks", "--backend", alias, "--json", "--name",
+    records = ndjson(run("listlocks", "--backend", alias, "--json", "--name",
                              f"{name}:[a*]?")[0])
     assert sorted(r["name"] for r in records) == [f"{name}:a1"]
-    records = json.loads(run("listlocks", "--backend", alias, "--json", "--name",
+    records = ndjson(run("listlocks", "--backend", alias, "--json", "--name",
                              f"{name}:\\*")[0])
     assert [r["name"] for r in records] == [f"{name}:*"]
 
@@ -622,7 +634,30 @@ def test_redis_prefix_with_glob_characters_is_escaped(unrelated_keys, name, pref
         make_stale("globby", [f"{name}:mine"])
         out, _ = run("clearlocks", "--backend", "globby", "--all", "--noinput")
         assert "globby: removed 1 lock (held and stale)" in out
-        records = json.loads(run("listlocks", "--backend", "globby", "--json")[0])
+        records = ndjson(run("listlocks", "--backend", "globby", "--json")[0])
         assert records == []
         assert remaining("redis") == {f"{name}:s", f"{name}:h"}
     assert snapshot(client, keys) == before
+
+
+@pytest.mark.parametrize("fmt", [["--json"], []], ids=["json", "table"])
+def test_listlocks_into_a_pipe_that_closes_early(name, fmt):
+    """``listlocks | head -1`` on a listing larger than a pipe's buffer: one line out,
+    no BrokenPipeError traceback, exit status 0."""
+    import subprocess
+
+    from tests.workers import child_environment
+
+    if "redis" not in settings.CONTRACT_ALIASES:
+        pytest.skip("needs a backend shared with a child process (redis)")
+    backend = locks["redis"]
+    for i in range(600):
+        backend.acquire(f"{name}:{i:04}", f"token{i}", 60, {"host": "h", "pid": i, "thread": "t"})
+    env = {**os.environ, **child_environment(), "PYTHONPATH": str(ROOT)}
+    command = (f"set -o pipefail; {sys.executable} -m django listlocks --backend redis "
+               f"{' '.join(fmt)} | head -1")
+    done = subprocess.run(["bash", "-c", command], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert len(done.stdout.splitlines()) == 1

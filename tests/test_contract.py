@@ -410,3 +410,31 @@ def test_lock_survives_callers_rollback(db_alias, name):
             raise Rollback
     assert lk.owned(), "the lock row is on our own autocommit connection"
     lk.release()
+
+
+# -- name globs ----------------------------------------------------------------------
+
+GLOB_SUFFIXES = ["a", "ab", "a]", "a!", "a-", "a^", "ac", "a[", "a\\", "b", "abc", "a*", "a?",
+                 "ü", "aü", "x" * 150]
+GLOB_PATTERNS = ["*", "a*", "a?", "?", "??", "a[bc]", "a[!b]", "a[^b]", "a[]]", "a[\\]]",
+                 "a[b-]", "a[c-a]", "a\\*", "a\\?", "[a-b]*", "a[\\\\]", "[ü]", "a?", "*c",
+                 "*?*?*?*?*?*?*?*?#", "x*x*x*x*x*x*x*x*x*x*x*x*x*x*y", "*x"]
+
+
+def test_name_globs_mean_the_same_on_every_backend(alias, name):
+    """``list(name_glob=...)`` selects exactly the names :mod:`django_setnx.globs`
+    matches, on every backend (one dialect, character by character), including
+    patterns that send a backtracking matcher into exponential time."""
+    from django_setnx.globs import compile_glob, escape
+
+    names = [f"{name}:{suffix}" for suffix in GLOB_SUFFIXES]
+    for n in names:
+        assert lock(n, ttl=30, backend=alias).acquire(blocking=False)
+    prefix = escape(name) + ":"
+    for pattern in GLOB_PATTERNS:
+        glob = prefix + pattern
+        expected = {n for n in names if compile_glob(glob).match(n)}
+        listed = {info.name for info in locks[alias].list(name_glob=glob)}
+        assert listed == expected, pattern
+    with pytest.raises(ValueError, match="without a closing"):
+        list(locks[alias].list(name_glob=prefix + "a["))

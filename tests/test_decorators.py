@@ -8,7 +8,11 @@ from django.http import HttpResponse
 from django.test import RequestFactory
 
 from django_setnx import lock, locked
-from django_setnx.exceptions import LockNotAcquired
+from django_setnx.exceptions import LockError, LockNotAcquired, LockNotOwned
+
+# Decorated calls release after COMMIT when made inside a transaction; these tests
+# check the plain (autocommit) behaviour, as a call outside any atomic block sees it.
+pytestmark = pytest.mark.autocommit
 
 
 def test_template_is_filled_from_arguments(alias, name):
@@ -154,3 +158,213 @@ def test_template_field_missing_at_call_time_writes_nothing(alias, name):
         sync()
     assert lock(name + ":{region}", backend=alias).info() is None
     assert sync(region="eu") == "ran"
+
+
+# -- generators ------------------------------------------------------------------------
+
+
+def test_generator_holds_the_lock_until_exhausted(alias, name):
+    @locked(name, ttl=30, backend=alias)
+    def numbers(n):
+        for i in range(n):
+            yield i, lock(name, backend=alias).locked()
+
+    gen = numbers(3)
+    assert not lock(name, backend=alias).locked(), "nothing runs before the first step"
+    assert list(gen) == [(0, True), (1, True), (2, True)]
+    assert not lock(name, backend=alias).locked()
+
+
+def test_generator_closed_early_releases(alias, name):
+    @locked(name, ttl=30, backend=alias)
+    def forever():
+        while True:
+            yield 1
+
+    gen = forever()
+    assert next(gen) == 1
+    assert lock(name, backend=alias).locked()
+    gen.close()
+    assert not lock(name, backend=alias).locked()
+
+
+def test_generator_send_and_return_pass_through(alias, name):
+    @locked(name, ttl=30, backend=alias)
+    def echo():
+        received = yield "ready"
+        return received * 2
+
+    gen = echo()
+    assert next(gen) == "ready"
+    with pytest.raises(StopIteration) as stop:
+        gen.send(21)
+    assert stop.value.value == 42
+    assert not lock(name, backend=alias).locked()
+
+
+def test_contended_generator(alias, name):
+    @locked(name, ttl=30, backend=alias)
+    def raising():
+        yield 1
+
+    @locked(name, ttl=30, backend=alias, on_contention="skip")
+    def skipping():
+        yield 1
+
+    with lock(name, ttl=30, backend=alias):
+        with pytest.raises(LockNotAcquired):
+            next(raising())
+        assert list(skipping()) == []
+
+
+def test_async_generator_holds_the_lock_until_exhausted(alias, name):
+    @locked(name, ttl=30, backend=alias)
+    async def numbers(n):
+        for i in range(n):
+            yield i, await lock(name, backend=alias).alocked()
+
+    async def main():
+        seen = [item async for item in numbers(3)]
+        return seen, await lock(name, backend=alias).alocked()
+
+    seen, after = asyncio.run(main())
+    assert seen == [(0, True), (1, True), (2, True)] and after is False
+
+
+def test_async_generator_closed_early_releases(alias, name):
+    @locked(name, ttl=30, backend=alias)
+    async def forever():
+        while True:
+            yield 1
+
+    async def main():
+        agen = forever()
+        await agen.__anext__()
+        during = await lock(name, backend=alias).alocked()
+        await agen.aclose()
+        return during, await lock(name, backend=alias).alocked()
+
+    assert asyncio.run(main()) == (True, False)
+
+
+# -- methods, descriptors, recursion ---------------------------------------------------------
+
+
+def test_above_staticmethod_and_classmethod(alias, name):
+    class Service:
+        @locked(name + ":static:{x}", backend=alias)
+        @staticmethod
+        def static(x):
+            return lock(f"{name}:static:{x}", backend=alias).locked()
+
+        @locked(name + ":class:{cls.__name__}", backend=alias)
+        @classmethod
+        def klass(cls):
+            return lock(f"{name}:class:Service", backend=alias).locked()
+
+    assert Service.static(1) is True and Service().static(2) is True
+    assert Service.klass() is True
+    assert not lock(f"{name}:class:Service", backend=alias).locked()
+
+
+def test_recursive_call_is_a_clear_error(alias, name):
+    @locked(name, ttl=30, backend=alias, timeout=5)
+    def walk(depth):
+        return depth if depth == 0 else walk(depth - 1)
+
+    with pytest.raises(LockError, match="recursive call"):
+        walk(2)
+    assert not lock(name, backend=alias).locked(), "the outer call released its lock"
+    assert walk(0) == 0
+
+
+def test_sequential_calls_in_one_transaction_share_the_held_lock(alias, name):
+    """With release after COMMIT, a second call in the same transaction would wait for
+    its own earlier call's lock: it runs under that lock instead."""
+    from django.db import transaction
+
+    @locked(name, ttl=30, backend=alias)
+    def step(i):
+        return i
+
+    with transaction.atomic():
+        assert [step(i) for i in range(3)] == [0, 1, 2]
+        assert lock(name, backend=alias).locked()
+    assert not lock(name, backend=alias).locked()
+
+
+def test_lock_lost_is_sent_when_release_finds_it_gone(alias, name):
+    from django_setnx import locks
+    from django_setnx.signals import lock_lost
+
+    lost = []
+    lock_lost.connect(lambda lock, **kw: lost.append(lock.name), weak=False,
+                      dispatch_uid="test-dec-lost")
+    try:
+        @locked(name, ttl=30, backend=alias)
+        def guarded():
+            locks[alias].delete(name)  # force-released while the call runs
+
+        with pytest.raises(LockNotOwned):
+            guarded()
+        assert lost == [name]
+    finally:
+        lock_lost.disconnect(dispatch_uid="test-dec-lost")
+
+
+def test_a_task_created_inside_a_locked_coroutine_may_wait_for_the_lock(alias, name):
+    """Not a recursive call: the task is another runner, and waits for the release."""
+    runs = []
+
+    @locked(name, ttl=30, backend=alias, timeout=10)
+    async def refresh(i, spawn):
+        runs.append(i)
+        if spawn:
+            return asyncio.create_task(refresh(i + 1, False))
+        return None
+
+    async def main():
+        follow_up = await refresh(0, True)
+        await follow_up
+
+    asyncio.run(main())
+    assert runs == [0, 1]
+
+
+def test_recursive_generators_are_a_clear_error(alias, name):
+    @locked(name, ttl=30, backend=alias, timeout=5)
+    def walk(depth):
+        yield depth
+        if depth:
+            yield from walk(depth - 1)
+
+    @locked(name + ":a", ttl=30, backend=alias, timeout=5)
+    async def awalk(depth):
+        yield depth
+        if depth:
+            async for item in awalk(depth - 1):
+                yield item
+
+    with pytest.raises(LockError, match="recursive call"):
+        list(walk(2))
+
+    async def consume():
+        return [item async for item in awalk(2)]
+
+    with pytest.raises(LockError, match="recursive call"):
+        asyncio.run(consume())
+    assert not lock(name, backend=alias).locked()
+
+
+def test_generators_in_one_transaction_share_the_held_lock(alias, name):
+    from django.db import transaction
+
+    @locked(name, ttl=30, backend=alias)
+    def rows(n):
+        yield from range(n)
+
+    with transaction.atomic():
+        assert list(rows(2)) == [0, 1]
+        assert list(rows(3)) == [0, 1, 2], "the second waited for the first's lock"
+        assert lock(name, backend=alias).locked()
+    assert not lock(name, backend=alias).locked()

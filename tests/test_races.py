@@ -92,36 +92,77 @@ def test_killed_holder_does_not_deadlock(shared_alias, name, spawn, env):
     waiter.release()
 
 
+def _queue_a_waiter_and_kill_it(spawn, env, name, ttl):
+    """A process that waits for ``name`` (queued on Redis, asking for ``ttl``),
+    SIGKILLed while blocked."""
+    queued = spawn.ctx.Event()
+    waiter = spawn(workers.crash_waiter, env, "redis", name, ttl, queued)
+    assert queued.wait(timeout=60)
+    time.sleep(0.2)  # into its BLPOP
+    os.kill(waiter.pid, signal.SIGKILL)
+    waiter.join(timeout=10)
+    assert waiter.exitcode == -signal.SIGKILL
+    return waiter
+
+
 @pytest.mark.skipif("redis" not in settings.TEST_BACKENDS,
                     reason="redis is not in settings.TEST_BACKENDS")
-def test_killed_waiter_does_not_deadlock(name, spawn, env):
-    """A waiter killed with SIGKILL while queued on Redis: a release that comes while
-    its place is still live hands it the lock, which then blocks others for at most
-    the ttl it asked for (as a crashed holder would); once its place lapsed
-    (WAITER_MS after its last attempt), releases skip it."""
+@pytest.mark.parametrize("next_caller", ["queued behind it", "arriving after the release"])
+def test_a_killed_waiter_holds_the_next_caller_up_for_a_claim_not_its_ttl(
+        name, spawn, env, next_caller):
+    """A waiter asking for ttl=30 is SIGKILLed while queued (as a gunicorn worker
+    timeout does); the holder releases while its place is live, so the lock is
+    handed to the dead waiter. It only gets a claim (CLAIM_MS) that it never
+    confirms: the next caller gets the lock about CLAIM_MS later, not 30 s later."""
+    from django_setnx.backends.redis import CLAIM_MS
+
+    holder = lock(name, ttl=60, backend="redis")
+    assert holder.acquire(blocking=False)
+    dead = _queue_a_waiter_and_kill_it(spawn, env, name, ttl=30)
+    outcome = {}
+    if next_caller == "queued behind it":
+        import threading
+
+        def live_waiter():
+            lk = lock(name, ttl=10, backend="redis")
+            outcome["acquired"] = lk.acquire(timeout=8)
+            outcome["at"] = time.monotonic()
+            outcome["lock"] = lk
+
+        thread = threading.Thread(target=live_waiter)
+        thread.start()
+        time.sleep(0.3)  # queued behind the dead one
+        released_at = time.monotonic()
+        holder.release()
+        thread.join(15)
+    else:
+        released_at = time.monotonic()
+        holder.release()
+        info = locks["redis"].get(name)
+        assert info.owner["pid"] == dead.pid and info.expires_in <= CLAIM_MS / 1000
+        lk = lock(name, ttl=10, backend="redis")
+        outcome = {"acquired": lk.acquire(timeout=8), "at": time.monotonic(), "lock": lk}
+    assert outcome["acquired"], "the dead waiter's handoff blocked the next caller"
+    assert outcome["at"] - released_at < CLAIM_MS / 1000 + 0.5
+    assert outcome["lock"].info().owner["pid"] == os.getpid()
+    outcome["lock"].release()
+
+
+@pytest.mark.skipif("redis" not in settings.TEST_BACKENDS,
+                    reason="redis is not in settings.TEST_BACKENDS")
+def test_a_killed_waiter_whose_place_lapsed_is_skipped(name, spawn, env):
+    """Once the dead waiter's place lapsed (WAITER_MS after its last attempt), a
+    release skips it: the lock is free at once."""
     from django_setnx.backends.redis import WAITER_MS
 
-    ghost_ttl, margin = 1.0, 1.5
-    for released_after in (0.0, WAITER_MS / 1000 + 0.5):
-        holder = lock(name, ttl=60, backend="redis")
-        assert holder.acquire(blocking=False)
-        queued = spawn.ctx.Event()
-        waiter = spawn(workers.crash_waiter, env, "redis", name, ghost_ttl, queued)
-        assert queued.wait(timeout=60)
-        time.sleep(0.2)  # into its BLPOP
-        os.kill(waiter.pid, signal.SIGKILL)
-        waiter.join(timeout=10)
-        assert waiter.exitcode == -signal.SIGKILL
-        time.sleep(released_after)
-        holder.release()
-        newcomer = lock(name, ttl=10, backend="redis")
-        if released_after:
-            assert newcomer.acquire(blocking=False), "a lapsed dead waiter was handed the lock"
-        else:
-            info = newcomer.info()
-            assert info is not None and info.is_held and info.owner["pid"] == waiter.pid
-            assert newcomer.acquire(timeout=ghost_ttl + margin), "the dead waiter's lock never expired"
-        newcomer.release()
+    holder = lock(name, ttl=60, backend="redis")
+    assert holder.acquire(blocking=False)
+    _queue_a_waiter_and_kill_it(spawn, env, name, ttl=30)
+    time.sleep(WAITER_MS / 1000 + 0.5)
+    holder.release()
+    newcomer = lock(name, ttl=10, backend="redis")
+    assert newcomer.acquire(blocking=False), "a lapsed dead waiter was handed the lock"
+    newcomer.release()
 
 
 def test_lock_inside_atomic_is_visible_before_commit(db_alias, name, spawn, env):

@@ -24,6 +24,7 @@ from redis.cluster import key_slot
 from django_setnx import lock, locks
 from django_setnx.backends.redis import RedisBackend
 from django_setnx.exceptions import LockBackendError, LockNotOwned
+from django_setnx.globs import compile_glob
 from tests.servers import free_port
 
 BACKEND = "django_setnx.backends.redis.RedisBackend"
@@ -97,10 +98,13 @@ def test_key_layout_under_prefix_shares_one_hash_slot(redis_client, name):
     assert int(record[b"fencing"]) == lk.fencing_token
     assert int(record[b"expires"]) - int(record[b"acquired"]) == 30_000
     assert b'"guards":"tests.key_layout"' in record[b"owner"]
-    assert int(redis_client.get(f"{base}:fence")) == lk.fencing_token
+    assert not redis_client.exists(f"{base}:fence"), "the record carries the token"
 
     lk.release()
     assert not redis_client.exists(f"{base}:lock")
+    # The released lock's token is remembered for FENCING_RETENTION, no longer.
+    assert int(redis_client.get(f"{base}:fence")) == lk.fencing_token
+    assert 0 < redis_client.pttl(f"{base}:fence") <= 60_000
     # Nobody waited, so nothing was queued.
     assert not redis_client.exists(f"{base}:waiters", f"{base}:requests")
     parts = ("lock", "fence", "waiters", "requests", f"inbox:{'0' * 32}")
@@ -233,7 +237,7 @@ def test_expired_record_stays_visible_as_stale_and_does_not_block(redis_client, 
 
     taker = lock(name, ttl=30, backend="redis")
     assert taker.acquire(blocking=False)
-    assert taker.fencing_token == holder.fencing_token + 1
+    assert taker.fencing_token > holder.fencing_token
     with pytest.raises(LockNotOwned):
         holder.release()
     assert taker.owned()
@@ -247,7 +251,8 @@ def test_stale_record_disappears_after_the_retention_window(make_backend):
     assert backend.get("n").is_stale
     time.sleep(0.6)
     assert backend.get("n") is None
-    assert backend.acquire("n", "tok2", 30, OWNER).fencing_token == 2
+    first = backend.acquire("n", "tok2", 30, OWNER).fencing_token
+    assert first > 1  # a µs clock, not a counter that a lost record would reset
 
 
 def test_release_of_an_expired_but_untaken_lock_still_succeeds(make_backend):
@@ -291,12 +296,13 @@ def test_a_release_before_the_waiter_blocks_is_not_lost(make_backend):
     assert not contended.acquired and 29 < contended.retry_after <= 30
     assert backend.release("n", "holder")  # lands before the waiter's BLPOP
     started = time.monotonic()
-    handed = backend.wait("n", token="waiter", attempt=0, max_wait=None,
-                          retry_after=contended.retry_after)
+    assert backend.wait("n", token="waiter", attempt=0, max_wait=None,
+                        retry_after=contended.retry_after) is None  # woken: retry now
     assert time.monotonic() - started < 1
-    assert handed is not None and handed.acquired
-    assert backend.owns("n", "waiter")
+    handed = backend.acquire("n", "waiter", 30, OWNER, wait=10)  # confirms the claim
+    assert handed.acquired
     assert backend.get("n").fencing_token == handed.fencing_token
+    assert backend.get("n").expires_in > 29  # the whole ttl, not the claim
     assert backend.release("n", "waiter")
 
 
@@ -307,10 +313,13 @@ def test_a_release_hands_the_lock_to_one_waiter(make_backend, redis_client):
     assert backend.acquire("n", "tok", 30, OWNER).acquired
 
     def wait(i):
-        # As the Lock does: a refused attempt queues the caller, then it blocks.
+        # As the Lock does: a refused attempt queues the caller, then it blocks, then
+        # it tries again (which confirms a lock handed to it).
         assert not backend.acquire("n", f"waiter{i}", 30, OWNER, wait=3).acquired
-        result = backend.wait("n", token=f"waiter{i}", attempt=0, max_wait=3, retry_after=30)
-        handed[i] = (result, time.monotonic())
+        assert backend.wait("n", token=f"waiter{i}", attempt=0, max_wait=3,
+                            retry_after=30) is None
+        woken_at = time.monotonic()
+        handed[i] = (backend.acquire("n", f"waiter{i}", 30, OWNER, wait=3), woken_at)
 
     threads = []
     for i in range(2):  # queued in this order
@@ -322,9 +331,10 @@ def test_a_release_hands_the_lock_to_one_waiter(make_backend, redis_client):
     for thread in threads:
         thread.join(10)
     (first, first_at), (second, second_at) = handed[0], handed[1]
-    assert first is not None and first.acquired and first_at - released_at < 1
-    # The second slept through its BLPOP (WAIT_BLOCK): one release, one waiter served.
-    assert second is None and second_at - released_at > 1
+    assert first.acquired and first_at - released_at < 0.4
+    # The second was told the first got a claim, and retried once it could have
+    # lapsed (CLAIM_MS): it had not (the first confirmed), so it is still refused.
+    assert not second.acquired and 0.45 < second_at - released_at < 1.5
     assert backend.owns("n", "waiter0") and not backend.owns("n", "waiter1")
     # The inbox was consumed; only the queue entry of waiter1 (still waiting) is left.
     assert not redis_client.exists(backend._inbox_key("n", "waiter0"))
@@ -475,7 +485,8 @@ def test_redis_down_mid_hold_raises_backend_error_then_recovers(redis_server, ou
         redis_server.start()  # same port, empty: no persistence
         again = lock("n", ttl=30, backend="private")
         assert again.acquire(blocking=False)
-        assert again.fencing_token == 1 and again.owned()
+        # An empty server knows no token of this name: the clock still mints a larger.
+        assert again.fencing_token > held.fencing_token and again.owned()
         again.release()
 
 
@@ -558,12 +569,24 @@ def test_check_params_accepts_valid_settings():
     ({"LOCATION": "redis://h/0", "OPTIONS": {"CLIENT_CLASS": "redis.Redis.nope"}}, "E017"),
     ({"LOCATION": "redis://h/0", "OPTIONS": {"CLIENT_CLASS": 5}}, "E017"),
     ({"LOCATION": "redis://h/0", "OPTIONS": {"CONNECTION_KWARGS": "x"}}, "E018"),
-    ({"LOCATION": "redis://h/0", "OPTIONS": {"STALE_RETENTON": 5}}, "E019"),
+    ({"LOCATION": "redis://h/0", "OPTIONS": {"ALLOW_EVICTION": "yes"}}, "E019"),
 ])
 def test_check_params_errors(params, expected):
     errors = RedisBackend.check_params("x", {"BACKEND": BACKEND, **params})
     assert [e.id for e in errors] == [f"django_setnx.{expected}"]
     assert "SETNX_LOCKS['x']" in errors[0].msg
+
+
+def test_an_unknown_option_is_left_to_the_system_checks_warning():
+    # check_params no longer reports it (E019); checks.py warns (W002) for every backend.
+    from django_setnx.checks import check_setnx_locks
+
+    params = {"BACKEND": BACKEND, "LOCATION": "redis://h/0", "OPTIONS": {"STALE_RETENTON": 5}}
+    assert ids(params) == []
+    with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "x": params}):
+        warnings = [m for m in check_setnx_locks() if "SETNX_LOCKS['x']" in m.msg]
+    assert [m.id for m in warnings] == ["django_setnx.W002"]
+    assert "STALE_RETENTION" in warnings[0].hint
 
 
 def test_check_params_does_not_connect():
@@ -593,9 +616,11 @@ def test_release_hands_the_lock_to_a_waiter_before_a_newcomer(name):
 
     newcomer = backend.acquire(name, "newcomer", 30, owner, wait=0)
     assert not newcomer.acquired, "the lock must go to the waiter first"
-    assert 9 < newcomer.retry_after <= 10  # the waiter's own ttl
+    assert 0.3 < newcomer.retry_after <= 0.5  # the waiter's claim, until it confirms
     retried = backend.acquire(name, "waiter", 10, owner, wait=10)  # the waiter's next look
     assert retried.acquired and retried.fencing_token == backend.get(name).fencing_token
+    newcomer = backend.acquire(name, "newcomer", 30, owner, wait=0)
+    assert not newcomer.acquired and 9 < newcomer.retry_after <= 10  # confirmed: its ttl
     assert backend.release(name, "waiter")
     # No waiter left: a newcomer gets a free lock at once.
     assert backend.acquire(name, "newcomer", 30, owner, wait=0).acquired
@@ -610,28 +635,85 @@ def test_a_waiter_that_gave_up_holds_nothing_back(name):
     assert lock(name, backend="redis").acquire(blocking=False), "no reservation for a quitter"
 
 
-GLOB_NAMES = ["a", "ab", "a]", "a!", "a-", "a^", "ac", "a[", "a\\", "b", "abc", "a*", "a?", "ü"]
+GLOB_NAMES = ["a", "ab", "a]", "a!", "a-", "a^", "ac", "a[", "a\\", "b", "abc", "a*", "a?", "ü",
+              "a}:lock", "}", "{a}", "a{b}:lock", "é" * 3, "a" * 200]
 GLOB_PATTERNS = [
-    "a*", "a?", "a[bc]", "a[!b]", "a[^b]", "a[]]", "a[\\]]", "a[b-]", "a[c-a]", "a[",
-    "a[^]", "a\\*", "a\\?", "*", "?", "[a-b]*", "a[\\\\]", "[ü]", "a[b-c]*",
+    "a*", "a?", "a[bc]", "a[!b]", "a[^b]", "a[]]", "a[\\]]", "a[b-]", "a[c-a]", "a\\*",
+    "a\\?", "*", "?", "[a-b]*", "a[\\\\]", "[ü]", "a[b-c]*", "??", "[é]*",
 ]
+# Patterns that tried, through Redis' own dialect, to reach past the name part of
+# the key (its "}:lock" suffix, the hash tag's braces), or to make matching slow.
+HOSTILE_GLOBS = [
+    "*}:lock", "*}:lock*", "a}*", "}*", "*{*", "*}", "{*}", "*:lock", "a{b}:lock",
+    "*a" * 40 + "*b", "*" * 200, "?" * 200, "[!a]*", "\\*\\?\\[\\]\\\\",
+]
+MALFORMED_GLOBS = ["a[", "a[^]", "[", "a\\", "a[b\\", "x" * 1001]
 
 
-@pytest.mark.parametrize("pattern", GLOB_PATTERNS)
-def test_glob_semantics_match_redis_exactly(redis_client, pattern):
-    """The glob the database and locmem backends apply in Python selects exactly the
-    names a Redis SCAN MATCH selects, so --name means one thing everywhere."""
-    from django_setnx.backends.base import glob_matcher
+@pytest.mark.parametrize("pattern", GLOB_PATTERNS + HOSTILE_GLOBS)
+def test_list_and_clear_select_exactly_what_the_glob_matches(make_backend, redis_client,
+                                                             pattern):
+    """On Redis ``name_glob`` selects exactly the names ``compile_glob`` matches, as on
+    every other backend: SCAN MATCH only narrows the scan (to the literal prefix),
+    Redis' byte-wise dialect decides nothing, and no key outside the prefix is touched."""
+    backend = make_backend()
+    neighbour = make_backend(backend.key_prefix + "}")  # a look-alike prefix next door
+    for n in GLOB_NAMES:
+        assert backend.acquire(n, "tok", 30, OWNER).acquired
+        assert neighbour.acquire(n, "tok", 30, OWNER).acquired
+    expected = sorted(n for n in GLOB_NAMES if compile_glob(pattern).match(n))
 
-    prefix = f"globtest:{uuid.uuid4().hex}:"
-    redis_client.mset({prefix + n: 1 for n in GLOB_NAMES})
-    try:
-        escaped_prefix = "".join("\\" + c if c in "*?[]\\" else c for c in prefix)
-        by_redis = {
-            (k.decode() if isinstance(k, bytes) else k)[len(prefix):]
-            for k in redis_client.scan_iter(match=escaped_prefix + pattern, count=1000)
-        }
-        by_python = {n for n in GLOB_NAMES if glob_matcher(pattern)(n)}
-        assert by_python == by_redis
-    finally:
-        redis_client.delete(*(prefix + n for n in GLOB_NAMES))
+    assert sorted(i.name for i in backend.list(name_glob=pattern)) == expected
+    assert sorted(backend.clear(include_held=True, dry_run=True, name_glob=pattern).names) \
+        == expected
+    assert sorted(backend.clear(include_held=True, name_glob=pattern).names) == expected
+    assert sorted(i.name for i in backend.list()) == sorted(set(GLOB_NAMES) - set(expected))
+    assert sorted(i.name for i in neighbour.list()) == sorted(GLOB_NAMES)
+
+
+@pytest.mark.parametrize("pattern", MALFORMED_GLOBS)
+def test_a_malformed_glob_is_refused_before_anything_is_sent(pattern):
+    # Nothing listens there: anything sent would fail with LockBackendError instead.
+    backend = RedisBackend("nowhere", {"BACKEND": BACKEND,
+                                       "LOCATION": f"redis://127.0.0.1:{free_port()}/0"})
+    with pytest.raises(ValueError, match="glob"):
+        backend.list(name_glob=pattern)
+    with pytest.raises(ValueError, match="glob"):
+        backend.clear(name_glob=pattern)
+
+
+def test_a_handoff_confirmed_too_late_is_never_reported_as_held(make_backend):
+    """The waiter a lock was handed to confirms after its claim (CLAIM_MS) ran out:
+    if someone took the lock meanwhile, it is refused; if nobody did, it takes the
+    lock over afresh (a new fencing token, its whole ttl), never the lapsed record."""
+    from django_setnx.backends.redis import CLAIM_MS
+
+    backend = make_backend()
+    for someone_else_took_it in (True, False):
+        assert backend.acquire("n", "holder", 30, OWNER).acquired
+        assert not backend.acquire("n", "slow", 30, OWNER, wait=10).acquired  # queued
+        assert backend.release("n", "holder")  # handed to "slow": a claim
+        claimed = backend.get("n")
+        assert claimed.expires_in <= CLAIM_MS / 1000
+        time.sleep(CLAIM_MS / 1000 + 0.1)
+        if someone_else_took_it:
+            assert backend.acquire("n", "other", 30, OWNER).acquired
+            late = backend.acquire("n", "slow", 30, OWNER, wait=0)
+            assert not late.acquired and late.retry_after > 29
+            assert backend.release("n", "other")
+        else:
+            late = backend.acquire("n", "slow", 30, OWNER, wait=0)
+            assert late.acquired and late.fencing_token > claimed.fencing_token
+            assert backend.get("n").expires_in > 29
+            assert backend.release("n", "slow")
+
+
+def test_a_waiter_that_gives_up_keeps_a_handed_lock_with_its_whole_ttl(make_backend):
+    backend = make_backend()
+    assert backend.acquire("n", "holder", 30, OWNER).acquired
+    assert not backend.acquire("n", "waiter", 20, OWNER, wait=10).acquired
+    assert backend.release("n", "holder")  # a claim for "waiter"
+    kept = backend.stop_waiting("n", "waiter")
+    assert kept is not None and kept.acquired
+    assert backend.get("n").expires_in > 19  # confirmed: its ttl, not the claim
+    assert backend.release("n", "waiter")

@@ -7,6 +7,7 @@ over every primary and ``list``/``clear``/``clearlocks`` see all of them.
 """
 
 import contextlib
+import hashlib
 import time
 import uuid
 
@@ -23,8 +24,9 @@ from redis.cluster import key_slot
 
 from django_setnx import lock, locks
 from django_setnx.backends.clients import parse_sentinel_url
-from django_setnx.backends.redis import WAIT_BLOCK
+from django_setnx.backends.redis import RELEASE, WAIT_BLOCK
 from django_setnx.exceptions import LockBackendError
+from tests.servers import RedisSentinelSet, RedisServer, ReplyDroppingProxy, free_cluster_port
 
 OWNER = {"host": "test", "pid": 1, "thread": "t"}
 BACKEND = "django_setnx.backends.redis.RedisBackend"
@@ -251,3 +253,106 @@ def test_cluster_waiting_and_contract_basics(redis_cluster):
         assert waiter.info().expires_in > 30
         removed = locks[alias].delete(name)
         assert removed.fencing_token == waiter.fencing_token
+
+
+# -- eviction, timeouts and retries on Sentinel and Cluster ------------------------------
+
+
+def test_sentinel_failover_to_a_server_that_may_evict_is_refused():
+    """Every new connection checks its server: after a failover to a replica whose
+    maxmemory-policy may evict, the same backend object refuses, writing nothing."""
+    name = unique()
+    with RedisSentinelSet("evicting", replicas=1, sentinels=1, quorum=1) as sentinel_set, \
+            alias_on("sentinel", sentinel_params(sentinel_set)) as alias:
+        old = sentinel_set.master
+        replica = redis.Redis(port=sentinel_set.replicas[0].port)
+        replica.config_set("maxmemory", "3mb")
+        replica.config_set("maxmemory-policy", "allkeys-lru")
+        with lock(unique(), ttl=30, backend=alias):
+            pass  # the master (noeviction) is accepted
+        redis.Redis(port=sentinel_set.sentinels[0].port).execute_command(
+            "SENTINEL", "FAILOVER", "evicting")
+        new_master = sentinel_set.wait_for_failover(old.port)
+        # Until the sentinel demotes the old master too, a client still connected to
+        # it writes there (the failover's own split-brain window, not ours to test).
+        deadline = time.monotonic() + 30
+        while redis.Redis(port=old.port).role()[0] != b"slave":
+            assert time.monotonic() < deadline, "the old master was never demoted"
+            time.sleep(0.05)
+        messages = []
+        for _ in range(3):  # the first may only find its old connection gone
+            with pytest.raises(LockBackendError) as excinfo:
+                lock(name, ttl=30, backend=alias).acquire(blocking=False)
+            messages.append(str(excinfo.value))
+        assert "'allkeys-lru'" in messages[-1] and "'sentinel'" in messages[-1], messages
+        assert redis.Redis(port=new_master.port).exists(f"setnx-sentinel:{{{name}}}:lock") == 0
+
+
+@contextlib.contextmanager
+def evicting(server):
+    client = redis.Redis(port=server.port)
+    client.config_set("maxmemory", "3mb")
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        yield
+    finally:
+        client.config_set("maxmemory", "0")
+        client.config_set("maxmemory-policy", "noeviction")
+
+
+def test_cluster_every_primary_is_checked_for_eviction(redis_cluster):
+    """One primary that may evict is enough to refuse on first use, even for a lock
+    whose slot lives on another primary."""
+    risky = redis_cluster.servers[2]
+    safe_name = next(f"n{i}" for i in range(1000)
+                     if redis.Redis(port=redis_cluster.servers[0].port).execute_command(
+                         "CLUSTER", "KEYSLOT", f"setnx-cluster:{{n{i}}}:lock")
+                     < 16384 // 3)
+    with evicting(risky), alias_on("cluster", cluster_params(redis_cluster)) as alias:
+        with pytest.raises(LockBackendError) as excinfo:
+            lock(safe_name, ttl=30, backend=alias).acquire(blocking=False)
+        assert f"127.0.0.1:{risky.port}" in str(excinfo.value)
+        assert "'allkeys-lru'" in str(excinfo.value) and "'cluster'" in str(excinfo.value)
+        assert sum(lock_keys_per_node(redis_cluster).values()) == 0
+    with alias_on("cluster", cluster_params(redis_cluster)) as alias, \
+            lock(safe_name, ttl=30, backend=alias) as lk:  # fixed: accepted
+        assert lk.owned()
+
+
+def test_cluster_waits_stay_below_a_short_socket_timeout(redis_cluster):
+    """A Cluster client has no single pool to read the socket timeout from: the
+    backend's own setting bounds each BLPOP, so waiting never times the socket out."""
+    name = unique()
+    params = cluster_params(redis_cluster)
+    params["OPTIONS"]["CONNECTION_KWARGS"] = {"socket_timeout": 0.5}
+    with alias_on("cluster", params) as alias, lock(name, ttl=30, backend=alias):
+        assert lock(name, ttl=30, backend=alias).acquire(timeout=1.5) is False
+
+
+def test_cluster_release_whose_reply_was_lost_is_not_retried():
+    """RedisCluster retries a command 10 times on a connection error by default; a
+    retried RELEASE whose first run deleted the record reports "not ours", and the
+    Lock would claim it was taken over. Ours is not retried: LockBackendError."""
+    port = free_cluster_port()
+    with ReplyDroppingProxy(port) as proxy, RedisServer(
+            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+            "--cluster-announce-ip", "127.0.0.1", "--cluster-announce-port", proxy.port,
+            "--cluster-announce-bus-port", port + 10000, port=port) as node:
+        client = redis.Redis(port=node.port)
+        client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        deadline = time.monotonic() + 10
+        while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+            assert time.monotonic() < deadline, "the one-node cluster did not come up"
+            time.sleep(0.05)
+        params = {"BACKEND": BACKEND, "LOCATION": proxy.url, "KEY_PREFIX": "setnx-cluster",
+                  "OPTIONS": {"CLIENT_CLASS": "django_setnx.backends.clients.cluster"}}
+        with alias_on("proxied", params) as alias:
+            with lock("warm", ttl=30, backend=alias):
+                pass  # ACQUIRE and RELEASE are loaded: EVALSHA from now on
+            held = lock("n", ttl=30, backend=alias)
+            assert held.acquire(blocking=False)
+            proxy.drop_reply_to(hashlib.sha1(RELEASE.encode()).hexdigest().encode())
+            with pytest.raises(LockBackendError, match="'proxied'"):
+                held.release()
+            assert proxy.dropped == 1
+            assert client.exists("setnx-cluster:{n}:lock") == 0  # it did run, once

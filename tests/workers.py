@@ -95,3 +95,17 @@ def probe_locked(env, alias, name, answer):
     from django_setnx import lock
 
     answer.put(lock(name, backend=alias).locked())
+
+
+def fencing_tokens(env, alias, name, count, answer):
+    """Acquire and release ``name`` ``count`` times; report the fencing tokens."""
+    _setup(env)
+    from django_setnx import lock
+
+    tokens = []
+    for _ in range(count):
+        lk = lock(name, ttl=30, backend=alias)
+        lk.acquire(timeout=30)
+        tokens.append(lk.fencing_token)
+        lk.release()
+    answer.put(tokens)

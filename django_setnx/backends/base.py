@@ -14,15 +14,16 @@ import asyncio
 import contextlib
 import datetime
 import random
-import re
 import time
 from dataclasses import dataclass, field
 
 from asgiref.sync import sync_to_async
+from django.core.exceptions import ImproperlyConfigured
 
-from ..conf import DEFAULT_TTL
+from ..conf import DEFAULT_MAX_TTL, DEFAULT_TTL
 from ..exceptions import LockBackendError
-from ..validation import validate_ttl
+from ..globs import compile_glob
+from ..validation import MAX_TTL_LIMIT, ttl_to_ms, validate_ttl
 
 HELD = "held"
 STALE = "stale"
@@ -35,9 +36,19 @@ MAX_BACKOFF = 0.25
 BASE_BACKOFF = 0.002
 
 
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
+_MIN_DATETIME = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
+_MAX_DATETIME = datetime.datetime.max.replace(tzinfo=datetime.timezone.utc)
+
+
 def ms_to_datetime(ms):
-    """Milliseconds since the epoch to an aware UTC ``datetime``."""
-    return datetime.datetime.fromtimestamp(ms / 1000, tz=datetime.timezone.utc)
+    """Milliseconds since the epoch to an aware UTC ``datetime``, clamped to the range
+    ``datetime`` can represent (a record written with an absurd expiry must still
+    display, so that it can be seen and cleared)."""
+    try:
+        return _EPOCH + datetime.timedelta(milliseconds=ms)
+    except OverflowError:
+        return _MAX_DATETIME if ms > 0 else _MIN_DATETIME
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,15 @@ class LockInfo:
     def expires_at(self):
         return ms_to_datetime(self.expires_at_ms)
 
+    @classmethod
+    def unreadable(cls, name, backend, now_ms, raw):
+        """The info of a record that cannot be parsed (written by hand, by an older
+        version, or corrupted): shown as stale with fencing token 0 and the raw data
+        as its owner, so listings never fail on it and ``clearlocks`` removes it."""
+        return cls(name=name, backend=backend, fencing_token=0,
+                   owner={"unreadable": repr(raw)[:500]},
+                   acquired_at_ms=int(now_ms), expires_at_ms=int(now_ms), now_ms=int(now_ms))
+
     def as_dict(self):
         """A JSON-serialisable dict (what ``listlocks --json`` prints)."""
         return {
@@ -119,58 +139,8 @@ class AcquireResult:
 
 
 def glob_matcher(pattern):
-    """Return ``match(name) -> bool`` for a Redis glob, matching exactly what Redis does.
-
-    Redis' ``stringmatchlen`` rules, on the UTF-8 **bytes** of pattern and name (so
-    ``?`` matches one byte, as in a Redis ``SCAN MATCH``): ``*`` and ``?``; ``\\x``
-    is a literal ``x``; ``[...]`` is a class where only ``^`` negates, ``a-z`` is a
-    range (reversed ends are swapped), ``\\`` escapes inside, a ``]`` right after
-    ``[`` closes an empty class (which matches nothing), and an unclosed ``[`` runs
-    to the end of the pattern. The backends that filter names in Python use this, so
-    ``--name`` selects the same locks on every backend.
-    """
-    raw = pattern.encode("utf-8")
-    out = []
-    i, n = 0, len(raw)
-
-    def literal(byte):
-        return re.escape(bytes([byte]))
-
-    while i < n:
-        c = raw[i : i + 1]
-        if c == b"*":
-            out.append(b".*")
-        elif c == b"?":
-            out.append(b".")
-        elif c == b"\\" and i + 1 < n:
-            i += 1
-            out.append(literal(raw[i]))
-        elif c == b"[":
-            i += 1
-            negate = i < n and raw[i : i + 1] == b"^"
-            if negate:
-                i += 1
-            members = []
-            while i < n and raw[i : i + 1] != b"]":
-                if raw[i : i + 1] == b"\\" and i + 1 < n:
-                    i += 1
-                    members.append(literal(raw[i]))
-                elif i + 2 < n and raw[i + 1 : i + 2] == b"-":
-                    low, high = sorted((raw[i], raw[i + 2]))
-                    members.append(literal(low) + b"-" + literal(high))
-                    i += 2
-                else:
-                    members.append(literal(raw[i]))
-                i += 1
-            if members:
-                out.append(b"[" + (b"^" if negate else b"") + b"".join(members) + b"]")
-            else:
-                out.append(b"." if negate else b"(?!)")
-        else:
-            out.append(literal(raw[i]))
-        i += 1
-    regex = re.compile(b"".join(out) + rb"\Z", re.DOTALL)
-    return lambda name: regex.match(name.encode("utf-8")) is not None
+    """Return ``match(name) -> bool`` for a name glob (see :mod:`django_setnx.globs`)."""
+    return compile_glob(pattern).match
 
 
 @dataclass
@@ -202,13 +172,31 @@ class BaseLockBackend:
     wakes_waiters = False
     #: The longest sleep of :meth:`backoff` (seconds).
     max_backoff = MAX_BACKOFF
+    #: The keys this backend reads from ``OPTIONS``; the system checks warn about any
+    #: other (a misspelt option would otherwise be ignored in silence).
+    option_names = frozenset({"MAX_TTL"})
+    #: Default of ``OPTIONS["MAX_TTL"]``: the longest ttl this backend accepts.
+    default_max_ttl = DEFAULT_MAX_TTL
 
     def __init__(self, alias, params):
         self.alias = alias
         self.params = params
         self.options = dict(params.get("OPTIONS") or {})
-        ttl = params.get("TTL", DEFAULT_TTL)
-        self.default_ttl = validate_ttl(ttl, what=f"SETNX_LOCKS[{alias!r}]['TTL']")
+        where = f"SETNX_LOCKS[{alias!r}]"
+        #: Names the setting in the message of a ttl above MAX_TTL (built once here:
+        #: the check runs on every acquire).
+        self.max_ttl_setting = f"{where}['OPTIONS']['MAX_TTL']"
+        #: The last ttl check_ttl accepted, with its ms: the hot path checks once.
+        self._last_ttl = (None, None)
+        try:
+            self.max_ttl = validate_ttl(self.options.get("MAX_TTL", self.default_max_ttl),
+                                        what=self.max_ttl_setting, maximum=MAX_TTL_LIMIT,
+                                        where="the most any backend accepts: 10 years")
+            self.default_ttl = validate_ttl(
+                params.get("TTL", min(DEFAULT_TTL, self.max_ttl)), what=f"{where}['TTL']",
+                maximum=self.max_ttl, where=f"{where}['OPTIONS']['MAX_TTL']")
+        except (TypeError, ValueError) as exc:
+            raise ImproperlyConfigured(str(exc)) from exc
 
     def __repr__(self):
         return f"<{type(self).__name__} alias={self.alias!r}>"
@@ -261,7 +249,7 @@ class BaseLockBackend:
     def list(self, *, state=None, name_glob=None):
         """Yield a :class:`LockInfo` for every record, held and stale, name order
         where the backend can. ``state`` (``"held"``/``"stale"``) and ``name_glob``
-        (Redis glob syntax) filter. Streams: never loads every record at once.
+        (a glob, see :mod:`django_setnx.globs`) filter. Streams: never loads every record at once.
         """
         raise NotImplementedError
 
@@ -283,6 +271,18 @@ class BaseLockBackend:
 
     def close(self):
         """Release connections held by this backend (connections are reopened lazily)."""
+
+    def writes_wait_for_transaction(self, using):
+        """Return True if this backend cannot write while the calling thread's
+        connection to database ``using`` has a transaction open (SQLite: one writer
+        at a time, on the same database). The default: False."""
+        return False
+
+    def validity(self, ttl):
+        """Return how long (seconds) a lock acquired with ``ttl`` is certainly still
+        held, counted from before the write: ``ttl``, minus whatever the backend must
+        allow for (Redlock: the clock-drift allowance). Renewal deadlines use it."""
+        return ttl
 
     # -- waiting ----------------------------------------------------------------
 
@@ -368,6 +368,19 @@ class BaseLockBackend:
 
     # -- helpers for subclasses -------------------------------------------------
 
+    def check_ttl(self, ttl, what="ttl"):
+        """Validate ``ttl`` (seconds) against this backend's ``MAX_TTL`` before anything
+        is written; returns it in whole milliseconds. Raises TypeError/ValueError
+        naming the value, the maximum and the alias."""
+        last = self._last_ttl
+        if last[0] == ttl and type(ttl) is float:
+            # The same ttl as last time (a Lock passes its validated float): checked.
+            return last[1]
+        ttl_ms = ttl_to_ms(validate_ttl(ttl, what=what, maximum=self.max_ttl,
+                                        where=self.max_ttl_setting))
+        self._last_ttl = (ttl, ttl_ms)  # one tuple: threads read a consistent pair
+        return ttl_ms
+
     @contextlib.contextmanager
     def translate_errors(self, *error_types, action="operation"):
         """Re-raise ``error_types`` as :class:`LockBackendError` naming this alias."""
@@ -380,7 +393,7 @@ class BaseLockBackend:
 
     def filter_infos(self, infos, *, state=None, name_glob=None):
         """Apply the ``state``/``name_glob`` filters of :meth:`list` in Python."""
-        matcher = glob_matcher(name_glob) if name_glob else None
+        matcher = compile_glob(name_glob).match if name_glob else None
         for info in infos:
             if state is not None and info.state != state:
                 continue

@@ -26,25 +26,29 @@ Sentinel: ``redis+sentinel://[[user]:password@]host:port[,host:port...]/service[
 master's; the sentinels' own credentials go in ``CONNECTION_KWARGS["sentinel_kwargs"]``.
 The client is ``Sentinel(...).master_for(service)``: every new connection asks the
 sentinels for the current master, and a connection to a demoted master is dropped,
-so after a failover the same backend object reaches the new master. While the
-failover is in progress operations fail with ``LockBackendError``; they never report
-a write that did not happen.
+so after a failover the same backend object reaches the new master (and checks its
+eviction policy: every new connection does). While the failover is in progress
+operations fail with ``LockBackendError``; they never report a write that did not
+happen.
 
 Cluster: ``redis.cluster.RedisCluster.from_url``. Every lock's keys share the
 ``{name}`` hash tag, so each script runs on one node; ``list`` and ``clear`` scan
 every primary.
+
+The backend passes its defaults in ``kwargs`` (socket timeouts, no retries, the
+eviction check as ``redis_connect_func``); a factory of your own must pass them on
+to redis-py.
 """
 
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
 DEFAULT_SENTINEL_PORT = 26379
-
-#: Retries of one command on a connection error. redis-py >= 6 retries 10 times with
-#: backoff up to 1 s by default, so one lock operation could hang for seconds during
-#: a failover; a short policy reports the outage (LockBackendError) quickly instead.
-SENTINEL_RETRIES = 1
-SENTINEL_RETRY_BACKOFF = 0.05
+#: The master's connection kwargs the sentinels' connections share unless
+#: ``sentinel_kwargs`` is given: the socket options, and the retry policy, so that a
+#: dead sentinel is skipped at once rather than after redis-py's default retries with
+#: backoff (seconds each).
+SHARED_WITH_SENTINELS = ("socket_", "retry")
 
 
 def parse_sentinel_url(location):
@@ -125,30 +129,35 @@ def _query_value(value):
 def sentinel(location, **kwargs):
     """A ``redis.Redis`` bound to the master that the sentinels of ``location`` name.
 
-    ``kwargs`` (the backend's ``CONNECTION_KWARGS``) go to the master's connections;
-    ``sentinel_kwargs`` among them to the sentinels' (redis-py's default: the
-    ``socket_*`` options). Unless given, ``retry`` is one quick retry, so an operation
-    during a failover fails fast with LockBackendError instead of hanging.
+    ``kwargs`` (the backend's ``CONNECTION_KWARGS`` and defaults) go to the master's
+    connections; ``sentinel_kwargs`` among them to the sentinels' (default: the
+    master's ``socket_*`` options and ``retry``, see SHARED_WITH_SENTINELS; never the
+    ``redis_connect_func``: a sentinel holds no locks).
     """
-    from redis.backoff import ConstantBackoff
-    from redis.retry import Retry
     from redis.sentinel import Sentinel
 
     sentinels, service, url_kwargs = parse_sentinel_url(location)
     kwargs = {**url_kwargs, **kwargs}
     sentinel_kwargs = kwargs.pop("sentinel_kwargs", None)
     min_other_sentinels = kwargs.pop("min_other_sentinels", 0)
-    kwargs.setdefault("retry", Retry(ConstantBackoff(SENTINEL_RETRY_BACKOFF), SENTINEL_RETRIES))
-    kwargs.setdefault("socket_connect_timeout", 1.0)
     if sentinel_kwargs is None:
-        sentinel_kwargs = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
+        sentinel_kwargs = {k: v for k, v in kwargs.items() if k.startswith(SHARED_WITH_SENTINELS)}
     return Sentinel(sentinels, min_other_sentinels=min_other_sentinels,
                     sentinel_kwargs=sentinel_kwargs).master_for(service, **kwargs)
 
 
 def cluster(location, **kwargs):
     """A ``redis.cluster.RedisCluster`` from ``location`` (any node's ``redis://`` URL;
-    the other nodes are discovered)."""
+    the other nodes are discovered).
+
+    redis.Redis calls a ``redis_connect_func`` *instead of* the connection's handshake;
+    RedisCluster does its own handshake and calls it *after*. A function that has an
+    ``after_handshake`` variant for that (the Redis backend's eviction check) is given
+    that one, so no connection shakes hands twice.
+    """
     from redis.cluster import RedisCluster
 
+    connect = kwargs.get("redis_connect_func")
+    if connect is not None:
+        kwargs["redis_connect_func"] = getattr(connect, "after_handshake", connect)
     return RedisCluster.from_url(location, **kwargs)

@@ -7,18 +7,41 @@ with the expiry test inside it), so of two racers for an expired lock exactly on
 wins — the race that made the original SETNX recipe need GETSET cannot happen.
 Release and extend are single statements conditioned on the token.
 
-Fencing tokens come from ``django_setnx_fence`` (one counter per name, never
-deleted), bumped in the same transaction as the insert or takeover, while the lock
-row is locked, so they strictly increase per name in commit order. An acquire is
-one round trip on PostgreSQL (one statement) and on MySQL/MariaDB (one query of
-several statements: our private connection is opened with ``MULTI_STATEMENTS``;
-every value in it is a bound parameter), a few calls into the library on SQLite.
+Fencing tokens live on the lock row (``fencing``): a hybrid clock, the database's
+clock in µs (``NOW_US``), or the row's previous token plus one if that is larger,
+set by the same statement that takes the row. So tokens strictly increase per name
+while a row exists, and after a row is deleted (released, cleared) the next one
+starts from the clock, above every earlier token as long as the database's clock
+does not step back (SQLite: the app server's clock, see ``_sqlite_now_us``). No
+table grows with every name ever locked, and stale rows are purged once they are
+``STALE_RETENTION`` old (see ``_purge_if_due``). An acquire is one statement on every
+database (MySQL/MariaDB return the new token through ``LAST_INSERT_ID(x)``).
 
 Every statement runs on a connection of our own (one per thread) in autocommit,
 never on the caller's: a lock taken inside ``transaction.atomic()`` is visible to
 other processes at once, survives the caller's rollback, and a contention never
 breaks the caller's transaction. Expiry is judged by the database's clock, in
 integer milliseconds since the epoch.
+
+Connections. The lock connection is opened from a copy of ``DATABASES[alias]``
+with whatever would make it not ours removed: it is always in autocommit (a lock
+row written in a transaction nobody commits would be invisible to everyone else,
+and would block the next acquirer), never taken from Django's connection pool
+(``OPTIONS["pool"]``: a per-thread connection is never handed back, so it would
+drain the pool the ORM needs), and ``CONN_MAX_AGE``, ``CONN_HEALTH_CHECKS`` and
+``ATOMIC_REQUESTS`` do not apply to it. It carries the timeouts of
+``OPTIONS["OPERATION_TIMEOUT"]`` (see ``_timeout_options``; on PostgreSQL with
+psycopg >= 3.2 every wait for an answer is also bounded client-side, see
+``_bound_waits``), so no operation waits forever on a dead network, a stopped
+server or a stuck row lock; one that got no answer in time is not retried, because
+whether it ran is unknown. A connection that sat idle for
+``OPTIONS["HEALTH_CHECK_AFTER"]`` seconds is checked (one round trip) before it is
+used again and replaced if the server dropped it; a busy connection is never
+checked, so the hot path pays nothing. A connection that breaks during an
+operation anyway is replaced and the operation retried once, when retrying is
+safe (see ``_run``). Deadlocks and lock-wait timeouts are retried a few times
+with jitter (``CONTENTION_RETRIES``): under contention they are a normal outcome,
+not an outage.
 
 Fairness. A caller that was refused and will retry asks for the place *next in
 line*, kept in three columns of the lock row (``next_token``, ``next_since``,
@@ -38,28 +61,38 @@ SQLite has a single writer. The backend switches an SQLite database to WAL mode
 (``OPTIONS["SQLITE_WAL"]``, default True; the mode is stored in the database file),
 so that a caller's open read transaction does not block our writes. A lock
 acquired or released while the caller's own connection holds an open *write*
-transaction still waits for it, and fails with ``LockBackendError`` after the
-database's ``timeout`` option: take locks outside such blocks on SQLite.
+transaction still waits for it, and fails with ``LockBackendError`` after
+``OPERATION_TIMEOUT``, with a message that says so: take the lock before writing,
+or release it after the commit.
 """
 
+import contextlib
 import copy
+import functools
+import inspect
 import json
+import logging
+import math
+import numbers
 import os
+import random
 import threading
 import time
 import weakref
 
 from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
 
 from ..exceptions import LockBackendError
-from ..models import FencingCounter, LockRecord
-from ..validation import ttl_to_ms
+from ..globs import compile_glob
+from ..models import LockRecord
 from .base import (
-    STALE, STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo, glob_matcher,
+    STALE, STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo,
 )
 
+logger = logging.getLogger("django_setnx")
+
 LOCK_TABLE = LockRecord._meta.db_table
-FENCE_TABLE = FencingCounter._meta.db_table
 
 #: The database's clock as integer milliseconds since the Unix epoch. Each is
 #: constant within one statement and independent of the session's time zone.
@@ -68,6 +101,21 @@ NOW_MS = {
     "mysql": "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)",
     "sqlite": "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
 }
+
+#: The database's clock in µs since the epoch, for fencing tokens. SQLite's clock
+#: has only millisecond resolution: there the app server's clock is bound instead
+#: (the database file is on that machine, see ``_sqlite_now_us``).
+NOW_US = {
+    "postgresql": "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000000)::bigint",
+    "mysql": "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))",
+}
+
+#: Default of ``OPTIONS["STALE_RETENTION"]`` (seconds): a row that expired this long
+#: ago without a release is purged (see ``_purge_if_due``), as the Redis backend's
+#: records are dropped by Redis.
+DEFAULT_STALE_RETENTION = 86400.0
+#: At most one purge of old stale rows per backend and this many seconds.
+PURGE_EVERY = 60.0
 
 #: How many rows list() and clear() read per round trip.
 BATCH_SIZE = 500
@@ -86,7 +134,51 @@ HEAD_POLL_MAX = 0.008
 #: The other waiters' longest backoff (seconds), below the base class' MAX_BACKOFF.
 WAITER_MAX_BACKOFF = 0.1
 
-_INFO_COLUMNS = "l.name, l.owner, l.acquired_at, l.expires_at, COALESCE(f.value, 0), {now}"
+#: Default of ``OPTIONS["OPERATION_TIMEOUT"]`` (seconds): how long the lock
+#: connection waits to connect, for a row or table lock, and for a silent network,
+#: before the operation fails with LockBackendError.
+DEFAULT_OPERATION_TIMEOUT = 5.0
+
+#: MySQL/MariaDB: how much longer than OPERATION_TIMEOUT (whole seconds) a read or
+#: write may take, so that the server's own lock-wait error arrives first.
+MYSQL_READ_MARGIN = 2
+#: Default of ``OPTIONS["HEALTH_CHECK_AFTER"]`` (seconds): a lock connection idle for
+#: this long is checked before it is used again. Shorter than every idle limit seen
+#: in practice (MySQL ``wait_timeout``, PostgreSQL ``idle_session_timeout``, NAT and
+#: load balancer idle timers: minutes), and a busy connection is never checked.
+DEFAULT_HEALTH_CHECK_AFTER = 10.0
+
+#: A deadlock or a lock-wait timeout is retried at most this many times (and never
+#: once the operation has taken OPERATION_TIMEOUT), after a jittered pause of up to
+#: CONTENTION_BACKOFF * 2**n seconds, capped at CONTENTION_MAX_BACKOFF.
+CONTENTION_RETRIES = 8
+CONTENTION_BACKOFF = 0.002
+CONTENTION_MAX_BACKOFF = 0.1
+
+#: Lock rows hold times near "now": anything outside 1970..9999 was not written by
+#: this backend, and is listed as unreadable (stale) so that clearlocks removes it.
+MAX_PLAUSIBLE_MS = 253402300799999
+
+#: Errors of MySQL/MariaDB that mean the transaction was rolled back because of a
+#: concurrent one: deadlock, lock wait timeout. Retried.
+MYSQL_CONTENTION = frozenset({1213, 1205})
+#: ... and those that mean the connection is gone: server gone away, lost during
+#: query, lost (system error), killed (MariaDB), disconnected for inactivity
+#: (MySQL 8), server shutting down.
+MYSQL_DISCONNECTED = frozenset({2006, 2013, 2055, 1927, 4031, 1053})
+#: PostgreSQL SQLSTATEs that mean: deadlock detected, serialization failure, lock
+#: not available (lock_timeout). Retried.
+POSTGRESQL_CONTENTION = frozenset({"40P01", "40001", "55P03"})
+#: ... and that mean the session is gone: admin shutdown (pg_terminate_backend),
+#: crash shutdown, cannot connect now; and every connection exception (class 08).
+POSTGRESQL_DISCONNECTED = frozenset({"57P01", "57P02", "57P03"})
+#: SQLite's primary result codes for "database is locked" and "table is locked".
+SQLITE_BUSY_CODES = frozenset({5, 6})
+
+_CONTENTION = "contention"
+_DISCONNECTED = "disconnected"
+
+_INFO_COLUMNS = "l.name, l.owner, l.acquired_at, l.expires_at, l.fencing, {now}"
 
 
 class _Dialect:
@@ -98,15 +190,30 @@ class _Dialect:
         self.vendor = vendor
         self.is_mariadb = is_mariadb
         now = NOW_MS[vendor]
-        lock, fence = quote(LOCK_TABLE), quote(FENCE_TABLE)
+        lock = quote(LOCK_TABLE)
         self.now = now
-        self.lock_table, self.fence_table = lock, fence
+        self.lock_table = lock
+        # Milliseconds until the row's expiry, never negative. Tested first, so that
+        # a row with an absurd (hand-written) expiry cannot overflow the subtraction.
+        remaining = "CASE WHEN {t}.expires_at > {now} THEN {t}.expires_at - {now} ELSE 0 END"
+        # A stale row: expired, or with times that this backend never writes (see
+        # MAX_PLAUSIBLE_MS; on SQLite a text value also compares above it), so that
+        # clearlocks removes an unreadable row instead of showing it as held forever.
+        # {t} is the table reference.
+        self.stale = (
+            f"({{t}}.expires_at <= {now} OR {{t}}.expires_at > {MAX_PLAUSIBLE_MS} "
+            f"OR {{t}}.acquired_at < 0 OR {{t}}.acquired_at > {MAX_PLAUSIBLE_MS})"
+        )
         # Who may take over an expired (or released-to-the-next-waiter) row: anyone
         # when no live waiter is next in line, else only that waiter. {t} is the
         # row's table reference, {x} the new values' ("excluded" row).
+        # A row whose expiry this backend could not have written (see
+        # MAX_PLAUSIBLE_MS: a hand-written year 33715, say) is listed as stale, so it
+        # must not block an acquire either.
         self.may_take = (
-            "{t}.expires_at <= {x}.acquired_at AND ({t}.next_token = '' "
-            "OR {t}.next_token = {x}.token "
+            f"({{t}}.expires_at <= {{x}}.acquired_at OR {{t}}.expires_at > {MAX_PLAUSIBLE_MS} "
+            f"OR {{t}}.acquired_at < 0 OR {{t}}.acquired_at > {MAX_PLAUSIBLE_MS}) "
+            "AND ({t}.next_token = '' OR {t}.next_token = {x}.token "
             f"OR {{t}}.next_seen <= {{x}}.acquired_at - {NEXT_LAPSE_MS})"
         )
         self.release = (
@@ -138,90 +245,85 @@ class _Dialect:
         )
         self.extend = f"UPDATE {lock} SET expires_at = {now} + %s WHERE name = %s AND token = %s"
         self.owns = f"SELECT 1 FROM {lock} WHERE name = %s AND token = %s AND expires_at > {now}"
-        self.info_select = (
-            f"SELECT {_INFO_COLUMNS.format(now=now)}, l.id, l.token FROM {lock} l "
-            f"LEFT JOIN {fence} f ON f.name = l.name"
-        )
+        self.info_select = f"SELECT {_INFO_COLUMNS.format(now=now)}, l.name, l.token FROM {lock} l"
         self.get = f"{self.info_select} WHERE l.name = %s AND l.token <> ''"
-        self.delete_owned = f"DELETE FROM {lock} WHERE id = %s AND token = %s"
+        self.delete_owned = f"DELETE FROM {lock} WHERE name = %s AND token = %s"
+        # Rows that expired STALE_RETENTION ago without a release (param: its ms).
+        self.purge_stale = (
+            f"DELETE FROM {lock} WHERE token <> '' AND expires_at <= {now} - %s"
+        )
         self.returning = vendor in ("postgresql", "sqlite") or is_mariadb
 
+        # Who holds the row, for a refused attempt: its remaining ms, token and
+        # fencing token (the holder may be this very caller, see ``acquire``).
+        self.holder = (
+            f"SELECT {remaining.format(t='l', now=now)}, l.token, l.fencing "
+            f"FROM {lock} l WHERE l.name = %s"
+        )
         if vendor == "postgresql":
-            # One statement: insert-or-take-over, then bump the fence only if we won.
-            # The fence row stays locked until the statement commits, so tokens are
-            # handed out in commit order. On contention, the holder's remaining ms.
+            # One statement: insert, or take over an expired row, with the next
+            # fencing token, which it returns; a refused attempt returns no row.
+            us = NOW_US[vendor]
             self.acquire = f"""
-                WITH taken AS (
-                    INSERT INTO {lock} AS l (name, token, owner, acquired_at, expires_at,
-                                             next_token, next_since, next_seen)
-                    VALUES (%s, %s, %s, {now}, {now} + %s, '', 0, 0)
-                    ON CONFLICT (name) DO UPDATE SET
-                        token = EXCLUDED.token, owner = EXCLUDED.owner,
-                        acquired_at = EXCLUDED.acquired_at, expires_at = EXCLUDED.expires_at,
-                        next_token = '', next_since = 0, next_seen = 0
-                    WHERE {self.may_take.format(t="l", x="EXCLUDED")}
-                    RETURNING l.name
-                ), fenced AS (
-                    INSERT INTO {fence} AS f (name, value) SELECT name, 1 FROM taken
-                    ON CONFLICT (name) DO UPDATE SET value = f.value + 1
-                    RETURNING f.value
-                )
-                SELECT value, NULL FROM fenced
-                UNION ALL
-                SELECT NULL, h.expires_at - {now} FROM {lock} h
-                WHERE h.name = %s AND NOT EXISTS (SELECT 1 FROM taken)
+                INSERT INTO {lock} AS l (name, token, owner, acquired_at, expires_at,
+                                         fencing, next_token, next_since, next_seen)
+                VALUES (%s, %s, %s, {now}, {now} + %s, {us}, '', 0, 0)
+                ON CONFLICT (name) DO UPDATE SET
+                    token = EXCLUDED.token, owner = EXCLUDED.owner,
+                    acquired_at = EXCLUDED.acquired_at, expires_at = EXCLUDED.expires_at,
+                    fencing = GREATEST(l.fencing + 1, EXCLUDED.fencing),
+                    next_token = '', next_since = 0, next_seen = 0
+                WHERE {self.may_take.format(t="l", x="EXCLUDED")}
+                RETURNING l.fencing
             """
         elif vendor == "sqlite":
-            self.take = f"""
-                INSERT INTO {lock} (name, token, owner, acquired_at, expires_at,
+            # One statement (an upsert is atomic: no transaction needed). The µs clock
+            # is bound (see NOW_US). A refused upsert returns no row.
+            self.acquire = f"""
+                INSERT INTO {lock} (name, token, owner, acquired_at, expires_at, fencing,
                                     next_token, next_since, next_seen)
-                VALUES (%s, %s, %s, {now}, {now} + %s, '', 0, 0)
+                VALUES (%s, %s, %s, {now}, {now} + %s, MAX(%s, {now} * 1000), '', 0, 0)
                 ON CONFLICT (name) DO UPDATE SET
                     token = excluded.token, owner = excluded.owner,
                     acquired_at = excluded.acquired_at, expires_at = excluded.expires_at,
+                    fencing = MAX({lock}.fencing + 1, excluded.fencing),
                     next_token = '', next_since = 0, next_seen = 0
                 WHERE {self.may_take.format(t=lock, x="excluded")}
-                RETURNING token, expires_at - {now}
+                RETURNING fencing
             """
-            self.bump_fence = f"""
-                INSERT INTO {fence} (name, value) VALUES (%s, 1)
-                ON CONFLICT (name) DO UPDATE SET value = value + 1 RETURNING value
-            """
-            self.remaining = f"SELECT expires_at - {now} FROM {lock} WHERE name = %s"
         else:  # MySQL / MariaDB
-            # MySQL applies the assignments left to right, each seeing the previous
-            # ones: once ``token`` is ours, the other columns follow it.
+            # Every assignment repeats the takeover test, and the columns the test
+            # reads come last: whether MySQL applies the assignments left to right
+            # (each seeing the previous ones, the default) or all at once (MariaDB's
+            # SIMULTANEOUS_ASSIGNMENT), a row is either taken whole or left alone.
+            # The statement's insert id says what happened, with no second statement:
+            # LAST_INSERT_ID(x) makes x the insert id (the table has no
+            # AUTO_INCREMENT column), the last call in the statement winning. A new
+            # row: its fencing token (the µs clock, from VALUES); a row taken over: its
+            # next token; a refused attempt: 0. (The functions of the current time
+            # are evaluated once per statement: {now} is one value throughout.)
             may_take = (
-                "expires_at <= VALUES(acquired_at) AND (next_token = '' "
-                "OR next_token = VALUES(token) "
+                f"(expires_at <= VALUES(acquired_at) OR expires_at > {MAX_PLAUSIBLE_MS} "
+                f"OR acquired_at < 0 OR acquired_at > {MAX_PLAUSIBLE_MS}) "
+                "AND (next_token = '' OR next_token = VALUES(token) "
                 f"OR next_seen <= VALUES(acquired_at) - {NEXT_LAPSE_MS})"
             )
-            upsert = f"""
-                INSERT INTO {lock} (name, token, owner, acquired_at, expires_at,
-                                    next_token, next_since, next_seen)
-                VALUES (%s, %s, %s, {now}, {now} + %s, '', 0, 0)
-                ON DUPLICATE KEY UPDATE
-                    token = IF({may_take}, VALUES(token), token),
-                    owner = IF(token = VALUES(token), VALUES(owner), owner),
-                    acquired_at = IF(token = VALUES(token), VALUES(acquired_at), acquired_at),
-                    expires_at = IF(token = VALUES(token), VALUES(expires_at), expires_at),
-                    next_token = IF(token = VALUES(token), '', next_token),
-                    next_since = IF(token = VALUES(token), 0, next_since),
-                    next_seen = IF(token = VALUES(token), 0, next_seen)
-            """
-            # The whole acquire in one round trip (our connection allows several
-            # statements per query), in one transaction: the upsert, a fence bump
-            # that only happens if the row is ours now, then who holds the row and
-            # the fence's value. Params: name, token, owner, ttl_ms, name, token, name.
             self.acquire = f"""
-                START TRANSACTION;
-                {upsert};
-                INSERT INTO {fence} (name, value)
-                    SELECT name, 1 FROM {lock} WHERE name = %s AND token = %s
-                    ON DUPLICATE KEY UPDATE value = value + 1;
-                SELECT l.token, l.expires_at - {now}, f.value
-                    FROM {lock} l LEFT JOIN {fence} f ON f.name = l.name WHERE l.name = %s;
-                COMMIT
+                INSERT INTO {lock} (name, token, owner, acquired_at, expires_at, fencing,
+                                    next_token, next_since, next_seen)
+                VALUES (%s, %s, %s, {now}, {now} + %s, LAST_INSERT_ID({NOW_US[vendor]}),
+                        '', 0, 0)
+                ON DUPLICATE KEY UPDATE
+                    fencing = IF({may_take},
+                                 LAST_INSERT_ID(GREATEST(fencing + 1, VALUES(fencing))),
+                                 fencing + LAST_INSERT_ID(0)),
+                    token = IF({may_take}, VALUES(token), token),
+                    owner = IF({may_take}, VALUES(owner), owner),
+                    acquired_at = IF({may_take}, VALUES(acquired_at), acquired_at),
+                    next_since = IF({may_take}, 0, next_since),
+                    next_seen = IF({may_take}, 0, next_seen),
+                    next_token = IF({may_take}, '', next_token),
+                    expires_at = IF({may_take}, VALUES(expires_at), expires_at)
             """
 
         if vendor == "sqlite":
@@ -242,115 +344,249 @@ class _Dialect:
 class DatabaseBackend(BaseLockBackend):
     """Locks in a table of a Django database (``OPTIONS["DATABASE"]``, default ``"default"``)."""
 
+    option_names = BaseLockBackend.option_names | frozenset(
+        {"DATABASE", "SQLITE_WAL", "OPERATION_TIMEOUT", "HEALTH_CHECK_AFTER",
+         "STALE_RETENTION", "PREPARED_STATEMENTS"})
+
     #: Waiters poll: the longest-waiting one must come back soon enough to claim the
     #: place next in line (see "Fairness" above) before a newer one does.
     max_backoff = WAITER_MAX_BACKOFF
 
     def __init__(self, alias, params):
         super().__init__(alias, params)
+        problems = _option_problems(alias, self.options)
+        if problems:
+            raise ImproperlyConfigured(" ".join(problems))
         # token -> _Waiter, for the refused callers of this process that will retry.
         self._waiting = {}
         self.database = self.options.get("DATABASE", "default")
         self.sqlite_wal = bool(self.options.get("SQLITE_WAL", True))
+        self.operation_timeout = float(
+            self.options.get("OPERATION_TIMEOUT", DEFAULT_OPERATION_TIMEOUT))
+        health_check_after = self.options.get("HEALTH_CHECK_AFTER", DEFAULT_HEALTH_CHECK_AFTER)
+        self.health_check_after = None if health_check_after is None else float(health_check_after)
+        self.stale_retention = float(self.options.get("STALE_RETENTION", DEFAULT_STALE_RETENTION))
+        # Prepared statements (PostgreSQL): decided when the first connection is made.
+        self._prepared = False
+        self._next_purge = 0.0  # monotonic time of the next purge of old stale rows
         self._local = threading.local()
         self._dialect = None
         # Every wrapper we opened, to close them all from close() (any thread).
         self._wrappers = weakref.WeakSet()
         self._wrappers_lock = threading.Lock()
-        os.register_at_fork(after_in_child=self._forget_connections)
+        _BACKENDS.add(self)
 
     @classmethod
     def check_params(cls, alias, params):
         from django.conf import settings
 
-        database = (params.get("OPTIONS") or {}).get("DATABASE", "default")
+        options = params.get("OPTIONS") or {}
+        errors = [checks.Error(problem, id="django_setnx.E022")
+                  for problem in _option_problems(alias, options)]
+        database = options.get("DATABASE", "default")
         if database not in getattr(settings, "DATABASES", {}):
-            return [checks.Error(
+            return errors + [checks.Error(
                 f"SETNX_LOCKS[{alias!r}]['OPTIONS']['DATABASE'] is {database!r}, which is not "
                 f"in DATABASES (configured: {', '.join(map(repr, settings.DATABASES)) or 'none'}).",
                 id="django_setnx.E020",
             )]
         engine = settings.DATABASES[database].get("ENGINE", "")
         if not any(v in engine for v in ("postgresql", "postgis", "mysql", "sqlite")):
-            return [checks.Error(
+            errors.append(checks.Error(
                 f"SETNX_LOCKS[{alias!r}] uses database {database!r} with ENGINE {engine!r}; "
                 f"the database backend supports PostgreSQL, MySQL/MariaDB and SQLite.",
                 id="django_setnx.E021",
-            )]
-        return []
+            ))
+        return errors
 
     # -- connections --------------------------------------------------------------
 
     def _forget_connections(self):
-        # A forked child must not talk over its parent's sockets; it reconnects.
+        """In a forked child (see ``_forget_connections_after_fork``): never use the
+        parent's connections again, and never close them either."""
+        with contextlib.suppress(Exception):
+            for wrapper in list(self._wrappers):
+                raw, wrapper.connection = wrapper.connection, None
+                if raw is not None:
+                    _abandon_inherited(raw)
         self._local = threading.local()
         self._wrappers = weakref.WeakSet()
+        # Another thread of the parent may have held it at the fork: it stays held.
+        self._wrappers_lock = threading.Lock()
+        # The waiting threads were the parent's.
+        self._waiting = {}
 
-    def _wrapper(self):
-        wrapper = getattr(self._local, "wrapper", None)
-        if wrapper is None:
-            from django.db import connections
-            from django.utils.connection import ConnectionDoesNotExist
+    def _new_wrapper(self):
+        from django.db import connections
+        from django.utils.connection import ConnectionDoesNotExist
 
-            try:
-                base = connections[self.database]
-            except ConnectionDoesNotExist as exc:
-                raise LockBackendError(self.alias, f"database {self.database!r} is not configured") from exc
-            # A private copy of the caller's connection: same settings (including a
-            # test database's name), but its own socket and transaction state.
-            settings_dict = copy.deepcopy(base.settings_dict)
-            if base.vendor == "mysql":
-                # Several statements per query, for the one-round-trip acquire.
-                from MySQLdb.constants import CLIENT  # what Django's MySQL backend uses
-
-                options = settings_dict.setdefault("OPTIONS", {})
-                options["client_flag"] = (options.get("client_flag", CLIENT.FOUND_ROWS)
-                                          | CLIENT.MULTI_STATEMENTS)
-            wrapper = base.__class__(settings_dict, alias=self.database)
-            self._local.wrapper = wrapper
-            with self._wrappers_lock:
-                self._wrappers.add(wrapper)
+        try:
+            base = connections[self.database]
+        except ConnectionDoesNotExist as exc:
+            raise LockBackendError(self.alias, f"database {self.database!r} is not configured") from exc
+        # A private copy of the caller's connection: same settings (including a
+        # test database's name), but its own socket and transaction state, and
+        # nothing that would make it not ours: see "Connections" above.
+        settings_dict = copy.deepcopy(base.settings_dict)
+        settings_dict.update(AUTOCOMMIT=True, ATOMIC_REQUESTS=False, CONN_MAX_AGE=0,
+                             CONN_HEALTH_CHECKS=False)
+        options = settings_dict["OPTIONS"] = dict(settings_dict.get("OPTIONS") or {})
+        options.pop("pool", None)
+        options.update(_timeout_options(base, self.operation_timeout))
+        wrapper = base.__class__(settings_dict, alias=self.database)
+        self._local.wrapper = wrapper
+        self._local.used_at = time.monotonic()
+        with self._wrappers_lock:
+            self._wrappers.add(wrapper)
         return wrapper
 
-    def _raw_connection(self):
-        wrapper = self._wrapper()
+    def _connection(self):
+        """This thread's ``(wrapper, raw connection)``, connected. A connection that
+        sat idle for ``health_check_after`` seconds is checked first (one round
+        trip) and replaced if the server dropped it; a busy one is used as it is."""
+        wrapper = getattr(self._local, "wrapper", None)
+        if wrapper is None:
+            wrapper = self._new_wrapper()
+        now = time.monotonic()
+        if (wrapper.connection is not None and self.health_check_after is not None
+                and now - self._local.used_at >= self.health_check_after
+                and not _usable(wrapper)):
+            self._drop(wrapper)
+        self._local.used_at = now
         if wrapper.connection is None:
-            try:
-                wrapper.ensure_connection()
-            except Exception as exc:  # the driver's errors, wrapped by Django
-                self._drop(wrapper)
-                raise LockBackendError(self.alias, f"cannot connect to database {self.database!r}: {exc}") from exc
+            self._connect(wrapper)
+        return wrapper, wrapper.connection
+
+    def _connect(self, wrapper):
+        try:
+            wrapper.ensure_connection()
             if self._dialect is None:
                 self._dialect = _Dialect(
                     wrapper.vendor, wrapper.ops.quote_name, getattr(wrapper, "mysql_is_mariadb", False)
                 )
-            if wrapper.vendor == "sqlite" and self.sqlite_wal:
-                self._run("enable WAL", lambda cursor, sql, raw: cursor.execute("PRAGMA journal_mode=WAL"))
-        return wrapper, wrapper.connection
-
-    def _drop(self, wrapper):
-        try:
-            wrapper.close()
-        except Exception:
-            pass
-        wrapper.connection = None
-
-    def _run(self, action, work):
-        """Run ``work(cursor, dialect, raw_connection)`` and translate driver errors.
-
-        A connection that raised anything but an integrity error is dropped, so the
-        next call reconnects instead of reusing a broken socket.
-        """
-        wrapper, raw = self._raw_connection()
-        try:
-            cursor = raw.cursor()
+                self._prepared = _uses_prepared_statements(wrapper, self.options)
+            if wrapper.vendor == "postgresql":
+                _bound_waits(wrapper.connection, self.operation_timeout)
+            cursor = wrapper.connection.cursor()
             try:
-                return work(cursor, self._dialect, raw)
+                if wrapper.vendor == "mysql":
+                    # Row locks (InnoDB) and table locks (metadata, e.g. a migration
+                    # altering the table) are waited for OPERATION_TIMEOUT at most.
+                    wait = _whole_seconds(self.operation_timeout)
+                    cursor.execute("SET SESSION innodb_lock_wait_timeout = %s, "
+                                   "lock_wait_timeout = %s", (wait, wait))
+                elif wrapper.vendor == "sqlite" and self.sqlite_wal:
+                    cursor.execute("PRAGMA journal_mode=WAL")
             finally:
                 cursor.close()
-        except wrapper.Database.Error as exc:
+        except Exception as exc:  # the driver's errors, wrapped by Django or not
             self._drop(wrapper)
-            raise LockBackendError(self.alias, f"{action} failed on database {self.database!r}: {exc}") from exc
+            raise LockBackendError(self.alias, f"cannot connect to database {self.database!r}: {exc}") from exc
+
+    def _drop(self, wrapper):
+        """Close the wrapper's connection (from any thread); the next use reconnects."""
+        raw, wrapper.connection = wrapper.connection, None
+        if raw is not None:
+            with contextlib.suppress(Exception):  # it is being discarded because it failed
+                raw.close()
+
+    def _run(self, action, work, *, retry=True):
+        """Run ``work(cursor, dialect, raw_connection)`` on this thread's connection
+        and return its result; driver errors become LockBackendError.
+
+        Deadlocks and lock-wait timeouts (the server rolled the statement back) are
+        retried, at most CONTENTION_RETRIES times and never past OPERATION_TIMEOUT:
+        under contention they are an outcome, not an outage.
+
+        A connection that turns out to be gone is replaced. The operation is then run
+        once more only if that is safe, because the first attempt may or may not have
+        reached the server: ``retry`` is True when ``work`` is idempotent, False when
+        it must not be repeated (the error is raised), or another function to run
+        instead on the new connection (one that knows it is a retry). Any other
+        error drops the connection and is raised.
+        """
+        started = time.monotonic()
+        contention_retries = 0
+        reconnected = False
+        while True:
+            wrapper, raw = self._connection()
+            try:
+                cursor = self._cursor(raw)
+                try:
+                    return work(cursor, self._dialect, raw)
+                finally:
+                    cursor.close()
+            except wrapper.Database.Error as exc:
+                failure = _classify(wrapper, raw, exc)
+                if failure is _DISCONNECTED and (
+                        _timed_out(wrapper, raw, exc)
+                        or time.monotonic() - started >= self.operation_timeout):
+                    # No answer in time: whether the statement ran is unknown, and a
+                    # retry would double the wait. The caller hears of it now.
+                    failure = None
+                if failure is _CONTENTION:
+                    if (contention_retries < CONTENTION_RETRIES
+                            and time.monotonic() - started < self.operation_timeout):
+                        ceiling = min(CONTENTION_MAX_BACKOFF,
+                                      CONTENTION_BACKOFF * 2 ** contention_retries)
+                        time.sleep(random.uniform(0, ceiling))
+                        contention_retries += 1
+                        continue
+                    raise LockBackendError(self.alias, self._contention_message(
+                        action, wrapper, exc, contention_retries, time.monotonic() - started)
+                    ) from exc
+                self._drop(wrapper)
+                if failure is _DISCONNECTED and retry is not False and not reconnected:
+                    reconnected = True
+                    if retry is not True:
+                        work = retry
+                    continue
+                raise LockBackendError(self.alias, f"{action} failed on database {self.database!r}: {exc}") from exc
+
+    def writes_wait_for_transaction(self, using):
+        """True on SQLite when ``using`` is this backend's own database: SQLite has one
+        writer, and the caller's open transaction may be it."""
+        from django.db import connections
+
+        return using == self.database and connections[using].vendor == "sqlite"
+
+    def _cursor(self, raw):
+        """A cursor on our raw connection: with server-side binding on PostgreSQL when
+        prepared statements are on (see ``_execute``), else the connection's own."""
+        if self._prepared:
+            import psycopg
+
+            return psycopg.Cursor(raw)
+        return raw.cursor()
+
+    def _execute(self, cursor, statement, params):
+        """Run one of the hot statements (acquire, release, extend, ...): prepared once
+        per connection on PostgreSQL when ``PREPARED_STATEMENTS`` is on, so the server
+        parses and plans it once instead of on every call."""
+        if self._prepared:
+            cursor.execute(statement, params, prepare=True)
+        else:
+            cursor.execute(statement, params)
+
+    def _contention_message(self, action, wrapper, exc, retries, elapsed):
+        what = (f"{action} failed on database {self.database!r}: {exc} (gave up after "
+                f"{retries} retries in {elapsed:.1f} s; OPERATION_TIMEOUT is "
+                f"{self.operation_timeout:g} s)")
+        if wrapper.vendor != "sqlite":
+            return what
+        from django.db import connections
+
+        own = connections[self.database]
+        if own.in_atomic_block or getattr(own.connection, "in_transaction", False):
+            return (
+                f"{what}. SQLite has a single writer, and this thread's own connection to "
+                f"{self.database!r} is inside a transaction: once that transaction has "
+                f"written, nobody else (this lock included) can write until it commits. "
+                f"Take the lock before the transaction writes, or release it after the "
+                f"commit (transaction.on_commit); @locked releases after the commit."
+            )
+        return (f"{what}. Another connection kept SQLite's single write lock for longer "
+                f"than that.")
 
     def close(self):
         with self._wrappers_lock:
@@ -365,31 +601,56 @@ class DatabaseBackend(BaseLockBackend):
 
         A refused caller that will retry (``wait`` > 0 or None) also asks for the
         place next in line (see "Fairness" in the module docstring).
+
+        Idempotent for the caller's ``token``: an attempt that finds the (unexpired)
+        row already carrying it — an earlier attempt of this acquire wrote it but its
+        answer was lost with the connection — returns ``won`` with the fencing token
+        that attempt was given. That is what makes retrying an acquire safe.
         """
+        ttl_ms = self.check_ttl(ttl)
         owner_json = json.dumps(owner, sort_keys=True)
-        ttl_ms = ttl_to_ms(ttl)
 
         def work(cursor, sql, raw):
-            if sql.vendor == "postgresql":
-                cursor.execute(sql.acquire, (name, token, owner_json, ttl_ms, name))
-                row = cursor.fetchone()
-                if row is not None and row[0] is not None:
-                    result = AcquireResult.won(row[0])
-                else:
-                    result = AcquireResult.lost(retry_after=_remaining(row and row[1]))
-            elif sql.vendor == "mysql":
-                result = self._acquire_mysql(cursor, sql, name, token, owner_json, ttl_ms)
+            if sql.vendor == "mysql":
+                cursor.execute(sql.acquire, (name, token, owner_json, ttl_ms))
+                fencing = cursor.lastrowid  # see the statement
             else:
-                result = self._acquire_in_transaction(cursor, sql, raw, name, token, owner_json,
-                                                      ttl_ms)
+                params = (name, token, owner_json, ttl_ms)
+                if sql.vendor == "sqlite":
+                    params += (_sqlite_now_us(),)
+                self._execute(cursor, sql.acquire, params)
+                row = cursor.fetchone()
+                fencing = row and row[0]
+            if fencing:
+                result = AcquireResult.won(fencing)
+            else:
+                # Refused (the rare path): who holds it, and for how long.
+                self._execute(cursor, sql.holder, (name,))
+                result = _holder_result(token, cursor.fetchone())
             if result.acquired:
                 # Taking the row cleared the place next in line if it was ours.
                 self._waiting.pop(token, None)
             elif wait != 0:
                 self._queue(cursor, sql, name, token)
+            self._purge_if_due(cursor, sql)
             return result
 
         return self._run("acquire", work)
+
+    def _purge_if_due(self, cursor, sql):
+        """Delete the rows that expired ``STALE_RETENTION`` ago without a release, at
+        most once per PURGE_EVERY seconds per backend: the database's state stays
+        bounded (held locks, and stale ones until they are that old) without a cron
+        job. One extra statement, rarely; a failure is only logged (the next purge
+        catches up)."""
+        now = time.monotonic()
+        if now < self._next_purge:
+            return
+        self._next_purge = now + min(PURGE_EVERY, self.stale_retention)
+        try:
+            cursor.execute(sql.purge_stale, (int(self.stale_retention * 1000),))
+        except Exception:  # noqa: BLE001 - housekeeping never fails an acquire
+            logger.warning("Could not purge stale locks of %r", self.alias, exc_info=True)
 
     def _queue(self, cursor, sql, name, token):
         """Ask for (or renew) the place next in line; remember whether we have it."""
@@ -430,75 +691,42 @@ class DatabaseBackend(BaseLockBackend):
         waiter.polls += 1
         return max(delay if max_wait is None else min(delay, max_wait), 0)
 
-    def _acquire_mysql(self, cursor, sql, name, token, owner_json, ttl_ms):
-        """MySQL/MariaDB: the multi-statement acquire; reads each statement's result
-        in turn (an error in one is raised here, and _run drops the connection,
-        which rolls the open transaction back)."""
-        row = None
-        try:
-            cursor.execute(sql.acquire, (name, token, owner_json, ttl_ms, name, token, name))
-            while True:  # every statement's result must be read, in order
-                if cursor.description is not None:
-                    row = cursor.fetchone()
-                if not cursor.nextset():
-                    break
-        except BaseException:
-            # Interrupted halfway (an error, a KeyboardInterrupt): unread results and
-            # the open transaction must not reach the next call on this connection.
-            self._drop(self._wrapper())
-            raise
-        holder_token, remaining_ms, fencing = row
-        if holder_token == token:
-            return AcquireResult.won(fencing)
-        return AcquireResult.lost(retry_after=_remaining(remaining_ms))
-
-    def _acquire_in_transaction(self, cursor, sql, raw, name, token, owner_json, ttl_ms):
-        """SQLite: the upsert and the fence bump in one write transaction."""
-        cursor.execute(sql.begin())
-        try:
-            cursor.execute(sql.take, (name, token, owner_json, ttl_ms))
-            row = cursor.fetchone()
-            if row is None or row[0] != token:
-                # A refused upsert returns no row; ask how long the holder has left.
-                cursor.execute(sql.remaining, (name,))
-                row = cursor.fetchone()
-                cursor.execute("ROLLBACK")
-                return AcquireResult.lost(retry_after=_remaining(row and row[0]))
-            cursor.execute(sql.bump_fence, (name,))
-            fencing = cursor.fetchone()[0]
-            cursor.execute("COMMIT")
-            return AcquireResult.won(fencing)
-        except BaseException:
-            try:
-                cursor.execute("ROLLBACK")
-            except Exception:
-                pass
-            raise
-
     # -- token-checked single statements -------------------------------------------
 
     def release(self, name, token):
         """Returns True if the row carried ``token`` and was deleted (or, with a
         waiter next in line, left to that waiter)."""
-        def work(cursor, sql, raw):
-            cursor.execute(sql.release, (name, token))
+        def work(cursor, sql, raw, retried=False):
+            self._execute(cursor, sql.release, (name, token))
             if cursor.rowcount == 1:
                 return True
-            cursor.execute(sql.release_to_next, (name, token))
-            return cursor.rowcount == 1
+            self._execute(cursor, sql.release_to_next, (name, token))
+            if cursor.rowcount == 1:
+                return True
+            # Nothing of ours is left. On a retry that is no proof the lock was lost:
+            # the first attempt may have deleted the row and lost only its answer
+            # with the connection. Reporting "lost" then would tell a caller whose
+            # release worked that its lock was taken over; and either way the lock is
+            # no longer ours, which is all a release promises.
+            return retried
 
-        return self._run("release", work)
+        return self._run("release", work, retry=functools.partial(work, retried=True))
 
     def extend(self, name, token, ttl):
+        """Returns True if the row still carried ``token`` (its expiry is now the
+        database's now + ``ttl``). Retried after a lost connection: running it twice
+        sets the same kind of expiry, and a lost lock is refused both times."""
+        ttl_ms = self.check_ttl(ttl)
+
         def work(cursor, sql, raw):
-            cursor.execute(sql.extend, (ttl_to_ms(ttl), name, token))
+            self._execute(cursor, sql.extend, (ttl_ms, name, token))
             return cursor.rowcount == 1
 
         return self._run("extend", work)
 
     def owns(self, name, token):
         def work(cursor, sql, raw):
-            cursor.execute(sql.owns, (name, token))
+            self._execute(cursor, sql.owns, (name, token))
             return cursor.fetchone() is not None
 
         return self._run("owns", work)
@@ -506,33 +734,39 @@ class DatabaseBackend(BaseLockBackend):
     # -- reading ------------------------------------------------------------------
 
     def _info(self, row):
-        name, owner, acquired, expires, fencing, now = row[:6]
-        try:
-            owner = json.loads(owner) if owner else {}
-        except ValueError:
-            owner = {"raw": owner}
-        return LockInfo(
-            name=name, backend=self.alias, fencing_token=int(fencing), owner=owner,
-            acquired_at_ms=int(acquired), expires_at_ms=int(expires), now_ms=int(now),
-        )
+        return row_info(self.alias, row)
 
     def get(self, name):
         def work(cursor, sql, raw):
-            cursor.execute(sql.get, (name,))
+            self._execute(cursor, sql.get, (name,))
             row = cursor.fetchone()
             return None if row is None else self._info(row)
 
         return self._run("get", work)
 
-    def _scan(self, *, state=None, after_id=0):
-        """Yield raw rows in id order, BATCH_SIZE per query (keyset pagination)."""
+    def _scan(self, *, state=None, glob=None, after=""):
+        """Yield raw rows in name order, BATCH_SIZE per query (keyset pagination).
+
+        ``glob`` (a compiled Glob) narrows the query to names that start with its
+        literal prefix (or to its one name), tested with SUBSTR and ``=``: exact on
+        every database, where LIKE would be case-insensitive on MySQL and SQLite and
+        would read ``%`` and ``_`` in names as wildcards. The caller still matches
+        each name against the glob."""
         while True:
-            def work(cursor, sql, raw, after_id=after_id):
-                where = f"l.id > {sql.placeholder} AND l.token <> ''"
+            def work(cursor, sql, raw, after=after):
+                where = f"l.name > {sql.placeholder} AND l.token <> ''"
+                params = [after]
                 if state is not None:
-                    where += f" AND l.expires_at {'<=' if state == STALE else '>'} {sql.now}"
+                    where += f" AND {'' if state == STALE else 'NOT '}{sql.stale.format(t='l')}"
+                if glob is not None and glob.is_literal:
+                    where += f" AND l.name = {sql.placeholder}"
+                    params.append(glob.literal_prefix)
+                elif glob is not None and glob.literal_prefix:
+                    prefix = glob.literal_prefix
+                    where += f" AND SUBSTR(l.name, 1, {len(prefix)}) = {sql.placeholder}"
+                    params.append(prefix)
                 cursor.execute(
-                    f"{sql.info_select} WHERE {where} ORDER BY l.id LIMIT {BATCH_SIZE}", (after_id,)
+                    f"{sql.info_select} WHERE {where} ORDER BY l.name LIMIT {BATCH_SIZE}", params
                 )
                 return cursor.fetchall()
 
@@ -540,13 +774,14 @@ class DatabaseBackend(BaseLockBackend):
             yield from rows
             if len(rows) < BATCH_SIZE:
                 return
-            after_id = rows[-1][6]
+            after = rows[-1][0]
 
     def list(self, *, state=None, name_glob=None):
         if state is not None and state not in STATES:
             raise ValueError(f"state must be one of {STATES}, got {state!r}.")
-        infos = (self._info(row) for row in self._scan(state=state))
-        return self.filter_infos(infos, name_glob=name_glob)
+        glob = compile_glob(name_glob) if name_glob else None
+        infos = (self._info(row) for row in self._scan(state=state, glob=glob))
+        return self.filter_infos(infos, state=state, name_glob=glob and glob.pattern)
 
     # -- removing -----------------------------------------------------------------
 
@@ -561,7 +796,9 @@ class DatabaseBackend(BaseLockBackend):
             return self._info(row), cursor.rowcount == 1
 
         for _ in range(5):
-            info, done = self._run("delete", work)
+            # Not retried after a lost connection: a repeat that finds no row could
+            # not tell whether the first attempt removed it or nobody held the lock.
+            info, done = self._run("delete", work, retry=False)
             if done:
                 return info
         raise LockBackendError(self.alias, f"could not delete lock {name!r}: it keeps changing hands")
@@ -569,11 +806,11 @@ class DatabaseBackend(BaseLockBackend):
     def clear(self, *, include_held=False, name_glob=None, older_than=None, dry_run=False,
               progress=None):
         result = ClearResult(self.alias)
-        matches = glob_matcher(name_glob) if name_glob else None
-        batch = {}  # row id -> name
+        glob = compile_glob(name_glob) if name_glob else None
+        batch = []  # names
 
         def flush():
-            removed = list(batch.values()) if dry_run else self._delete_batch(
+            removed = list(batch) if dry_run else self._delete_batch(
                 list(batch), include_held, older_than)
             batch.clear()
             if removed:
@@ -583,28 +820,29 @@ class DatabaseBackend(BaseLockBackend):
 
         if not dry_run:
             self._run("clear", lambda cursor, sql, raw: cursor.execute(sql.purge_placeholders))
-        for row in self._scan(state=None if include_held else STALE):
+        for row in self._scan(state=None if include_held else STALE, glob=glob):
             info = self._info(row)
-            if matches is not None and not matches(info.name):
+            if glob is not None and not glob.match(info.name):
                 continue
             if older_than is not None and info.now_ms - info.acquired_at_ms < older_than * 1000:
                 continue
-            batch[row[6]] = info.name
+            batch.append(info.name)
             if len(batch) >= BATCH_SIZE:
                 flush()
         if batch:
             flush()
         return result
 
-    def _delete_batch(self, ids, include_held, older_than):
+    def _delete_batch(self, names, include_held, older_than):
         """Delete the given rows, re-checking in the DELETE itself that each is still
         stale (and old enough), so a lock re-acquired meanwhile is never removed.
-        Returns the names actually deleted."""
+        Returns the names actually deleted. Not retried after a lost connection:
+        a repeat could not tell which rows the first attempt removed."""
         def work(cursor, sql, raw):
-            where = f"id IN ({sql.placeholders(len(ids))}) AND token <> ''"
-            params = list(ids)
+            where = f"name IN ({sql.placeholders(len(names))}) AND token <> ''"
+            params = list(names)
             if not include_held:
-                where += f" AND expires_at <= {sql.now}"
+                where += f" AND {sql.stale.format(t=sql.lock_table)}"
             if older_than is not None:
                 where += f" AND acquired_at <= {sql.now} - {sql.placeholder}"
                 params.append(int(older_than * 1000))
@@ -614,15 +852,15 @@ class DatabaseBackend(BaseLockBackend):
             cursor.execute(sql.begin())
             try:
                 cursor.execute(f"SELECT name FROM {sql.lock_table} WHERE {where} FOR UPDATE", params)
-                names = [r[0] for r in cursor.fetchall()]
+                deleted = [r[0] for r in cursor.fetchall()]
                 cursor.execute(f"DELETE FROM {sql.lock_table} WHERE {where}", params)
                 cursor.execute("COMMIT")
             except BaseException:
                 cursor.execute("ROLLBACK")
                 raise
-            return names
+            return deleted
 
-        return self._run("clear", work)
+        return self._run("clear", work, retry=False)
 
 
 class _Waiter:
@@ -641,3 +879,319 @@ class _Waiter:
 
 def _remaining(ms):
     return None if ms is None else max(int(ms), 0) / 1000
+
+
+def row_info(alias, row):
+    """The LockInfo of a lock row ``(name, owner, acquired_at, expires_at, fencing,
+    now_ms, ...)`` of backend ``alias``; ``LockInfo.unreadable`` for a row this
+    backend never wrote (times outside MAX_PLAUSIBLE_MS or not numbers): listings
+    never fail on it, and it is stale, so clearlocks removes it. An owner that is
+    not a JSON object is kept as text under ``"unreadable"``."""
+    name, owner, acquired, expires, fencing, now = row[:6]
+    try:
+        acquired_ms, expires_ms = _plausible_ms(acquired), _plausible_ms(expires)
+        fencing = int(fencing)
+    except (TypeError, ValueError, OverflowError):
+        return LockInfo.unreadable(name, alias, now, raw={
+            "owner": owner, "acquired_at": acquired, "expires_at": expires})
+    return LockInfo(
+        name=name, backend=alias, fencing_token=fencing, owner=_owner(owner),
+        acquired_at_ms=acquired_ms, expires_at_ms=expires_ms, now_ms=int(now),
+    )
+
+
+def _holder_result(token, holder):
+    """The result of an attempt that did not take the row, from its holder
+    ``(remaining_ms, token, fencing)`` (None: no row seen). ``won`` with the
+    recorded fencing token if the unexpired row already carries ``token`` (an
+    earlier attempt of this acquire took it), else ``lost``."""
+    if holder is None:
+        return AcquireResult.lost()
+    remaining_ms, holder_token, fencing = holder
+    if holder_token == token and remaining_ms and fencing is not None:
+        return AcquireResult.won(fencing)
+    return AcquireResult.lost(retry_after=_remaining(remaining_ms))
+
+
+def _plausible_ms(value):
+    """``value`` as int milliseconds, if it is a time this backend could have
+    written; else TypeError/ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"not a number of milliseconds: {value!r}")
+    if not 0 <= value <= MAX_PLAUSIBLE_MS:
+        raise ValueError(f"not a plausible time in milliseconds: {value!r}")
+    return int(value)
+
+
+def _owner(owner_json):
+    """The owner dict of a row. A value that is not a JSON object (written by hand or
+    corrupted) is kept, as text, under ``"unreadable"``."""
+    try:
+        owner = json.loads(owner_json) if owner_json else {}
+    except (TypeError, ValueError, RecursionError):  # RecursionError: absurdly nested
+        owner = None
+    return owner if isinstance(owner, dict) else {"unreadable": repr(owner_json)[:500]}
+
+
+# -- options --------------------------------------------------------------------------
+
+
+def _option_problems(alias, options):
+    """Messages for invalid ``OPERATION_TIMEOUT`` / ``HEALTH_CHECK_AFTER`` values."""
+    problems = []
+    where = f"SETNX_LOCKS[{alias!r}]['OPTIONS']"
+    timeout = options.get("OPERATION_TIMEOUT", DEFAULT_OPERATION_TIMEOUT)
+    if not _is_seconds(timeout) or timeout <= 0:
+        problems.append(f"{where}['OPERATION_TIMEOUT'] must be a positive number of seconds, "
+                        f"got {timeout!r}.")
+    idle = options.get("HEALTH_CHECK_AFTER", DEFAULT_HEALTH_CHECK_AFTER)
+    if idle is not None and (not _is_seconds(idle) or idle < 0):
+        problems.append(f"{where}['HEALTH_CHECK_AFTER'] must be None (never check) or a number "
+                        f"of seconds >= 0, got {idle!r}.")
+    retention = options.get("STALE_RETENTION", DEFAULT_STALE_RETENTION)
+    if not _is_seconds(retention) or retention <= 0:
+        problems.append(f"{where}['STALE_RETENTION'] must be a positive number of seconds, "
+                        f"got {retention!r}.")
+    return problems
+
+
+def _uses_prepared_statements(wrapper, options):
+    """Whether the lock connection prepares its statements (PostgreSQL with psycopg 3).
+
+    ``OPTIONS["PREPARED_STATEMENTS"]`` decides when set. By default we follow what the
+    project told Django for that database: prepared statements are off unless its
+    ``DATABASES[...]["OPTIONS"]`` turns on ``server_side_binding`` or sets a
+    ``prepare_threshold``, as Django does, because a connection pooler in transaction
+    mode that does not track them (PgBouncer before 1.21) would run one client's
+    statement under another client's name.
+    """
+    if wrapper.vendor != "postgresql":
+        return False
+    from django.db.backends.postgresql.psycopg_any import is_psycopg3
+
+    if not is_psycopg3:
+        return False
+    choice = options.get("PREPARED_STATEMENTS")
+    if choice is not None:
+        return bool(choice)
+    django_options = wrapper.settings_dict.get("OPTIONS") or {}
+    return (django_options.get("server_side_binding") is True
+            or django_options.get("prepare_threshold") is not None)
+
+
+def _sqlite_now_us():
+    """The µs clock of an SQLite fencing token: this machine's. SQLite's own clock has
+    millisecond resolution, and a database file is only ever written by processes of
+    one machine, which share this clock (the statement also takes SQLite's clock in
+    ms, whichever is later)."""
+    return time.time_ns() // 1000
+
+
+def _is_seconds(value):
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _whole_seconds(timeout):
+    # Drivers and servers that take whole seconds: round up, never to 0 ("no limit").
+    return max(1, math.ceil(timeout))
+
+
+def _timeout_options(base, timeout):
+    """Connection options that bound each wait of the lock connection by about
+    ``timeout`` seconds (``OPERATION_TIMEOUT``); they replace the project's own.
+
+    - PostgreSQL: ``connect_timeout``; on an established connection,
+      ``tcp_user_timeout`` (libpq >= 12) and TCP keepalives, so a dead network or
+      host breaks the connection instead of leaving a statement waiting forever.
+      These are client-side settings on purpose: server settings in the startup
+      packet (``options='-c lock_timeout=...'``) are refused by PgBouncer, and a
+      session ``SET`` would leak into other clients' server connections under
+      transaction pooling. For a server-side bound, add ``-c lock_timeout=...`` to
+      ``DATABASES[...]['OPTIONS']['options']`` yourself: its 55P03 errors are retried.
+    - MySQL/MariaDB: connect, read and write timeouts (the read timeout is twice the
+      server's lock waits, set by ``_connect``, so that their error arrives first).
+    - SQLite: the busy timeout (how long to wait for the single write lock).
+    """
+    whole = _whole_seconds(timeout)
+    if base.vendor == "postgresql":
+        options = {
+            "connect_timeout": max(2, whole),  # libpq reads 1 as 2
+            "keepalives": 1,
+            "keepalives_idle": whole,
+            "keepalives_interval": max(1, math.ceil(whole / 3)),
+            "keepalives_count": 3,
+        }
+        if _libpq_version(base.Database) >= 120000:
+            options["tcp_user_timeout"] = max(1, int(timeout * 1000))
+        return options
+    if base.vendor == "mysql":
+        # The server's lock waits end after ``whole`` seconds; its error needs a
+        # moment more to arrive, and nothing else should take longer.
+        return {"connect_timeout": whole, "read_timeout": whole + MYSQL_READ_MARGIN,
+                "write_timeout": whole + MYSQL_READ_MARGIN}
+    if base.vendor == "sqlite":
+        return {"timeout": timeout}
+    return {}
+
+
+def _bound_waits(raw, timeout):
+    """Make every wait for the server on the psycopg 3 connection ``raw`` give up
+    after ``timeout`` seconds (OPERATION_TIMEOUT). libpq has no read timeout, and
+    TCP settings do not help against a server that is up but does not answer (a
+    stopped process, a row lock held by a transaction that never ends): the kernel
+    still acknowledges everything. On expiry the statement is cancelled (so it does
+    not run later, when the server gets to it) and the connection closed; the
+    caller gets an OperationalError naming the timeout.
+
+    psycopg 2 (and psycopg 3 before 3.2) have no hook for this: there, only the
+    server-side ``lock_timeout``/``statement_timeout`` bound a wait."""
+    bounded = _bounded_connection_class(type(raw))
+    if bounded is None:
+        return
+    raw.__class__ = bounded
+    raw.setnx_timeout = timeout
+
+
+_BOUNDED_CLASSES = {}
+
+
+def _bounded_connection_class(cls):
+    """A subclass of the psycopg 3 connection class ``cls`` whose ``wait`` has a
+    default timeout, or None when ``cls`` has no ``wait(timeout=...)``."""
+    if cls in _BOUNDED_CLASSES:
+        return _BOUNDED_CLASSES[cls]
+    bounded = None
+    wait = getattr(cls, "wait", None)
+    if wait is not None and "timeout" in inspect.signature(wait).parameters:
+        import psycopg
+
+        def bounded_wait(self, gen, *args, **kwargs):
+            if len(args) < 2 and kwargs.get("timeout") is None:
+                kwargs["timeout"] = self.setnx_timeout
+            try:
+                return wait(self, gen, *args, **kwargs)
+            except psycopg.errors._WaitTimeout:
+                self.setnx_timed_out = True
+                with contextlib.suppress(Exception):
+                    # Asks the server (on a new connection) to stop the statement;
+                    # gives up after a second when the server does not answer.
+                    self.cancel_safe(timeout=1.0)
+                self.close()
+                raise psycopg.OperationalError(
+                    f"no answer from the server within {self.setnx_timeout:g} s "
+                    "(OPTIONS['OPERATION_TIMEOUT']); the statement was cancelled and "
+                    "the connection closed") from None
+
+        bounded = type(f"Bounded{cls.__name__}", (cls,),
+                       {"wait": bounded_wait, "__module__": __name__,
+                        "setnx_timeout": None, "setnx_timed_out": False})
+    _BOUNDED_CLASSES[cls] = bounded
+    return bounded
+
+
+def _timed_out(wrapper, raw, exc):
+    """Whether ``exc`` says the server did not answer within the operation timeout
+    (then retrying on a new connection would only double the wait)."""
+    if wrapper.vendor == "postgresql":
+        return getattr(raw, "setnx_timed_out", False)
+    if wrapper.vendor == "mysql":
+        return "timed out" in str(exc)  # PyMySQL/mysqlclient: a read or write timeout
+    return False
+
+
+def _libpq_version(database_module):
+    try:
+        return database_module.pq.version()  # psycopg 3
+    except AttributeError:
+        return database_module.extensions.libpq_version()  # psycopg2
+
+
+# -- errors and health -------------------------------------------------------------------
+
+
+def _classify(wrapper, raw, exc):
+    """``_CONTENTION`` (deadlock, lock-wait timeout, busy: the server rolled the
+    statement back), ``_DISCONNECTED`` (the connection is gone), or None."""
+    vendor = wrapper.vendor
+    if vendor == "postgresql":
+        state = getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None) or ""
+        if state in POSTGRESQL_CONTENTION:
+            return _CONTENTION
+        if state in POSTGRESQL_DISCONNECTED or state.startswith("08") or raw.closed:
+            return _DISCONNECTED
+    elif vendor == "mysql":
+        code = exc.args[0] if exc.args else None
+        if code in MYSQL_CONTENTION:
+            return _CONTENTION
+        if code in MYSQL_DISCONNECTED or isinstance(exc, wrapper.Database.InterfaceError):
+            return _DISCONNECTED
+    elif vendor == "sqlite":
+        code = getattr(exc, "sqlite_errorcode", None)  # Python >= 3.11
+        if (code & 0xFF in SQLITE_BUSY_CODES) if code is not None else "is locked" in str(exc):
+            return _CONTENTION
+    return None
+
+
+def _usable(wrapper):
+    """Whether the server still answers on this connection: one round trip.
+    (MySQL's ping is told not to reconnect: a new connection needs our session
+    settings, so we reconnect ourselves.) An SQLite file does not hang up."""
+    raw = wrapper.connection
+    try:
+        if wrapper.vendor == "mysql":
+            raw.ping(False)
+        elif wrapper.vendor == "postgresql":
+            cursor = raw.cursor()
+            try:
+                cursor.execute("SELECT 1")
+            finally:
+                cursor.close()
+    except wrapper.Database.Error:
+        return False
+    return True
+
+
+# -- forks -------------------------------------------------------------------------------
+
+#: Every DatabaseBackend of this process, for the one at-fork hook below (a weak set:
+#: a backend that is no longer used, e.g. after override_settings, is not kept alive).
+_BACKENDS = weakref.WeakSet()
+#: In a forked child, the connections inherited from the parent: kept referenced and
+#: never closed, so that no finalizer says goodbye to the server on their behalf.
+_INHERITED = []
+
+
+def _forget_connections_after_fork():
+    # A forked child must not talk over its parent's sockets; it reconnects.
+    for backend in list(_BACKENDS):
+        backend._forget_connections()
+
+
+os.register_at_fork(after_in_child=_forget_connections_after_fork)
+
+
+def _abandon_inherited(raw):
+    """In a forked child: keep ``raw`` (the parent's connection) referenced, and point
+    its socket's descriptor at /dev/null in this process only.
+
+    Closing it here would send the server a goodbye (PostgreSQL Terminate, MySQL
+    COM_QUIT) over the socket the parent still uses, ending the parent's session;
+    some drivers also do that from their finalizer (mysqlclient, psycopg2), e.g. at
+    this process' exit. With the descriptor on /dev/null, whatever they write goes
+    nowhere, and the parent's socket is untouched. An SQLite connection is only kept:
+    SQLite says never to use or close a connection across a fork.
+    """
+    _INHERITED.append(raw)
+    try:
+        sock = getattr(raw, "_sock", None)  # PyMySQL
+        fd = sock.fileno() if sock is not None else raw.fileno()  # psycopg, mysqlclient
+    except Exception:  # closed already, or no socket (SQLite)
+        return
+    if fd < 0:
+        return
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        os.dup2(devnull, fd, inheritable=False)
+    finally:
+        os.close(devnull)

@@ -9,8 +9,7 @@ Waiters are woken by a release through a condition variable.
 import threading
 import time
 
-from .base import AcquireResult, BaseLockBackend, ClearResult, LockInfo, STATES
-from ..validation import ttl_to_ms
+from .base import STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo
 
 # LOCATION -> _Store; module-level so that two aliases naming one LOCATION share it.
 _stores = {}
@@ -20,8 +19,15 @@ _stores_lock = threading.Lock()
 class _Store:
     def __init__(self):
         self.records = {}  # name -> dict(token, owner, acquired, expires, fencing)
-        self.fences = {}  # name -> last fencing token; survives release and clear
         self.condition = threading.Condition()
+        # The last fencing token minted: tokens are a hybrid clock (this process'
+        # clock in µs, or the last token plus one if larger), so nothing per name
+        # outlives its record and tokens still increase after a release.
+        self.last_fencing = 0
+
+    def mint(self):
+        self.last_fencing = max(self.last_fencing + 1, time.time_ns() // 1000)
+        return self.last_fencing
 
 
 def _now_ms():
@@ -49,19 +55,19 @@ class LocMemBackend(BaseLockBackend):
         )
 
     def acquire(self, name, token, ttl, owner, wait=0.0):
+        ttl_ms = self.check_ttl(ttl)
         store = self._store
         with store.condition:
             now = _now_ms()
             record = store.records.get(name)
             if record is not None and record["expires"] > now:
                 return AcquireResult.lost(retry_after=(record["expires"] - now) / 1000)
-            fencing = store.fences.get(name, 0) + 1
-            store.fences[name] = fencing
+            fencing = store.mint()
             store.records[name] = {
                 "token": token,
                 "owner": dict(owner),
                 "acquired": now,
-                "expires": now + ttl_to_ms(ttl),
+                "expires": now + ttl_ms,
                 "fencing": fencing,
             }
             return AcquireResult.won(fencing)
@@ -77,11 +83,12 @@ class LocMemBackend(BaseLockBackend):
             return True
 
     def extend(self, name, token, ttl):
+        ttl_ms = self.check_ttl(ttl)
         with self._store.condition:
             record = self._store.records.get(name)
             if record is None or record["token"] != token:
                 return False
-            record["expires"] = _now_ms() + ttl_to_ms(ttl)
+            record["expires"] = _now_ms() + ttl_ms
             return True
 
     def owns(self, name, token):

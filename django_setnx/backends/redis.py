@@ -14,6 +14,8 @@ Settings::
                 # django_setnx.backends.clients.sentinel / .cluster for Sentinel / Cluster
             "STALE_RETENTION": 86400,   # seconds an expired record stays visible as stale
             "WAKE_TTL": 1,              # seconds a handed-over lock's signal waits for its waiter
+            "FENCING_RETENTION": 60,    # seconds a released lock's fencing token is remembered
+            "ALLOW_EVICTION": False,    # True: accept a server whose maxmemory-policy may evict
         },
     }
 
@@ -26,8 +28,17 @@ Key layout, for a lock named ``N`` under prefix ``P``:
   ``STALE_RETENTION``: a holder that crashes leaves a record that is *stale* (expired
   but visible to the admin and ``listlocks``) until ``clearlocks`` or Redis removes it.
   Whether a lock is held is decided by the ``expires`` field, never by key existence.
-- ``P:{N}:fence`` -- an ``INCR`` counter with no expiry that release and clear never
-  touch, so fencing tokens strictly increase per name across releases and takeovers.
+  A record whose ``expires`` is not a whole number (written by hand, say) blocks
+  nobody: it is taken over like a stale one, listed as unreadable, and cleared.
+- ``P:{N}:fence`` -- the fencing token of the name's last record, kept for
+  ``FENCING_RETENTION`` after a release or a removal. Tokens are a hybrid clock: Redis'
+  clock in µs, or the last token plus one if that is larger (``_FENCING``), so they
+  strictly increase per name as long as Redis' clock does not step back by more than
+  ``FENCING_RETENTION`` while a name has no record (``P:{N}:fence`` covers that long;
+  a record covers its own lifetime). If the clock does step back further (a server
+  moved to a host whose clock is behind, an NTP step of minutes), tokens minted
+  during that step may repeat or go backwards once. Every key of a name has a Redis
+  TTL, so nothing per name outlives its last use by more than ``STALE_RETENTION``.
 - ``P:{N}:waiters`` -- a sorted set of the tokens of callers that were refused and
   will retry, scored by when each was first refused, and ``P:{N}:requests`` -- a
   hash from each such token to its deadline, ttl and owner. A release that finds
@@ -50,20 +61,55 @@ and ``}:lock``.
 Every acquire, release, extend, owns, get and delete is one round trip: a Lua script
 sent with ``EVALSHA`` (redis-py falls back to ``EVAL``-by-load on ``NOSCRIPT``), which
 reads the time with ``TIME`` inside Redis, so no two app servers' clocks are ever
-compared. ``list`` and ``clear`` walk the prefix with ``SCAN`` (never ``KEYS``), one
-pipeline per batch; on a Redis Cluster they scan every primary, node by node (each
-node's batch only holds keys of its own slots, so its pipeline stays on that node).
+compared. Every script checks its numeric arguments before its first write, so a
+call with a bad one (from any client) fails and writes nothing. ``list`` and
+``clear`` walk the prefix with ``SCAN`` (never ``KEYS``), one pipeline per batch; on
+a Redis Cluster they scan every primary, node by node (each node's batch only holds
+keys of its own slots, so its pipeline stays on that node). A name glob narrows the
+``SCAN MATCH`` to its literal prefix only; the glob itself is applied in Python
+(:mod:`django_setnx.globs`), so Redis' own glob dialect decides nothing.
+
+Eviction. A Redis with ``maxmemory`` set and any ``maxmemory-policy`` but
+``noeviction`` may evict lock keys (``volatile-*`` the lock records, which have a
+TTL; ``allkeys-*`` anything), and an evicted lock can be taken by a second holder
+while the first still runs. Every new connection therefore reads the policy right
+after its handshake (``CONFIG GET``, else ``INFO memory`` where ``CONFIG`` is
+disabled), and a server that may evict is refused with ``LockBackendError`` before
+any lock command is sent on that connection, unless ``OPTIONS["ALLOW_EVICTION"]``
+is True. It costs one round trip per new connection and nothing per operation; a
+policy changed on a live connection is seen when the next connection is made
+(after a reconnect or a Sentinel failover). With our own client (``LOCATION``) a
+refused connection is closed. A shared django-redis pool (``OPTIONS["CACHE"]``) is
+never broken for the cache: its new connections record what they read, and the lock
+operations refuse on it (a new connection made for one of our own operations
+refuses at once).
+
+Connections of our own client (``LOCATION``) default to a ``socket_timeout`` of
+``DEFAULT_SOCKET_TIMEOUT`` and a ``socket_connect_timeout`` of
+``DEFAULT_SOCKET_CONNECT_TIMEOUT`` seconds, and redis-py does not retry commands
+(see ``_no_retry``); ``CONNECTION_KWARGS`` overrides any of these.
 """
 
+import asyncio
+import contextlib
 import importlib
 import json
 import math
 import numbers
+import os
+import re
+import secrets
 import threading
+import time
+import weakref
+from dataclasses import replace
 
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
+from ..exceptions import LockBackendError
+from ..globs import compile_glob, redis_match
+from ..globs import escape as _escape_glob
 from ..validation import ttl_to_ms
 from .base import STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo
 
@@ -75,20 +121,118 @@ except ImportError:  # reported by check_params (E010) and on first use
 DEFAULT_KEY_PREFIX = "setnx"
 DEFAULT_STALE_RETENTION = 86400
 DEFAULT_WAKE_TTL = 1
+#: Default of ``OPTIONS["FENCING_RETENTION"]`` (seconds): how long the last fencing
+#: token of a released or removed lock is remembered (``P:{N}:fence``). Tokens keep
+#: increasing across a release if Redis' clock steps back by less than this.
+DEFAULT_FENCING_RETENTION = 60
 DEFAULT_CLIENT_CLASS = "redis.Redis.from_url"
-OPTION_NAMES = {"CACHE", "CONNECTION_KWARGS", "CLIENT_CLASS", "STALE_RETENTION", "WAKE_TTL"}
+#: The option that accepts a Redis which may evict lock keys (see eviction_refusal).
+ALLOW_EVICTION_OPTION = "ALLOW_EVICTION"
+OPTION_NAMES = {"CACHE", "CONNECTION_KWARGS", "CLIENT_CLASS", "STALE_RETENTION", "WAKE_TTL",
+                "FENCING_RETENTION", ALLOW_EVICTION_OPTION}
 
-#: Longest single BLPOP. redis-py >= 8 sets a 5 s socket timeout by default, and a
-#: BLPOP that blocks as long as the socket timeout is cut short by a TimeoutError.
+#: Seconds a command of our own client may take to answer (redis-py < 8 waits forever
+#: by default). Waits stay below it (see MAX_BLOCK).
+DEFAULT_SOCKET_TIMEOUT = 5.0
+#: Seconds to establish a connection: shorter, because a healthy server accepts in
+#: milliseconds, and a dead master (during a Sentinel failover) should be given up on
+#: quickly.
+DEFAULT_SOCKET_CONNECT_TIMEOUT = 2.0
+#: CONNECTION_KWARGS that choose redis-py's retry policy themselves.
+RETRY_KWARGS = frozenset({"retry", "retry_on_error", "retry_on_timeout"})
+
+#: Longest single BLPOP: below the default socket timeout, since a BLPOP that blocks
+#: as long as the socket timeout is cut short by a TimeoutError.
 MAX_BLOCK = 4.0
+#: Share of the socket timeout a BLPOP may block, when the timeout is shorter.
+BLOCK_SHARE = 0.8
 #: Shortest BLPOP timeout: Redis' timer resolution is about a millisecond.
 MIN_BLOCK = 0.005
 SCAN_COUNT = 1000
+#: Largest millisecond argument a script accepts (about 31.7 years). Lua prints
+#: numbers with 14 significant digits, so ``now + ttl`` must stay below 10**14 to be
+#: written as a whole number; 10**12 leaves room for centuries of clock.
+MAX_SCRIPT_MS = 10**12 - 1
 
-# Redis' clock in ms; every script starts with it. TIME's fields are strings.
+# Redis' clock, read once per script: ``now`` in ms (expiries) and ``us`` in µs
+# (fencing tokens). TIME's fields are strings; both numbers are exact in Lua's doubles.
 _NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+"""
+
+# Parsing shared by the scripts, each taking only the helpers it calls (defining one
+# costs a little on every call). A bad numeric argument raises a script error before
+# anything is written: a record written before a failing PEXPIRE (a ttl of 1e20, say)
+# would never expire and block its name for good. ms_arg() checks the value (tonumber
+# also reads " 7" or "7e3"; the scripts only ever use the number, so any spelling of
+# a whole number in range is as good as another), which costs less than a pattern.
+#
+# whole() is how every script reads the ``acquired``/``expires`` fields; Python
+# parses them the same way (_whole), so both agree on what is held.
+_WHOLE = """
+local function whole(value)
+  if value and string.match(value, '^%-?%d+$') then
+    return tonumber(value)
+  end
+  return nil
+end
+"""
+_MS_ARG = f"""
+local function ms_arg(i, what, low)
+  local value = tonumber(ARGV[i])
+  if not value or value < low or value > {MAX_SCRIPT_MS} or value % 1 ~= 0 then
+    error({{err = 'ERR django-setnx: ' .. what .. ' (ARGV[' .. i .. ']) must be a whole ' ..
+      'number of ms from ' .. low .. ' to {MAX_SCRIPT_MS}, got ' .. (ARGV[i] or '')}})
+  end
+  return value
+end
+"""
+_FLAG_ARG = """
+local function flag_arg(i, what)
+  if ARGV[i] ~= '0' and ARGV[i] ~= '1' then
+    error({err = 'ERR django-setnx: ' .. what .. ' (ARGV[' .. i .. ']) must be 0 or 1, ' ..
+      'got ' .. (ARGV[i] or '')})
+  end
+  return ARGV[i] == '1'
+end
+"""
+
+# Fencing tokens: a hybrid clock. A new token is Redis' clock in µs, or the last
+# token of the name plus one if that is larger (two acquisitions within one µs, or a
+# clock that stepped back). ``last`` is kept only while the name has a key: the lock
+# record while it exists, then ``P:{N}:fence`` for FENCING_RETENTION after a release
+# or a removal (retire()). So nothing per name outlives its last use by more than
+# that, and tokens keep increasing as long as Redis' clock does not step back by more
+# than FENCING_RETENTION (see the module docstring).
+_FENCING = """
+local function mint(last)
+  last = tonumber(last)
+  if last and last >= us then
+    return last + 1
+  end
+  return us
+end
+local function retire(fencing, fence_ms)
+  redis.call('DEL', KEYS[1])
+  if tonumber(fencing) then
+    redis.call('SET', KEYS[2], fencing, 'PX', fence_ms)
+  end
+end
+"""
+
+
+# Of a record's fencing token and an optional larger one from the caller (Redlock:
+# the largest of its masters'), the one to remember when the record goes.
+_LAST = """
+local function last_of(fencing, floor)
+  fencing, floor = tonumber(fencing), tonumber(floor)
+  if floor and (not fencing or floor > fencing) then
+    return floor
+  end
+  return fencing
+end
 """
 
 
@@ -100,22 +244,48 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 WAITER_MS = 3000
 #: Longest single wait of a queued waiter before it retries (and re-registers).
 WAIT_BLOCK = 1.5
+#: A lock handed to a waiter is first written for this long only (a *claim*): the
+#: waiter confirms it with its next ACQUIRE, which writes its whole ttl. A waiter that
+#: died while queued (SIGKILL, a gunicorn worker timeout) never confirms, so it holds
+#: the others up for this long, not for the ttl it asked for.
+CLAIM_MS = 500
+#: How long past a claim's end the next waiter in line waits before it retries, so
+#: that its retry finds an unconfirmed claim expired (Redis' timer is ~1 ms coarse).
+CLAIM_MARGIN = 0.02
+#: The message that tells the next waiter in line a lock was handed to the waiter
+#: ahead of it (see _GRANT): retry once that claim may have lapsed.
+CLAIM_NOTICE = b"claim"
 
 # Handing a free lock to the longest-waiting live waiter, shared by every script
 # that frees a held lock (release, force-release, clear, a waiter giving up).
 #
 # KEYS[1..4]: lock, fence, waiters, requests. The waiters sorted set holds the tokens
 # of refused callers that will retry, scored by when they were first refused (FIFO);
-# the requests hash maps each to "<deadline_ms> <ttl_ms> <owner_json>". The winner
-# is told through its own inbox list, P:{N}:inbox:<token>, which it BLPOPs: the
-# fencing token arrives there, so the waiter returns holding the lock without
-# another round trip. The inbox key is built here rather than passed in KEYS because
-# only the script knows which waiter wins; it shares the {N} hash tag, so it lives
-# in the same Cluster slot as the declared keys.
+# the requests hash maps each to "<deadline_ms> <ttl_ms> <owner_json>". The lock
+# record says ``queued`` once a caller queued up, so the common release of a lock
+# nobody waited for skips this. The winner is told through its own inbox list,
+# P:{N}:inbox:<token>, which it BLPOPs: the fencing token arrives there, so the
+# waiter returns holding the lock without another round trip. The inbox key is built
+# here rather than passed in KEYS because only the script knows which waiter wins;
+# it shares the {N} hash tag, so it lives in the same Cluster slot as the declared
+# keys.
 #
-# grant(now, retention_ms, signal_ms) returns true if the lock was handed over.
-_GRANT = """
-local function grant(now, retention_ms, signal_ms)
+# grant(last, retention_ms, signal_ms) hands the lock to the next live waiter, with a
+# token minted after ``last`` (the token of the record it replaces); returns true if
+# it did, false (nothing written) if nobody is waiting.
+#
+# The waiter gets a *claim*: the record expires after CLAIM_MS (or its ttl, if
+# shorter) and keeps the ttl it asked for in ``claim``; its next ACQUIRE (or
+# STOP_WAITING) under its token confirms it, writing now + ttl. A waiter that died
+# while queued never confirms, so the lock is free again after CLAIM_MS; the next
+# waiter in line is told so (CLAIM_NOTICE in its inbox) and retries right then.
+_GRANT = f"""
+local function notify(waiter, message, signal_ms)
+  local inbox = string.sub(KEYS[1], 1, -5) .. 'inbox:' .. waiter
+  redis.call('RPUSH', inbox, message)
+  redis.call('PEXPIRE', inbox, signal_ms)
+end
+local function grant(last, retention_ms, signal_ms)
   while true do
     local head = redis.call('ZPOPMIN', KEYS[3])
     if #head == 0 then
@@ -126,15 +296,20 @@ local function grant(now, retention_ms, signal_ms)
     redis.call('HDEL', KEYS[4], waiter)
     if request then
       local deadline, ttl, owner = string.match(request, '^(%d+) (%d+) (.*)$')
-      if tonumber(deadline) >= now then
+      if deadline and tonumber(deadline) >= now then
         ttl = tonumber(ttl)
-        local fencing = redis.call('INCR', KEYS[2])
+        local claim = math.min(ttl, {CLAIM_MS})
+        local fencing = mint(last)
+        redis.call('DEL', KEYS[1])
         redis.call('HSET', KEYS[1], 'token', waiter, 'fencing', fencing, 'owner', owner,
-                   'acquired', now, 'expires', now + ttl)
-        redis.call('PEXPIRE', KEYS[1], ttl + retention_ms)
-        local inbox = string.sub(KEYS[1], 1, -5) .. 'inbox:' .. waiter
-        redis.call('RPUSH', inbox, fencing)
-        redis.call('PEXPIRE', inbox, signal_ms)
+                   'acquired', now, 'expires', now + claim, 'claim', ttl)
+        local next_in_line = redis.call('ZRANGE', KEYS[3], 0, 0)
+        if next_in_line[1] then
+          redis.call('HSET', KEYS[1], 'queued', 1)  -- the next release hands it on
+          notify(next_in_line[1], '{CLAIM_NOTICE.decode()}', signal_ms)
+        end
+        redis.call('PEXPIRE', KEYS[1], claim + retention_ms)
+        notify(waiter, fencing, signal_ms)
         return true
       end
     end
@@ -147,150 +322,272 @@ end
 # ARGV: token, ttl_ms, owner_json, retention_ms, wait_ms (-1: the caller waits
 #       indefinitely, 0: it will not retry, n: it retries for n ms).
 # Returns {1, fencing} when written, {0, ms until the holder's expiry} when not.
-ACQUIRE = _NOW + f"""
-local held = redis.call('HMGET', KEYS[1], 'token', 'expires', 'fencing')
-if held[1] == ARGV[1] then
-  -- Already ours under this token: handed to us by a release while we were not
-  -- looking, or a retried call (redis-py retries on a broken connection).
+ACQUIRE = _WHOLE + _MS_ARG + """
+local ttl = ms_arg(2, 'ttl_ms', 1)
+local retention = ms_arg(4, 'retention_ms', 0)
+local wait = ms_arg(5, 'wait_ms', -1)
+""" + _NOW + _FENCING + f"""
+local held = redis.pcall('HMGET', KEYS[1], 'token', 'expires', 'fencing', 'queued', 'claim')
+if held.err then
+  -- Not a hash (written by hand): an unreadable record, taken over like a stale one.
+  redis.call('DEL', KEYS[1])
+  held = {{}}
+end
+local expires = whole(held[2])
+if held[1] == ARGV[1] and expires and expires > now then
+  -- Already ours under this token: handed to us by a release (a claim, confirmed
+  -- here with our whole ttl), or the same caller trying again after an error. Ours
+  -- but expired (a claim confirmed too late) is taken over below like any stale
+  -- record, with a new fencing token: never reported as held since.
+  if held[5] then
+    redis.call('HSET', KEYS[1], 'expires', now + ttl)
+    redis.call('HDEL', KEYS[1], 'claim')
+    redis.call('PEXPIRE', KEYS[1], ttl + retention)
+  end
   return {{1, tonumber(held[3])}}
 end
-local expires = tonumber(held[2])
 if expires and expires > now then
   -- Held. A caller that will retry queues up (keeping its place on a re-try).
-  local wait = tonumber(ARGV[5])
   if wait ~= 0 then
     if wait < 0 or wait > {WAITER_MS} then wait = {WAITER_MS} end
     redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1])
-    redis.call('HSET', KEYS[4], ARGV[1], (now + wait) .. ' ' .. ARGV[2] .. ' ' .. ARGV[3])
+    redis.call('HSET', KEYS[4], ARGV[1], (now + wait) .. ' ' .. ttl .. ' ' .. ARGV[3])
     redis.call('PEXPIRE', KEYS[3], {WAITER_MS})
     redis.call('PEXPIRE', KEYS[4], {WAITER_MS})
+    if not held[4] then
+      redis.call('HSET', KEYS[1], 'queued', 1)
+    end
   end
   return {{0, expires - now}}
 end
--- Absent or stale (a holder that never released): take it over in this same
--- atomic step. Releases hand the lock straight to waiters, so a free lock with
+-- Absent, stale (a holder that never released) or unreadable: take it over in this
+-- same atomic step. Releases hand the lock straight to waiters, so a free lock with
 -- waiters only follows an expiry; the first to retry wins it, queued or not.
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('ZREM', KEYS[3], ARGV[1])
-  redis.call('HDEL', KEYS[4], ARGV[1])
+local last = held[3]
+local queued = false
+if held[1] then
+  if held[4] then
+    redis.call('ZREM', KEYS[3], ARGV[1])
+    redis.call('HDEL', KEYS[4], ARGV[1])
+    queued = redis.call('EXISTS', KEYS[3]) == 1
+  end
+  redis.call('DEL', KEYS[1])  -- no field of the old record survives
+else
+  last = redis.call('GET', KEYS[2])
 end
-local fencing = redis.call('INCR', KEYS[2])
-local ttl = tonumber(ARGV[2])
+local fencing = mint(last)
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fencing', fencing, 'owner', ARGV[3],
            'acquired', now, 'expires', now + ttl)
-redis.call('PEXPIRE', KEYS[1], ttl + tonumber(ARGV[4]))
+if queued then
+  redis.call('HSET', KEYS[1], 'queued', 1)
+end
+redis.call('PEXPIRE', KEYS[1], ttl + retention)
 return {{1, fencing}}
 """
 
-# KEYS: lock, fence, waiters, requests. ARGV: token, retention_ms, signal_ms.
+# KEYS: lock, fence, waiters, requests. ARGV: token, retention_ms, signal_ms, fence_ms,
+# and optionally the holder's fencing token if it may be larger than this record's
+# (Redlock: the largest of its masters' tokens), remembered instead.
 # Returns 1 if released (or handed to a waiter), 0 if not ours. An expired record
 # still carrying our token is ours: nobody else held it since.
-RELEASE = _GRANT + """
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
+RELEASE = _MS_ARG + _LAST + """
+local retention = ms_arg(2, 'retention_ms', 0)
+local signal = ms_arg(3, 'signal_ms', 1)
+local fence = ms_arg(4, 'fence_ms', 1)
+local held = redis.pcall('HMGET', KEYS[1], 'token', 'fencing', 'queued')
+if held.err or held[1] ~= ARGV[1] then
   return 0
 end
--- Every refused caller that will retry is queued, so with no waiters there is
--- nobody to hand over to: the common, uncontended release stops here.
-if redis.call('EXISTS', KEYS[3]) == 0 then
+local last = last_of(held[2], ARGV[5])
+if not held[3] then
+  -- Nobody queued while it was held: the common, uncontended release.
   redis.call('DEL', KEYS[1])
+  if last then
+    redis.call('SET', KEYS[2], last, 'PX', fence)
+  end
   return 1
 end
-""" + _NOW + """
-if not grant(now, tonumber(ARGV[2]), tonumber(ARGV[3])) then
-  redis.call('DEL', KEYS[1])
+""" + _NOW + _FENCING + _GRANT + """
+if not grant(last, retention, signal) then
+  retire(last, fence)
 end
 return 1
 """
 
-# KEYS: lock, fence, waiters, requests, inbox. ARGV: token, retention_ms, signal_ms.
-# A queued caller gives up: withdraw it. If a release handed it the lock meanwhile,
-# returns {1, fencing} (it holds the lock: the caller keeps it); else {0, 0}. A
-# handed lock that already expired unused is passed on instead.
-STOP_WAITING = _GRANT + _NOW + """
+# KEYS: lock, fence, waiters, requests, inbox. ARGV: token, retention_ms, signal_ms,
+# fence_ms. A queued caller gives up: withdraw it. If a release handed it the lock
+# meanwhile, returns {1, fencing} (it holds the lock: the caller keeps it); else
+# {0, 0}. A handed lock that already expired unused is passed on instead.
+STOP_WAITING = _WHOLE + _MS_ARG + """
+local retention = ms_arg(2, 'retention_ms', 0)
+local signal = ms_arg(3, 'signal_ms', 1)
+local fence = ms_arg(4, 'fence_ms', 1)
+""" + _NOW + _FENCING + _GRANT + """
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('DEL', KEYS[5])
-local held = redis.call('HMGET', KEYS[1], 'token', 'expires', 'fencing')
+local held = redis.call('HMGET', KEYS[1], 'token', 'expires', 'fencing', 'claim')
 if held[1] ~= ARGV[1] then
   return {0, 0}
 end
-if tonumber(held[2]) > now then
+local expires = whole(held[2])
+if expires and expires > now then
+  local ttl = whole(held[4])
+  if ttl then  -- a claim: the caller keeps the lock, so confirm it with its ttl
+    redis.call('HSET', KEYS[1], 'expires', now + ttl)
+    redis.call('HDEL', KEYS[1], 'claim')
+    redis.call('PEXPIRE', KEYS[1], ttl + retention)
+  end
   return {1, tonumber(held[3])}
 end
-if not grant(now, tonumber(ARGV[2]), tonumber(ARGV[3])) then
-  redis.call('DEL', KEYS[1])
+if not grant(held[3], retention, signal) then
+  retire(held[3], fence)
 end
 return {0, 0}
 """
 
-# KEYS: lock. ARGV: token, ttl_ms, retention_ms. Returns 1 if extended, 0 if not ours.
-EXTEND = _NOW + """
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
+# KEYS: lock. ARGV: token, ttl_ms, retention_ms, and optionally the holder's fencing
+# token, recorded if larger than the record's (Redlock: the largest of its masters').
+# Returns 1 if extended, 0 if not ours.
+EXTEND = _MS_ARG + _LAST + """
+local ttl = ms_arg(2, 'ttl_ms', 1)
+local retention = ms_arg(3, 'retention_ms', 0)
+local held = redis.pcall('HMGET', KEYS[1], 'token', 'fencing')
+if held.err or held[1] ~= ARGV[1] then
   return 0
 end
-local ttl = tonumber(ARGV[2])
-redis.call('HSET', KEYS[1], 'expires', now + ttl)
-redis.call('PEXPIRE', KEYS[1], ttl + tonumber(ARGV[3]))
+""" + _NOW + """
+redis.call('HSET', KEYS[1], 'expires', now + ttl, 'fencing', last_of(held[2], ARGV[4]))
+redis.call('PEXPIRE', KEYS[1], ttl + retention)
 return 1
 """
 
 # KEYS: lock. ARGV: token. Returns 1 if held (not expired) under token, else 0.
-OWNS = _NOW + """
-local held = redis.call('HMGET', KEYS[1], 'token', 'expires')
-if held[1] == ARGV[1] and tonumber(held[2]) > now then
+OWNS = _WHOLE + """
+local held = redis.pcall('HMGET', KEYS[1], 'token', 'expires')
+if held.err or held[1] ~= ARGV[1] then
+  return 0
+end
+""" + _NOW + """
+local expires = whole(held[2])
+if expires and expires > now then
   return 1
 end
 return 0
 """
 
-# KEYS: lock. Returns {now, {field, value, ...}} ({} when there is no record).
-GET = _NOW + """
-return {now, redis.call('HGETALL', KEYS[1])}
+# KEYS: lock. Returns {now, {field, value, ...}} ({} when there is no record; a key
+# that is not a hash gives {'error', <its type>}, read as an unreadable record).
+_FIELDS = """
+local function fields_of(key)
+  local fields = redis.pcall('HGETALL', key)
+  if fields.err then
+    return {'error', 'WRONGTYPE: a ' .. redis.call('TYPE', key).ok .. ', not a hash'}
+  end
+  return fields
+end
+"""
+GET = _NOW + _FIELDS + """
+return {now, fields_of(KEYS[1])}
 """
 
-# KEYS: lock, fence, waiters, requests. ARGV: retention_ms, signal_ms.
-# Force-release whoever holds it; a queued waiter gets it next.
+# KEYS: lock, fence, waiters, requests. ARGV: retention_ms, signal_ms, fence_ms, and
+# optionally a fencing token to remember if larger than the record's (as RELEASE).
+# Force-release whoever holds it; a queued waiter gets it next. The removed record's
+# fencing token is remembered, so the next holder's is larger.
 # Returns {now, {field, value, ...}} of the removed record ({} when there was none).
-DELETE = _GRANT + _NOW + """
-local fields = redis.call('HGETALL', KEYS[1])
+DELETE = _MS_ARG + _LAST + _FIELDS + """
+local retention = ms_arg(1, 'retention_ms', 0)
+local signal = ms_arg(2, 'signal_ms', 1)
+local fence = ms_arg(3, 'fence_ms', 1)
+""" + _NOW + _FENCING + _GRANT + """
+local fields = fields_of(KEYS[1])
 if #fields > 0 then
-  redis.call('DEL', KEYS[1])
-  grant(now, tonumber(ARGV[1]), tonumber(ARGV[2]))
+  local last = last_of(redis.pcall('HGET', KEYS[1], 'fencing'), ARGV[4])
+  if not grant(last, retention, signal) then
+    retire(last, fence)
+  end
 end
 return {now, fields}
 """
 
 # KEYS: lock, fence, waiters, requests.
-# ARGV: include_held (0/1), retention_ms, signal_ms, older_than_ms ('' = any), dry_run.
+# ARGV: include_held (0/1), retention_ms, signal_ms, older_than_ms ('' = any),
+#       dry_run (0/1), fence_ms, and optionally a fencing token (as DELETE).
 # Re-checks at removal time what SCAN found, so a lock re-acquired in between is kept.
-# A removed held lock goes to a queued waiter, as on release.
+# A removed held lock goes to a queued waiter, as on release. A record without a
+# readable ``expires`` blocks nobody (ACQUIRE takes it over), so it counts as stale;
+# one without a readable ``acquired`` has no known age and is not kept by older_than.
 # Returns 1 if removed (or removable, on a dry run), else 0.
-CLEAR = _GRANT + _NOW + """
-local f = redis.call('HMGET', KEYS[1], 'acquired', 'expires')
-local acquired, expires = tonumber(f[1]), tonumber(f[2])
-if not expires then
+CLEAR = _WHOLE + _MS_ARG + _FLAG_ARG + _LAST + """
+local include_held = flag_arg(1, 'include_held')
+local retention = ms_arg(2, 'retention_ms', 0)
+local signal = ms_arg(3, 'signal_ms', 1)
+local older_than = nil
+if ARGV[4] ~= '' then
+  older_than = ms_arg(4, 'older_than_ms', 0)
+end
+local dry_run = flag_arg(5, 'dry_run')
+local fence = ms_arg(6, 'fence_ms', 1)
+""" + _NOW + _FENCING + _GRANT + """
+if redis.call('EXISTS', KEYS[1]) == 0 then
   return 0
 end
-local held = expires > now
-if held and ARGV[1] == '0' then
+local f = redis.pcall('HMGET', KEYS[1], 'acquired', 'expires', 'fencing')
+if f.err then
+  f = {}  -- not a hash (written by hand): unreadable, so stale
+end
+local acquired, expires = whole(f[1]), whole(f[2])
+local held = expires ~= nil and expires > now
+if held and not include_held then
   return 0
 end
-if ARGV[4] ~= '' and acquired > now - tonumber(ARGV[4]) then
+if older_than and acquired and acquired > now - older_than then
   return 0
 end
-if ARGV[5] == '0' then
-  redis.call('UNLINK', KEYS[1])
-  if held then
-    grant(now, tonumber(ARGV[2]), tonumber(ARGV[3]))
+if not dry_run then
+  local last = last_of(f[3], ARGV[7])
+  if not (held and grant(last, retention, signal)) then
+    retire(last, fence)
   end
 end
 return 1
 """
 
 
+_RedisError = redis.exceptions.RedisError if redis is not None else Exception
+
+
+class _EvictionRisk(_RedisError):
+    """A server that may evict lock keys, found while connecting (inside redis-py).
+
+    A RedisError, so that redis-py closes the connection it was found on; not a
+    ConnectionError, so that nothing retries it. The backend reports it as
+    LockBackendError.
+    """
+
+
 def _text(value):
     """A reply as str, whether or not the client decodes responses."""
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _lenient_text(value):
+    """Bytes of a record written by anyone as str, never failing on bad UTF-8."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+_WHOLE_NUMBER = re.compile(rb"-?[0-9]+")
+
+
+def _whole(value):
+    """A record field as an int if it is a whole number (the scripts' ``whole()``
+    reads it the same way), else None."""
+    if isinstance(value, str):  # a client that decodes responses
+        value = value.encode()
+    if isinstance(value, bytes) and _WHOLE_NUMBER.fullmatch(value):
+        return int(value)
+    return None
 
 
 _OWNER_JSON_CACHE = {}
@@ -325,13 +622,65 @@ def lock_keys(prefix, name):
 
 
 def name_from_lock_key(prefix, key):
-    """The lock name in a ``P:{N}:lock`` key (``lock_keys(prefix, N)[0]``)."""
-    return _text(key)[len(prefix) + 2 : -len("}:lock")]
+    """The lock name in a ``P:{N}:lock`` key (``lock_keys(prefix, N)[0]``). A key
+    that is not UTF-8 (written by another tool) keeps its bytes as surrogates, so
+    that ``scanned_keys`` gives the very same keys back."""
+    if isinstance(key, bytes):
+        key = key.decode("utf-8", "surrogateescape")
+    return key[len(prefix) + 2 : -len("}:lock")]
 
 
-def _escape_glob(text):
-    """Escape Redis glob metacharacters so ``text`` only matches itself."""
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+def _block_timeout(conn, max_wait, retry_after):
+    """Seconds one BLPOP of a waiter may block (None: do not block at all): up to
+    WAIT_BLOCK, the holder's expiry and ``max_wait``, below the socket timeout."""
+    timeout = min(WAIT_BLOCK, conn.max_block)
+    if retry_after is not None:
+        timeout = min(timeout, max(retry_after, 0) + 0.001)
+    if max_wait is not None:
+        timeout = min(timeout, max_wait)
+    return max(timeout, MIN_BLOCK) if timeout > 0 else None
+
+
+def _claim_timeout(conn, max_wait):
+    """Seconds to block after a CLAIM_NOTICE: until a claim made now may have lapsed."""
+    timeout = min(CLAIM_MS / 1000 + CLAIM_MARGIN, conn.max_block)
+    if max_wait is not None:
+        timeout = min(timeout, max_wait)
+    return max(timeout, MIN_BLOCK) if timeout > 0 else None
+
+
+def _left(max_wait, started):
+    """What is left of ``max_wait`` (None: no limit) since ``started`` (monotonic)."""
+    return None if max_wait is None else max_wait - (time.monotonic() - started)
+
+
+def _is_claim_notice(message):
+    return message == CLAIM_NOTICE or message == CLAIM_NOTICE.decode()
+
+
+def scanned_keys(prefix, name):
+    """``lock_keys`` of a name read back from a key (see ``name_from_lock_key``): as
+    bytes when the name is not UTF-8 text, so that such a key can still be read and
+    removed."""
+    keys = lock_keys(prefix, name)
+    if _is_text(name):
+        return keys
+    return tuple(key.encode("utf-8", "surrogateescape") for key in keys)
+
+
+def _is_text(name):
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def printable_name(name):
+    """A name read from a key, fit to show: bytes that are not UTF-8 as \\xNN."""
+    if _is_text(name):
+        return name
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def import_dotted(path):
@@ -357,25 +706,291 @@ def _is_positive_number(value):
             and math.isfinite(value) and value > 0)
 
 
-class _Connection:
-    """A client and the scripts registered on it (a script object binds its client)."""
+def _no_retry():
+    """redis-py's retry policy for our own client: none.
 
-    def __init__(self, client, owned):
+    redis.Redis() and RedisCluster (redis-py >= 6) retry a command up to 10 times with
+    exponential backoff on a connection error or timeout, so during an outage one
+    lock operation could hang for seconds before reporting it. Worse, a retry re-sends a script that may have
+    run: ACQUIRE is idempotent under its token (it reports the same win), but a
+    RELEASE whose first run deleted the record would report "not ours", and the Lock
+    would claim the lock had been taken over. redis-py cannot tell the two apart, so
+    nothing is retried: the caller gets LockBackendError at once, and an acquire
+    cleans up after itself (see RedisBackend.acquire). A connection the server closed
+    while idle costs no retry: the pool replaces it before sending anything.
+    """
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return Retry(NoBackoff(), 0)
+
+
+class _Process:
+    """This process' pid, kept up to date across forks without a getpid() call per
+    operation (a child must not use its parent's asyncio connections)."""
+
+    pid = os.getpid()
+
+    @classmethod
+    def forked(cls):
+        cls.pid = os.getpid()
+
+
+_process = _Process
+os.register_at_fork(after_in_child=_Process.forked)
+
+
+#: The scripts a connection registers, by the attribute that holds them.
+SCRIPTS = {"acquire": ACQUIRE, "release": RELEASE, "extend": EXTEND, "owns": OWNS,
+           "get": GET, "delete": DELETE, "clear": CLEAR, "stop_waiting": STOP_WAITING}
+#: The asyncio connection serves the lock operations only (the admin and the
+#: commands are synchronous).
+ASYNC_SCRIPTS = {attribute: SCRIPTS[attribute] for attribute in
+                 ("acquire", "release", "extend", "owns", "get", "stop_waiting")}
+
+
+class _AsyncConnection:
+    """An event loop's asyncio client, the scripts registered on it, and the waits of
+    its coroutines (see redis_asyncio.InboxWaits)."""
+
+    def __init__(self, client, socket_timeout, key_prefix):
+        from .redis_asyncio import InboxWaits
+
+        self.client = client
+        _bind_scripts(self, client, ASYNC_SCRIPTS)
+        self.max_block = _max_block(socket_timeout)
+        self.waits = InboxWaits(client, f"{key_prefix}:waits:{secrets.token_hex(8)}",
+                                self.max_block)
+
+
+class _Connection:
+    """A client and the scripts registered on it (a script object binds its client).
+
+    ``watch`` is the _SharedPoolWatch of a shared django-redis pool whose eviction
+    policy the lock operations must check, else None.
+    """
+
+    def __init__(self, client, owned, socket_timeout, watch=None):
         self.client = client
         self.owned = owned
-        self.acquire = client.register_script(ACQUIRE)
-        self.release = client.register_script(RELEASE)
-        self.extend = client.register_script(EXTEND)
-        self.owns = client.register_script(OWNS)
-        self.get = client.register_script(GET)
-        self.delete = client.register_script(DELETE)
-        self.clear = client.register_script(CLEAR)
-        self.stop_waiting = client.register_script(STOP_WAITING)
-        # A BLPOP must return before the socket times out (see MAX_BLOCK). A client
-        # without a single pool (a cluster client) keeps the MAX_BLOCK default.
-        pool = getattr(client, "connection_pool", None)
-        socket_timeout = pool.connection_kwargs.get("socket_timeout") if pool else None
-        self.max_block = MAX_BLOCK if not socket_timeout else min(MAX_BLOCK, socket_timeout * 0.8)
+        self.watch = watch
+        _bind_scripts(self, client, SCRIPTS)
+        self.max_block = _max_block(socket_timeout)
+
+
+def _bind_scripts(connection, client, scripts):
+    """Register each script on ``client`` as an attribute of ``connection``: a
+    script object binds its client, so each connection has its own."""
+    for attribute, source in scripts.items():
+        setattr(connection, attribute, client.register_script(source))
+
+
+def _max_block(socket_timeout):
+    """The longest BLPOP on a connection: it must return before the socket times
+    out (see MAX_BLOCK)."""
+    return MAX_BLOCK if not socket_timeout else min(MAX_BLOCK, socket_timeout * BLOCK_SHARE)
+
+
+# -- eviction -------------------------------------------------------------------------
+
+
+def read_eviction_settings(client):
+    """``(maxmemory, policy)`` of the server behind ``client`` (one connection's view).
+
+    ``CONFIG GET`` first; managed services (ElastiCache, Memorystore, ...) often
+    disable ``CONFIG``, so ``INFO memory`` is the fallback. Raises redis-py's errors
+    if neither answers.
+    """
+    try:
+        return settings_from_config(client.config_get("maxmemory*"))
+    except redis.exceptions.ResponseError:
+        return settings_from_info(client.info("memory"))
+
+
+def settings_from_config(config):
+    """``(maxmemory, policy)`` from a ``CONFIG GET maxmemory*`` dict."""
+    return int(config.get("maxmemory", 0) or 0), _text(config.get("maxmemory-policy", ""))
+
+
+def settings_from_info(info):
+    """``(maxmemory, policy)`` from an ``INFO memory`` dict."""
+    return int(info.get("maxmemory", 0) or 0), _text(info.get("maxmemory_policy", ""))
+
+
+def config_reply(reply):
+    """A raw ``CONFIG GET`` reply (a flat list, or a map on RESP3) as a dict."""
+    pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2])
+    return {_text(key): value for key, value in pairs}
+
+
+def info_reply(reply):
+    """A raw ``INFO`` reply (text) as a dict of its ``key:value`` lines."""
+    lines = _text(reply).splitlines()
+    return dict(line.split(":", 1) for line in lines if ":" in line and line[0] != "#")
+
+
+def eviction_refusal(alias, server, maxmemory, policy):
+    """The message refusing a server that may evict lock keys, or None if it cannot.
+
+    Keys can only be evicted when ``maxmemory`` is set and the policy is not
+    ``noeviction``: ``volatile-*`` policies evict keys with a TTL (every lock
+    record has one), ``allkeys-*`` evict anything. An evicted lock is a lock that
+    another client can take while its holder still runs.
+    """
+    if not maxmemory or policy == "noeviction":
+        return None
+    return (
+        f"Redis {server} has maxmemory-policy {policy!r} with maxmemory {maxmemory}: it may "
+        f"evict lock keys, and an evicted lock can be taken by a second holder while the "
+        f"first still runs. Use a Redis (or a database) with maxmemory-policy noeviction for "
+        f"locks, or set SETNX_LOCKS[{alias!r}]['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] = True "
+        f"to accept the risk."
+    )
+
+
+def _unknown_policy_refusal(alias, server, error):
+    """The message refusing a server whose eviction policy cannot be read."""
+    return (
+        f"Redis {server} answers neither CONFIG GET nor INFO memory ({error}), so whether "
+        f"it may evict lock keys is unknown. Allow one of them for this user, or set "
+        f"SETNX_LOCKS[{alias!r}]['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] = True to accept "
+        f"the risk."
+    )
+
+
+class _OneConnection:
+    """The two commands read_eviction_settings sends, on one raw connection and shaped
+    as redis-py's client methods return them: inside a connect hook there is a
+    connection, but no client to send them through."""
+
+    def __init__(self, connection):
+        self._connection = connection
+
+    def _call(self, *args):
+        self._connection.send_command(*args)
+        return self._connection.read_response()  # raises ResponseError for an error reply
+
+    def config_get(self, pattern):
+        return config_reply(self._call("CONFIG", "GET", pattern))
+
+    def info(self, section):
+        return info_reply(self._call("INFO", section))
+
+
+def _connection_label(connection):
+    path = getattr(connection, "path", None)
+    return path or f"{connection.host}:{connection.port}"
+
+
+def _refusal_on(alias, connection):
+    """The refusal message for the server behind a fresh ``connection``, or None."""
+    server = _connection_label(connection)
+    try:
+        maxmemory, policy = read_eviction_settings(_OneConnection(connection))
+    except redis.exceptions.ResponseError as exc:
+        return _unknown_policy_refusal(alias, server, exc)
+    return eviction_refusal(alias, server, maxmemory, policy)
+
+
+class _EvictionCheck:
+    """The ``redis_connect_func`` of our own client: every new connection reads its
+    server's eviction policy right after the handshake and raises _EvictionRisk if
+    it may evict. redis-py then closes the connection, and the operation that needed
+    it fails before sending anything: no lock command ever runs on a server that was
+    not checked, including one reached after a reconnect or a Sentinel failover.
+    """
+
+    def __init__(self, alias, chained=None):
+        self.alias = alias
+        # A redis_connect_func from CONNECTION_KWARGS; it does the handshake itself.
+        self.chained = chained
+
+    def __call__(self, connection):
+        """redis.Redis' contract: called instead of ``connection.on_connect()``."""
+        if self.chained is not None:
+            self.chained(connection)
+        else:
+            connection.on_connect()
+        self._check(connection)
+
+    def after_handshake(self, connection):
+        """RedisCluster's contract: called after its own ``on_connect()``."""
+        if self.chained is not None:
+            self.chained(connection)
+        self._check(connection)
+
+    def _check(self, connection):
+        refusal = _refusal_on(self.alias, connection)
+        if refusal is not None:
+            raise _EvictionRisk(refusal)
+
+
+class _SharedPoolWatch:
+    """The ``redis_connect_func`` installed on a shared django-redis pool.
+
+    It must never break the cache's own connections, so for them it only records
+    whether the server may evict (``safe``); the lock operations refuse on that (see
+    RedisBackend.connection). A connection made *for* one of our lock operations
+    (``lock_operation`` names its alias on this thread) refuses at once, like our own
+    client's, so no lock command runs on a new connection before it is checked.
+    ``safe`` starts False: unknown until checked.
+    """
+
+    def __init__(self, chained=None):
+        self.chained = chained
+        self.safe = False
+        self.lock_operation = threading.local()
+
+    def __call__(self, connection):
+        if self.chained is not None:
+            self.chained(connection)
+        else:
+            connection.on_connect()
+        alias = getattr(self.lock_operation, "alias", None)
+        try:
+            refusal = _refusal_on(alias, connection)
+        except (redis.exceptions.RedisError, OSError):
+            if alias is not None:
+                raise
+            self.safe = False  # unknown: the next lock operation checks for itself
+            return
+        self.safe = refusal is None
+        if refusal is not None and alias is not None:
+            raise _EvictionRisk(refusal)
+
+
+_WATCHES = weakref.WeakKeyDictionary()  # shared pool -> its _SharedPoolWatch
+_WATCHES_LOCK = threading.Lock()
+
+
+def _watch_shared_pool(pool):
+    """Install (once per pool) and return the _SharedPoolWatch of a shared pool: on its
+    future connections, and on the connection objects it already has, which call
+    their own ``redis_connect_func`` when they reconnect."""
+    with _WATCHES_LOCK:
+        watch = _WATCHES.get(pool)
+        if watch is not None:
+            return watch
+        previous = pool.connection_kwargs.get("redis_connect_func")
+        watch = _WATCHES[pool] = _SharedPoolWatch(previous)
+        with getattr(pool, "_lock", None) or contextlib.nullcontext():
+            pool.connection_kwargs["redis_connect_func"] = watch
+            # redis-py keeps these in private lists (names differ by pool class);
+            # a pool class without them just leaves its existing ones unwatched.
+            for attr in ("_available_connections", "_in_use_connections", "_connections"):
+                for connection in getattr(pool, attr, None) or ():
+                    if getattr(connection, "redis_connect_func", None) is previous:
+                        connection.redis_connect_func = watch
+        return watch
+
+
+def _pool_label(pool):
+    kwargs = pool.connection_kwargs
+    if kwargs.get("path"):
+        return kwargs["path"]
+    if "host" in kwargs:
+        return f"{kwargs['host']}:{kwargs.get('port', 6379)}"
+    return f"of service {getattr(pool, 'service_name', '?')!r}"
 
 
 def require_redis_py(alias, backend_label):
@@ -387,28 +1002,103 @@ def require_redis_py(alias, backend_label):
         )
 
 
+class _ReportedAs:
+    """The context of RedisBackend._errors_as (a class: it wraps every operation, and a
+    generator-based context manager costs about a microsecond more).
+
+    With a shared pool, it also marks this thread as running a lock operation, so that
+    a new connection made for it refuses a server that may evict (see
+    _SharedPoolWatch). Generators hold it around each call to Redis, never across a
+    ``yield``: the caller may use the cache in between.
+    """
+
+    __slots__ = ("action", "backend", "marker", "name", "outer")
+
+    def __init__(self, backend, action, name, shared=True):
+        self.backend = backend
+        self.action = action
+        self.name = name
+        # ``shared=False``: an operation on our own asyncio pool, never the shared one.
+        watch = backend._watch if shared else None
+        self.marker = watch.lock_operation if watch is not None else None
+
+    def __enter__(self):
+        marker = self.marker
+        if marker is not None:
+            self.outer = getattr(marker, "alias", None)
+            marker.alias = self.backend.alias
+
+    def __exit__(self, exc_type, exc, traceback):
+        if self.marker is not None:
+            self.marker.alias = self.outer
+        if exc_type is None:
+            return False
+        backend = self.backend
+        if issubclass(exc_type, _EvictionRisk):
+            raise LockBackendError(backend.alias, str(exc)) from exc
+        if issubclass(exc_type, backend._errors):
+            action = self.action if self.name is None else f"{self.action} {self.name!r}"
+            raise LockBackendError(
+                backend.alias, f"{action} failed: {exc_type.__name__}: {exc}") from exc
+        return False
+
+
 class RedisBackend(BaseLockBackend):
     """Locks in Redis, via redis-py or a django-redis cache's connection."""
+
+    option_names = BaseLockBackend.option_names | frozenset(OPTION_NAMES)
 
     wakes_waiters = True
 
     def __init__(self, alias, params):
         super().__init__(alias, params)
         require_redis_py(alias, "Redis")
+        where = f"SETNX_LOCKS[{alias!r}]"
         self.location = params.get("LOCATION")
         self.key_prefix = params.get("KEY_PREFIX", DEFAULT_KEY_PREFIX)
         self.cache_alias = self.options.get("CACHE")
+        # The system checks report these too (E011, E012); an alias used without
+        # running them must still fail here, naming itself, not at its first acquire.
+        if self.location is None and self.cache_alias is None:
+            raise ImproperlyConfigured(
+                f"{where} needs a LOCATION (a redis:// URL) or OPTIONS['CACHE'] (a "
+                f"django-redis cache alias)."
+            )
+        if self.location is not None and self.cache_alias is not None:
+            raise ImproperlyConfigured(f"{where} sets both LOCATION and OPTIONS['CACHE']; "
+                                       f"choose one.")
+        if self.location is not None and (not isinstance(self.location, str)
+                                          or not self.location):
+            raise ImproperlyConfigured(f"{where}['LOCATION'] must be a non-empty redis:// URL "
+                                       f"string, got {self.location!r}.")
+        self.allow_eviction = self.options.get(ALLOW_EVICTION_OPTION, False)
+        if not isinstance(self.allow_eviction, bool):
+            raise ImproperlyConfigured(f"{where}['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] must be "
+                                       f"True or False, got {self.allow_eviction!r}.")
         self.retention_ms = ttl_to_ms(self.options.get("STALE_RETENTION", DEFAULT_STALE_RETENTION))
         self.wake_ms = ttl_to_ms(self.options.get("WAKE_TTL", DEFAULT_WAKE_TTL))
+        self.fence_ms = ttl_to_ms(self.options.get("FENCING_RETENTION",
+                                                   DEFAULT_FENCING_RETENTION))
+        for option, ms in (("MAX_TTL", ttl_to_ms(self.max_ttl)),
+                           ("STALE_RETENTION", self.retention_ms), ("WAKE_TTL", self.wake_ms)):
+            if ms > MAX_SCRIPT_MS:
+                raise ImproperlyConfigured(
+                    f"{where}['OPTIONS'][{option!r}] is above the Redis backend's limit of "
+                    f"{MAX_SCRIPT_MS / 1000:g} s.")
         # SCAN MATCH pattern head: escaped so that a prefix such as "a*" cannot match
         # keys outside it.
         self._match_head = _escape_glob(self.key_prefix) + ":{"
-        self._errors = (redis.exceptions.RedisError, OSError)
+        # RedisCluster reports an unreachable cluster with an error outside RedisError.
+        self._errors = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException,
+                        OSError)
         # redis-py lets some socket errors through unwrapped, hence the builtins.
         self._network_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                                 ConnectionError, TimeoutError)
         self._conn = None
         self._conn_lock = threading.Lock()
+        self._watch = None  # the _SharedPoolWatch of OPTIONS["CACHE"]'s pool, once connected
+        #: event loop -> (pid, _AsyncConnection or None): see _aconnection.
+        self._async_conns = weakref.WeakKeyDictionary()
 
     # -- configuration ------------------------------------------------------------
 
@@ -442,7 +1132,8 @@ class RedisBackend(BaseLockBackend):
         prefix = params.get("KEY_PREFIX", DEFAULT_KEY_PREFIX)
         if not isinstance(prefix, str) or not prefix:
             error("E013", f"{where}['KEY_PREFIX'] must be a non-empty str, got {prefix!r}.")
-        for option, id_ in (("STALE_RETENTION", "E014"), ("WAKE_TTL", "E015")):
+        for option, id_ in (("STALE_RETENTION", "E014"), ("WAKE_TTL", "E015"),
+                            ("FENCING_RETENTION", "E015")):
             if option in options and not _is_positive_number(options[option]):
                 error(id_, f"{where}['OPTIONS']['{option}'] must be a positive number of "
                            f"seconds, got {options[option]!r}.")
@@ -476,32 +1167,106 @@ class RedisBackend(BaseLockBackend):
         if kwargs is not None and not isinstance(kwargs, dict):
             error("E018", f"{where}['OPTIONS']['CONNECTION_KWARGS'] must be a dict, got "
                           f"{kwargs!r}.")
-        unknown = sorted(set(options) - OPTION_NAMES)
-        if unknown:
-            error("E019", f"{where}['OPTIONS'] has unknown keys {unknown}.",
-                  hint=f"Known options: {sorted(OPTION_NAMES)}.")
+        allow = options.get(ALLOW_EVICTION_OPTION, False)
+        if not isinstance(allow, bool):
+            error("E019", f"{where}['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] must be True or "
+                          f"False, got {allow!r}.")
         return errors
 
     # -- connection ---------------------------------------------------------------
 
+    def _client_kwargs(self, check):
+        """CONNECTION_KWARGS with our defaults (timeouts, no retries) and, unless
+        eviction is allowed, ``check`` as the connect hook."""
+        kwargs = dict(self.options.get("CONNECTION_KWARGS") or {})
+        kwargs.setdefault("socket_timeout", DEFAULT_SOCKET_TIMEOUT)
+        kwargs.setdefault("socket_connect_timeout", DEFAULT_SOCKET_CONNECT_TIMEOUT)
+        if not RETRY_KWARGS & kwargs.keys():
+            kwargs["retry"] = _no_retry()
+        if check is not None:
+            check.chained = kwargs.get("redis_connect_func")
+            kwargs["redis_connect_func"] = check
+        return kwargs
+
     def _connect(self):
         if self.cache_alias is not None:
-            from django_redis import get_redis_connection
-
-            try:
-                return _Connection(get_redis_connection(self.cache_alias), owned=False)
-            except NotImplementedError as exc:
-                raise ImproperlyConfigured(
-                    f"SETNX_LOCKS[{self.alias!r}]['OPTIONS']['CACHE'] = {self.cache_alias!r} "
-                    f"is not a django-redis cache."
-                ) from exc
+            return self._connect_to_cache()
+        check = None if self.allow_eviction else _EvictionCheck(self.alias)
+        kwargs = self._client_kwargs(check)
         factory = import_dotted(self.options.get("CLIENT_CLASS", DEFAULT_CLIENT_CLASS))
-        client = factory(self.location, **self.options.get("CONNECTION_KWARGS", {}))
-        return _Connection(client, owned=True)
+        try:
+            client = factory(self.location, **kwargs)
+        except Exception as exc:
+            # A client that connects while it is built (RedisCluster) wraps a refusal
+            # found on its first node in an error of its own.
+            if isinstance(exc.__cause__, _EvictionRisk):
+                raise _EvictionRisk(str(exc.__cause__)) from exc
+            raise
+        try:
+            pool = getattr(client, "connection_pool", None)
+            if pool is not None:
+                self._check_connection_kwargs(pool)
+            if check is not None:
+                self._connect_every_primary(client)
+            # The URL's query string may set the timeout too, and wins over kwargs.
+            socket_timeout = (pool.connection_kwargs.get("socket_timeout")
+                              if pool is not None else kwargs["socket_timeout"])
+            return _Connection(client, owned=True, socket_timeout=socket_timeout)
+        except BaseException:
+            client.close()
+            raise
+
+    def _check_connection_kwargs(self, pool):
+        """Build one connection object (it connects lazily: no I/O) so that an argument
+        redis-py does not take (a misspelt ``socket_timout``) is reported here, naming
+        the alias, rather than as a TypeError from the first lock operation."""
+        try:
+            pool.connection_class(**pool.connection_kwargs)
+        except TypeError as exc:
+            raise ImproperlyConfigured(
+                f"SETNX_LOCKS[{self.alias!r}]['OPTIONS']['CONNECTION_KWARGS'] (or the "
+                f"LOCATION URL's query) has an argument redis-py does not take: {exc}"
+            ) from exc
+
+    def _connect_every_primary(self, client):
+        """On a Redis Cluster, connect to every primary now, so that each one's eviction
+        policy is checked on first use (each new connection checks its own server),
+        not only those of the slots used first."""
+        get_primaries = getattr(client, "get_primaries", None)
+        if get_primaries is not None:
+            for node in get_primaries():
+                client.get_redis_connection(node).ping()
+
+    def _connect_to_cache(self):
+        from django_redis import get_redis_connection
+
+        try:
+            client = get_redis_connection(self.cache_alias)
+        except NotImplementedError as exc:
+            raise ImproperlyConfigured(
+                f"SETNX_LOCKS[{self.alias!r}]['OPTIONS']['CACHE'] = {self.cache_alias!r} "
+                f"is not a django-redis cache."
+            ) from exc
+        pool = client.connection_pool
+        watch = None if self.allow_eviction else _watch_shared_pool(pool)
+        self._watch = watch
+        return _Connection(client, owned=False, watch=watch,
+                           socket_timeout=pool.connection_kwargs.get("socket_timeout"))
 
     @property
     def connection(self):
-        """The lazily created client and scripts, shared by every thread."""
+        """The lazily created client and scripts, shared by every thread.
+
+        On a shared pool whose server was last seen to (or may) evict, the eviction
+        policy is read again first, and _EvictionRisk raised if it still may.
+        """
+        conn = self._built_connection()
+        if conn.watch is not None and not conn.watch.safe:
+            self._check_shared_pool(conn)
+        return conn
+
+    def _built_connection(self):
+        """The client and scripts, built on first use (building does no I/O)."""
         conn = self._conn
         if conn is None:
             with self._conn_lock:
@@ -510,12 +1275,170 @@ class RedisBackend(BaseLockBackend):
                     conn = self._conn = self._connect()
         return conn
 
+    def _check_shared_pool(self, conn):
+        pool = conn.client.connection_pool
+        try:
+            maxmemory, policy = read_eviction_settings(conn.client)
+        except redis.exceptions.ResponseError as exc:
+            refusal = _unknown_policy_refusal(self.alias, _pool_label(pool), exc)
+        else:
+            refusal = eviction_refusal(self.alias, _pool_label(pool), maxmemory, policy)
+        conn.watch.safe = refusal is None
+        if refusal is not None:
+            raise _EvictionRisk(refusal)
+
     def close(self):
-        """Disconnect our connection pool (a django-redis one is left to django-redis)."""
+        """Disconnect our connection pool (a django-redis one is left to django-redis),
+        and forget the asyncio clients (see :meth:`aclose`)."""
         with self._conn_lock:
             conn, self._conn = self._conn, None
+            self._async_conns = weakref.WeakKeyDictionary()
         if conn is not None and conn.owned:
             conn.client.close()
+
+    async def aclose(self):
+        """Disconnect the running event loop's asyncio client (the others belong to
+        other loops: they are closed when their loop ends, or by :meth:`close`)."""
+        with self._conn_lock:
+            entry = self._async_conns.pop(asyncio.get_running_loop(), None)
+        if entry is not None and entry[1] is not None:
+            await entry[1].client.aclose()
+
+    # -- asyncio -------------------------------------------------------------------
+
+    def _aconnection(self):
+        """The running event loop's asyncio client and scripts (built on first use in
+        each loop and process), or None if this configuration has none (Sentinel,
+        Cluster, a custom CLIENT_CLASS: see redis_asyncio); the async methods then
+        run the sync ones in threads."""
+        loop = asyncio.get_running_loop()
+        entry = self._async_conns.get(loop)
+        if entry is None or entry[0] != _process.pid:
+            sync = self._built_connection()
+            with self._conn_lock:
+                entry = self._async_conns.get(loop)
+                if entry is None or entry[0] != _process.pid:
+                    entry = (_process.pid, self._async_connect(sync))
+                    self._async_conns[loop] = entry
+        return entry[1]
+
+    def _async_connect(self, sync):
+        from . import redis_asyncio
+
+        check = None
+        if not self.allow_eviction:
+            alias = self.alias
+            check = redis_asyncio.AsyncEvictionCheck(
+                refusal_for=lambda maxmemory, policy, server: eviction_refusal(
+                    alias, server, maxmemory, policy),
+                unknown_policy=lambda error, server: _unknown_policy_refusal(
+                    alias, server, error),
+                refusal_error=_EvictionRisk)
+        client = redis_asyncio.async_client_from(sync.client, check)
+        if client is None:
+            return None
+        return _AsyncConnection(
+            client, client.connection_pool.connection_kwargs.get("socket_timeout"),
+            self.key_prefix)
+
+    async def aacquire(self, name, token, ttl, owner, wait=0.0):
+        """Async twin of :meth:`acquire`, on the event loop's own client."""
+        conn = self._aconnection()
+        if conn is None:
+            return await super().aacquire(name, token, ttl, owner, wait)
+        ttl_ms = self.check_ttl(ttl)
+        wait_ms = -1 if wait is None else int(min(max(wait, 0), WAITER_MS / 1000) * 1000)
+        with _ReportedAs(self, "acquire", name, shared=False):
+            try:
+                won, value = await conn.acquire(
+                    keys=self._keys(name),
+                    args=[token, ttl_ms, _owner_json(owner), self.retention_ms, wait_ms],
+                )
+            except (*self._network_errors, asyncio.CancelledError):
+                # As in acquire(): the script may have run. Undo it (also when the
+                # caller was cancelled mid-call), then report.
+                await asyncio.shield(self._aabandon_quietly(name, token))
+                raise
+        if won:
+            return AcquireResult.won(value)
+        return AcquireResult.lost(retry_after=value / 1000)
+
+    async def _aabandon_quietly(self, name, token):
+        try:
+            await self.astop_waiting(name, token)
+            await self.arelease(name, token)
+        except Exception:  # noqa: BLE001 - the original error is the one to report
+            pass
+
+    async def arelease(self, name, token):
+        """Async twin of :meth:`release`."""
+        conn = self._aconnection()
+        if conn is None:
+            return await super().arelease(name, token)
+        with _ReportedAs(self, "release", name, shared=False):
+            return bool(await conn.release(
+                keys=self._keys(name),
+                args=[token, self.retention_ms, self.wake_ms, self.fence_ms]))
+
+    async def aextend(self, name, token, ttl):
+        """Async twin of :meth:`extend`."""
+        conn = self._aconnection()
+        if conn is None:
+            return await super().aextend(name, token, ttl)
+        ttl_ms = self.check_ttl(ttl)
+        with _ReportedAs(self, "extend", name, shared=False):
+            return bool(await conn.extend(keys=[self._keys(name)[0]],
+                                          args=[token, ttl_ms, self.retention_ms]))
+
+    async def aowns(self, name, token):
+        """Async twin of :meth:`owns`."""
+        conn = self._aconnection()
+        if conn is None:
+            return await super().aowns(name, token)
+        with _ReportedAs(self, "check", name, shared=False):
+            return bool(await conn.owns(keys=[self._keys(name)[0]], args=[token]))
+
+    async def aget(self, name):
+        """Async twin of :meth:`get`."""
+        conn = self._aconnection()
+        if conn is None:
+            return await super().aget(name)
+        with _ReportedAs(self, "get", name, shared=False):
+            now, fields = await conn.get(keys=[self._keys(name)[0]])
+        return self._info(name, fields, now) if fields else None
+
+    async def astop_waiting(self, name, token):
+        """Async twin of :meth:`stop_waiting`."""
+        conn = self._aconnection()
+        if conn is None:
+            return await super().astop_waiting(name, token)
+        with _ReportedAs(self, "stop waiting for", name, shared=False):
+            granted, fencing = await conn.stop_waiting(
+                keys=[*self._keys(name), self._inbox_key(name, token)],
+                args=[token, self.retention_ms, self.wake_ms, self.fence_ms],
+            )
+        return AcquireResult.won(fencing) if granted else None
+
+    async def await_release(self, name, *, token, attempt, max_wait, retry_after):
+        """Async twin of :meth:`wait`: the waiter's inbox is watched by the loop's one
+        waiting connection (see redis_asyncio.InboxWaits): no thread, and no
+        connection of its own, per waiting coroutine. Returns None."""
+        conn = self._aconnection()
+        if conn is None:
+            return await super().await_release(name, token=token, attempt=attempt,
+                                               max_wait=max_wait, retry_after=retry_after)
+        timeout = _block_timeout(conn, max_wait, retry_after)
+        if timeout is None:
+            return None
+        inbox = self._inbox_key(name, token)
+        started = time.monotonic()
+        with _ReportedAs(self, "wait for", name, shared=False):
+            message = await conn.waits.wait(inbox, timeout)
+            if message is not None and _is_claim_notice(message):
+                timeout = _claim_timeout(conn, _left(max_wait, started))
+                if timeout is not None:
+                    await conn.waits.wait(inbox, timeout)
+        return None
 
     def _keys(self, name):
         return lock_keys(self.key_prefix, name)
@@ -528,22 +1451,40 @@ class RedisBackend(BaseLockBackend):
         return name_from_lock_key(self.key_prefix, key)
 
     def _info(self, name, fields, now):
-        """A LockInfo from a hash's fields (a dict or a flat field/value list)."""
+        """A LockInfo from a hash's fields (a dict or a flat field/value list); a
+        record that cannot be parsed gives LockInfo.unreadable (see _unreadable)."""
         if not isinstance(fields, dict):
             fields = dict(zip(fields[::2], fields[1::2]))
-        fields = {_text(k): v for k, v in fields.items()}
-        return LockInfo(
-            name=name,
-            backend=self.alias,
-            fencing_token=int(fields["fencing"]),
-            owner=json.loads(fields["owner"]),
-            acquired_at_ms=int(fields["acquired"]),
-            expires_at_ms=int(fields["expires"]),
-            now_ms=int(now),
-        )
+        fields = {_lenient_text(k): v for k, v in fields.items()}
+        now = int(now)
+        fencing, acquired, expires = (_whole(fields.get(f)) for f in
+                                      ("fencing", "acquired", "expires"))
+        try:
+            owner = json.loads(fields["owner"])
+        except (KeyError, ValueError, RecursionError):  # ValueError: bad JSON or UTF-8
+            owner = None
+        if (not isinstance(owner, dict) or "token" not in fields
+                or None in (fencing, acquired, expires)):
+            return self._unreadable(name, fields, now, expires)
+        return LockInfo(name=name, backend=self.alias, fencing_token=fencing, owner=owner,
+                        acquired_at_ms=acquired, expires_at_ms=expires, now_ms=now)
 
-    def _errors_as(self, action):
-        return self.translate_errors(*self._errors, action=action)
+    def _unreadable(self, name, fields, now, expires):
+        """LockInfo.unreadable for a record missing fields or holding bad values
+        (written by hand, say): stale, so listings show it and ``clear`` removes it,
+        unless its ``expires`` is readable and in the future. The scripts judge a lock
+        held by ``expires`` alone, so such a record blocks acquires: it is shown as
+        held, and only a forced release or ``clear(include_held=True)`` removes it."""
+        info = LockInfo.unreadable(name, self.alias, now,
+                                   {k: _lenient_text(v) for k, v in fields.items()})
+        if expires is not None and expires > now:
+            info = replace(info, expires_at_ms=expires)
+        return info
+
+    def _errors_as(self, action, name=None):
+        """A context that reports redis-py's errors (an eviction refusal too) as
+        LockBackendError naming the alias, ``action`` and the lock ``name``."""
+        return _ReportedAs(self, action, name)
 
     # -- the atomic operations ----------------------------------------------------
 
@@ -552,14 +1493,18 @@ class RedisBackend(BaseLockBackend):
 
         A refused caller that will retry (``wait`` > 0 or None) is queued: a release
         hands the lock straight to the longest-waiting queued caller (see :meth:`wait`).
+        Raises ValueError/TypeError for a bad ``ttl`` before anything is sent.
         """
-        conn = self.connection
-        wait_ms = -1 if wait is None else int(wait * 1000)
-        with self._errors_as(f"acquire {name!r}"):
+        ttl_ms = self.check_ttl(ttl)
+        # The script caps the wait at WAITER_MS anyway; capping here keeps an absurd
+        # one (a timeout of 1e20 s) a valid argument.
+        wait_ms = -1 if wait is None else int(min(max(wait, 0), WAITER_MS / 1000) * 1000)
+        with self._errors_as("acquire", name):
+            conn = self.connection
             try:
                 won, value = conn.acquire(
                     keys=self._keys(name),
-                    args=[token, ttl_to_ms(ttl), _owner_json(owner), self.retention_ms, wait_ms],
+                    args=[token, ttl_ms, _owner_json(owner), self.retention_ms, wait_ms],
                 )
             except self._network_errors:
                 # The script may have run before the connection broke: undo it (withdraw
@@ -574,11 +1519,10 @@ class RedisBackend(BaseLockBackend):
     def stop_waiting(self, name, token):
         """Withdraw ``token`` from the queue. Returns ``AcquireResult.won(fencing)`` if
         a release handed it the lock meanwhile (the caller holds it), else None."""
-        conn = self.connection
-        with self._errors_as(f"stop waiting for {name!r}"):
-            granted, fencing = conn.stop_waiting(
+        with self._errors_as("stop waiting for", name):
+            granted, fencing = self.connection.stop_waiting(
                 keys=[*self._keys(name), self._inbox_key(name, token)],
-                args=[token, self.retention_ms, self.wake_ms],
+                args=[token, self.retention_ms, self.wake_ms, self.fence_ms],
             )
         return AcquireResult.won(fencing) if granted else None
 
@@ -592,42 +1536,43 @@ class RedisBackend(BaseLockBackend):
 
     def _release(self, conn, name, token):
         return bool(conn.release(keys=self._keys(name),
-                                 args=[token, self.retention_ms, self.wake_ms]))
+                                 args=[token, self.retention_ms, self.wake_ms,
+                                       self.fence_ms]))
 
     def release(self, name, token):
         """Returns True if the record carried ``token`` and was deleted (or handed to
-        the longest-waiting queued caller)."""
-        conn = self.connection
-        with self._errors_as(f"release {name!r}"):
-            return self._release(conn, name, token)
+        the longest-waiting queued caller). Not retried after a connection error (see
+        _no_retry): the outcome is then unknown, and LockBackendError says so."""
+        with self._errors_as("release", name):
+            return self._release(self.connection, name, token)
 
     def extend(self, name, token, ttl):
-        """Returns True if the record carried ``token`` and now expires at now + ttl."""
-        conn = self.connection
+        """Returns True if the record carried ``token`` and now expires at now + ttl.
+        Raises ValueError/TypeError for a bad ``ttl`` before anything is sent."""
+        ttl_ms = self.check_ttl(ttl)
         lock_key = self._keys(name)[0]
-        with self._errors_as(f"extend {name!r}"):
-            return bool(conn.extend(keys=[lock_key],
-                                    args=[token, ttl_to_ms(ttl), self.retention_ms]))
+        with self._errors_as("extend", name):
+            return bool(self.connection.extend(keys=[lock_key],
+                                               args=[token, ttl_ms, self.retention_ms]))
 
     def owns(self, name, token):
         """Returns True if ``name`` is held, not expired, under ``token``."""
-        conn = self.connection
-        with self._errors_as(f"check {name!r}"):
-            return bool(conn.owns(keys=[self._keys(name)[0]], args=[token]))
+        with self._errors_as("check", name):
+            return bool(self.connection.owns(keys=[self._keys(name)[0]], args=[token]))
 
     def get(self, name):
         """Returns the LockInfo of ``name`` (held or stale), or None."""
-        conn = self.connection
-        with self._errors_as(f"get {name!r}"):
-            now, fields = conn.get(keys=[self._keys(name)[0]])
+        with self._errors_as("get", name):
+            now, fields = self.connection.get(keys=[self._keys(name)[0]])
         return self._info(name, fields, now) if fields else None
 
     def delete(self, name):
         """Force-release ``name`` (a queued waiter gets it next). Returns the removed
         LockInfo or None."""
-        conn = self.connection
-        with self._errors_as(f"delete {name!r}"):
-            now, fields = conn.delete(keys=self._keys(name), args=[self.retention_ms, self.wake_ms])
+        with self._errors_as("delete", name):
+            now, fields = self.connection.delete(keys=self._keys(name),
+                                                 args=[self.retention_ms, self.wake_ms,
+                                                       self.fence_ms])
         return self._info(name, fields, now) if fields else None
 
     # -- listing and clearing -----------------------------------------------------
@@ -639,93 +1584,163 @@ class RedisBackend(BaseLockBackend):
         get_primaries = getattr(conn.client, "get_primaries", None)
         if get_primaries is None:
             return [conn.client]
-        return [node.redis_connection for node in get_primaries()]
+        return [conn.client.get_redis_connection(node) for node in get_primaries()]
 
-    def _scan_batches(self, client, name_glob):
-        """Yield lists of lock keys matching ``name_glob`` on ``client`` (one server),
-        one SCAN batch at a time."""
-        match = f"{self._match_head}{name_glob or '*'}}}:lock"
-        cursor = 0
-        while True:
-            cursor, keys = client.scan(cursor, match=match, count=SCAN_COUNT, _type="hash")
-            if keys:
-                yield keys
-            if int(cursor) == 0:
-                return
+    def _scan_all(self, action, glob):
+        """Yield ``(client, keys, names)`` per SCAN batch of every server (see
+        _scan_clients), ``names`` those of the lock keys whose name ``glob`` matches
+        (every one when ``glob`` is None).
 
-    def _scan_all(self, conn, name_glob):
-        """Yield ``(client, keys)`` SCAN batches of every server (see _scan_clients)."""
-        for client in self._scan_clients(conn):
-            for keys in self._scan_batches(client, name_glob):
-                yield client, keys
+        ``SCAN MATCH`` only narrows the scan to the glob's literal prefix, escaped
+        (redis_match: a superset of its matches); Glob.match decides, in Python.
+        """
+        match = f"{self._match_head}{redis_match(glob) if glob is not None else '*'}}}:lock"
+        with self._errors_as(action):
+            clients = self._scan_clients(self.connection)
+        for client in clients:
+            cursor = 0
+            while True:
+                with self._errors_as(action):
+                    # Of any type: a lock key that is not a hash (written by hand)
+                    # is shown, and cleared, as an unreadable record.
+                    cursor, keys = client.scan(cursor, match=match, count=SCAN_COUNT)
+                found = [(key, self._name_from_key(key)) for key in keys]
+                if glob is not None:
+                    found = [(key, name) for key, name in found if glob.match(name)]
+                if found:
+                    yield client, [key for key, _ in found], [name for _, name in found]
+                if int(cursor) == 0:
+                    break
 
     def list(self, *, state=None, name_glob=None):
         """Yield a LockInfo per record (held and stale), one SCAN batch at a time.
 
         Unsorted; SCAN may, rarely, return a key twice (while Redis rehashes).
-        Raises ValueError for an unknown ``state``.
+        Raises ValueError for an unknown ``state`` or a malformed ``name_glob`` at
+        once, before anything is sent. A record that cannot be parsed is listed as
+        LockInfo.unreadable.
         """
         if state is not None and state not in STATES:
             raise ValueError(f"state must be one of {STATES}, got {state!r}.")
-        return self._iter_infos(state, name_glob)
+        glob = compile_glob(name_glob) if name_glob else None
+        return self._iter_infos(state, glob)
 
-    def _iter_infos(self, state, name_glob):
-        conn = self.connection
-        with self._errors_as("list"):
-            for client, keys in self._scan_all(conn, name_glob):
-                pipe = client.pipeline(transaction=False)
-                for key in keys:
-                    pipe.hgetall(key)
-                pipe.time()
-                *records, (seconds, micros) = pipe.execute()
-                now = int(seconds) * 1000 + int(micros) // 1000
-                for key, fields in zip(keys, records):
-                    if not fields:  # released between SCAN and HGETALL
-                        continue
-                    info = self._info(self._name_from_key(key), fields, now)
-                    if state is None or info.state == state:
-                        yield info
+    def _iter_infos(self, state, glob):
+        for client, keys, names in self._scan_all("list", glob):
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hgetall(key)
+            pipe.time()
+            with self._errors_as("list"):
+                # A key of another type under the name (written by hand) answers
+                # WRONGTYPE: an unreadable record, not a failed listing.
+                *records, (seconds, micros) = pipe.execute(raise_on_error=False)
+            now = int(seconds) * 1000 + int(micros) // 1000
+            for name, fields in zip(names, records):
+                if isinstance(fields, redis.exceptions.ResponseError):
+                    fields = {"error": str(fields)}
+                if not fields:  # released between SCAN and HGETALL
+                    continue
+                if not _is_text(name):
+                    info = LockInfo.unreadable(printable_name(name), self.alias, now, fields)
+                else:
+                    info = self._info(name, fields, now)
+                if state is None or info.state == state:
+                    yield info
 
     def clear(self, *, include_held=False, name_glob=None, older_than=None, dry_run=False,
               progress=None):
         """Remove stale records (held ones too with ``include_held``) and return a
         ClearResult. Each key is re-checked atomically by a script at removal time;
-        ``:fence`` keys and keys outside the prefix are never touched."""
-        conn = self.connection
+        ``:fence`` keys and keys outside the prefix are never touched. Unreadable
+        records are stale (see _unreadable). Raises ValueError for a malformed
+        ``name_glob`` or a negative ``older_than`` before anything is sent."""
+        glob = compile_glob(name_glob) if name_glob else None
+        if older_than is None:
+            older_than_ms = ""
+        elif (isinstance(older_than, numbers.Real) and not isinstance(older_than, bool)
+              and older_than >= 0):
+            # Beyond the scripts' limit (31 years) nothing is that old anyway.
+            older_than_ms = int(min(older_than * 1000, MAX_SCRIPT_MS))
+        else:
+            raise ValueError(f"older_than must be None or a number of seconds >= 0, got "
+                             f"{older_than!r}.")
         result = ClearResult(self.alias)
-        older_than_ms = "" if older_than is None else int(older_than * 1000)
         args = [int(bool(include_held)), self.retention_ms, self.wake_ms, older_than_ms,
-                int(bool(dry_run))]
+                int(bool(dry_run)), self.fence_ms]
         with self._errors_as("clear"):
-            for client, keys in self._scan_all(conn, name_glob):
-                # One script call per key, pipelined: each is atomic, and per-key calls
-                # keep each script's keys in one Cluster slot (of the node scanned).
-                pipe = client.pipeline(transaction=False)
-                names = [self._name_from_key(key) for key in keys]
-                for name in names:
-                    conn.clear(keys=self._keys(name), args=args, client=pipe)
-                removed = [name for name, done in zip(names, pipe.execute()) if done]
-                if removed:
-                    result.names.extend(removed)
-                    if progress is not None:
-                        progress(removed)
+            conn = self.connection
+        for client, _, names in self._scan_all("clear", glob):
+            # One script call per key, pipelined: each is atomic, and per-key calls
+            # keep each script's keys in one Cluster slot (of the node scanned).
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                conn.clear(keys=scanned_keys(self.key_prefix, name), args=args, client=pipe)
+            with self._errors_as("clear"):
+                done = pipe.execute()
+            removed = [printable_name(name) for name, removed in zip(names, done) if removed]
+            if removed:
+                result.names.extend(removed)
+                if progress is not None:
+                    progress(removed)
+        if not dry_run:
+            self._drop_legacy_fences(glob)
         return result
+
+    def _drop_legacy_fences(self, glob):
+        """Remove the fence counters of django-setnx 0.1, which had no expiry (one per
+        name ever locked). Today's ``P:{N}:fence`` keys always have one, and every
+        token minted now is larger than any such counter (a µs clock)."""
+        match = f"{self._match_head}{redis_match(glob) if glob is not None else '*'}}}:fence"
+        with self._errors_as("clear"):
+            clients = self._scan_clients(self.connection)
+            for client in clients:
+                cursor = 0
+                while True:
+                    cursor, keys = client.scan(cursor, match=match, count=SCAN_COUNT,
+                                               _type="string")
+                    if glob is not None:
+                        head, tail = len(self.key_prefix) + 2, -len("}:fence")
+                        keys = [key for key in keys if glob.match(_text(key)[head:tail])]
+                    if keys:
+                        pipe = client.pipeline(transaction=False)
+                        for key in keys:
+                            pipe.pttl(key)
+                        legacy = [key for key, ttl in zip(keys, pipe.execute()) if ttl == -1]
+                        # One key per command: on a Cluster, keys of different slots.
+                        pipe = client.pipeline(transaction=False)
+                        for key in legacy:
+                            pipe.unlink(key)
+                        pipe.execute()
+                    if int(cursor) == 0:
+                        break
 
     # -- waiting ------------------------------------------------------------------
 
     def wait(self, name, *, token, attempt, max_wait, retry_after):
         """Block on ``token``'s inbox until a release hands it the lock, the holder's
-        expiry, ``max_wait`` or ``WAIT_BLOCK`` (then the caller retries, which keeps
-        it queued). Returns ``AcquireResult.won(fencing)`` when handed the lock."""
-        conn = self.connection
-        timeout = min(WAIT_BLOCK, conn.max_block)
-        if retry_after is not None:
-            timeout = min(timeout, max(retry_after, 0) + 0.001)
-        if max_wait is not None:
-            timeout = min(timeout, max_wait)
-        if timeout <= 0:
-            return None
-        with self._errors_as(f"wait for {name!r}"):
-            reply = conn.client.blpop([self._inbox_key(name, token)],
-                                      timeout=max(timeout, MIN_BLOCK))
-        return None if reply is None else AcquireResult.won(int(reply[1]))
+        expiry, ``max_wait`` or ``WAIT_BLOCK``. Returns None: the caller retries at
+        once, which keeps it queued, and confirms a lock handed to it (a claim, see
+        _GRANT) or takes over one whose claim lapsed. Also None when the connection
+        broke while blocked: the retry reconnects and finds out (if a release handed
+        us the lock, even one whose signal this BLPOP popped before the reply was
+        lost, ACQUIRE sees our token; if the server is down, it raises
+        LockBackendError)."""
+        with self._errors_as("wait for", name):
+            conn = self.connection
+            timeout = _block_timeout(conn, max_wait, retry_after)
+            if timeout is None:
+                return None
+            inbox = self._inbox_key(name, token)
+            started = time.monotonic()
+            try:
+                reply = conn.client.blpop([inbox], timeout=timeout)
+                if reply is not None and _is_claim_notice(reply[1]):
+                    # Handed to the waiter ahead of us: wait out its claim (a handoff
+                    # to us, or a release, still wakes us at once).
+                    timeout = _claim_timeout(conn, _left(max_wait, started))
+                    if timeout is not None:
+                        conn.client.blpop([inbox], timeout=timeout)
+            except self._network_errors:
+                return None
+        return None

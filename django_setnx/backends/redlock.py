@@ -16,6 +16,8 @@ Settings::
             "CLOCK_DRIFT_FACTOR": 0.01,  # drift allowance: ttl * factor + 2 ms
             "MAX_TTL": 3600,             # longest ttl; also how long a restarted node sits out
             "STALE_RETENTION": 86400,    # seconds an expired record stays visible as stale
+            "FENCING_RETENTION": 60,     # seconds a released lock's fencing token is remembered
+            "ALLOW_EVICTION": False,     # True: accept masters that may evict keys
             "CONNECTION_KWARGS": {},     # for every node's redis.Redis.from_url
         },
     }
@@ -24,11 +26,12 @@ The algorithm (antirez' Redlock, with the refinements below):
 
 - **Acquire** mints one token and sends the Redis backend's own ``ACQUIRE`` script
   (same keys ``P:{N}:lock``/``P:{N}:fence``, same Lua, imported from
-  :mod:`django_setnx.backends.redis`) to every node *in parallel*: one connection per
-  node, every request written before any reply is read, so a round costs one network
-  round trip however many nodes there are. A node that has not replied within
-  ``NODE_TIMEOUT`` counts as a no. The lock is won only if a majority
-  (``N // 2 + 1``) granted it **and** its validity ``ttl - elapsed - drift`` (drift =
+  :mod:`django_setnx.backends.redis`, wrapped with the node check described under
+  "Delayed restarts") to every node *in parallel*: one connection per node, every
+  request written before any reply is read, so a round costs one network round trip
+  however many nodes there are. A node that has not replied within ``NODE_TIMEOUT``
+  counts as not answering. The lock is won only if a majority (``N // 2 + 1``)
+  granted it **and** its validity ``ttl - elapsed - drift`` (drift =
   ``ttl * CLOCK_DRIFT_FACTOR + 2 ms``) is still positive; otherwise every node that
   may have granted it is asked to release it, and the attempt reports contention
   (``retry_after`` = the smallest remainder a holder's node reported). The
@@ -38,36 +41,72 @@ The algorithm (antirez' Redlock, with the refinements below):
   False (the Lock raises ``LockNotOwned`` and marks the lock lost) after releasing
   what is left of it. ``owns`` needs a majority; ``get``/``list`` show the majority
   view; ``delete``/``clear`` act on every node.
-- **Failure reporting**: when not one node answered, operations raise
-  ``LockBackendError``. When some answered but no majority granted, ``acquire``
-  reports contention (``acquire()`` returns False, ``with lock(...)`` raises
-  ``LockNotAcquired`` once its timeout is spent).
+- **Quorum errors.** When fewer than a majority of the nodes answer, no operation
+  can tell anything, so acquire, release, extend, owns, get, delete, list and clear
+  raise ``LockBackendError`` at once, naming the alias and each node that failed
+  and why (refused connection, timeout, an error reply, or the eviction refusal
+  below). A contention is only ever reported by a majority that answered.
 
-**Fencing tokens** strictly increase as long as the nodes keep their data: each node ``INCR``\\ s its own counter and the token is the largest value among
-the nodes that granted. If the granting nodes returned different values, a second
-parallel round raises each granting node's counter (and record) to the token before
-the acquire returns, and the lock is only won if a majority confirm it. So after
-every acquire a majority of nodes count at least the token; any later majority
-shares at least one node with it (two majorities of the same N always intersect),
-and that node's ``INCR`` is larger than the token — hence the next token is too.
-(A node restarted empty rejoins with its counters at zero; a token can then only go
-backwards if the next majority holds no node that counted the latest one.)
+**Connections and forks.** Each node's connections are made by redis-py (a
+``redis.Redis.from_url`` client's connection class and options: handshake, AUTH,
+SELECT, TLS) and kept by :mod:`~django_setnx.backends.redlock_wire`, the socket
+layer of the rounds: one connection per node per round, every request written
+before any reply is read, all replies awaited against one deadline. A connection
+whose round failed or ran out of time is disconnected, never kept with a reply
+unread. Each connection carries the pid that opened it, and a process never uses
+another's: after a fork (gunicorn ``--preload``, Celery prefork,
+``multiprocessing``) the child drops the inherited connections unused and opens its
+own, so a parent and its child never read each other's replies. (The module's
+docstring says why it is not redis-py's ConnectionPool: the cost per round.)
+
+**Timeouts.** ``NODE_TIMEOUT`` is the deadline of a lock round (acquire, release,
+extend, owns, get, delete: every node's replies, counted from the writes), and the
+connect and socket timeout of node connections (``socket_connect_timeout``,
+``socket_timeout``: connecting, a new connection's handshake and checks, and the
+writes over TLS). ``list`` and ``clear`` walk each node with ``SCAN`` calls of
+``SCAN_COUNT`` keys that may take ``max(1 s, 4 * NODE_TIMEOUT)`` each, then read the
+records found in batch rounds (one script per record on every node) that may take
+``BATCH_TIMEOUT`` (10 s) each. ``CONNECTION_KWARGS`` may override ``socket_timeout``
+and ``socket_connect_timeout``; the rounds' deadlines stay as they are.
+
+**Eviction.** A master whose ``maxmemory-policy`` may evict keys could drop a held
+lock and let a second holder in. Every new connection to a node (the first use
+included) reads its ``maxmemory`` and policy before it is used, and a node that may
+evict is refused: it counts as not answering, with the reason in the quorum error
+and in an error logged by ``django_setnx``. ``OPTIONS["ALLOW_EVICTION"] = True``
+accepts the risk.
+
+**Fencing tokens** are the Redis backend's hybrid clock on each node (its clock in
+µs, or its last token for the name plus one if that is larger), and a lock's token
+is the largest that its granting majority minted. A release tells every node that
+token, and each remembers it (``P:{N}:fence``, for ``FENCING_RETENTION``) if it is
+larger than its own; so does a forced release or ``clear`` (with the majority
+view's token). Any later majority shares a node with the majority that released
+(two majorities of the same N always intersect), and that node mints above the
+token — hence the next token is larger. A lock that is never released (its holder
+died) is taken over after its ttl, by which time every node's clock has moved on by
+the ttl: the next token is larger as long as the masters' clocks agree within the
+lock's ttl (NTP does far better). Nothing per name is kept longer than
+``FENCING_RETENTION`` after its last use.
 
 **Delayed restarts.** A master that restarts without its data (no persistence, or
 ``appendfsync`` that lost the last writes) forgets the locks it granted, so the
 holder's majority may shrink to a minority while another client gathers a new
 majority with the amnesiac node's help: two holders. Hence every node carries a
 marker key ``P:__node__`` holding ``trusted_after`` (ms, by that node's own clock).
-The first client that finds it missing — a fresh or restarted-empty node — sets it
-to ``node_now + MAX_TTL``; until then the node's grants count as a **no** (and are
-released at once), though it still receives releases. Every lock it may have
-forgotten had a ttl <= ``MAX_TTL`` (larger ttls raise ``ValueError``), so by then
-they have all expired. The rule lives on the node and uses the node's clock, so
+The acquire script of the first client that finds it missing — a fresh or
+restarted-empty node — sets it to ``node_now + MAX_TTL``; until then the node grants
+nothing (its vote is a no), though it still receives releases. Every lock it may
+have forgotten had a ttl <= ``MAX_TTL`` (larger ttls raise ``ValueError``), so by
+then they have all expired. The rule lives on the node and uses the node's clock, so
 every client honours it, whichever client noticed the restart. A node that restarts
 *with* its data (AOF with ``appendfsync always``) keeps its marker and is trusted at
-once. A brand-new set has no markers either: after deploying fresh masters (when
-no lock can be held yet), call :meth:`RedlockBackend.trust_nodes` once, or wait
-``MAX_TTL``. ``list`` and ``clear`` never see the marker (it is not a lock key).
+once. When the trusted nodes that answered cannot form a majority because some of
+them sit out, acquire raises ``LockBackendError`` naming those nodes and when each
+votes again. A brand-new set has no markers either: after deploying fresh masters
+(when no lock can be held yet), run ``manage.py trustlocknodes`` once (or call
+:meth:`RedlockBackend.trust_nodes`), or wait ``MAX_TTL``. ``list`` and ``clear``
+never see the marker (it is not a lock key).
 
 Limits (see the README, "Scaling out"): Redlock assumes bounded clock drift and
 process pauses shorter than the validity; a holder paused past its ttl loses the
@@ -76,24 +115,26 @@ can catch.
 """
 
 import hashlib
-import inspect
 import json
 import logging
 import math
 import numbers
-import select
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
 
 from ..exceptions import LockBackendError
+from ..globs import compile_glob, escape, redis_match
 from ..validation import ttl_to_ms
 from .base import STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo
 from .redis import (
     ACQUIRE,
+    ALLOW_EVICTION_OPTION,
     CLEAR,
+    DEFAULT_FENCING_RETENTION,
     DEFAULT_KEY_PREFIX,
     DEFAULT_STALE_RETENTION,
     DELETE,
@@ -102,49 +143,77 @@ from .redis import (
     OWNS,
     RELEASE,
     SCAN_COUNT,
-    _escape_glob,
     _owner_json,
     _text,
+    eviction_refusal,
     lock_keys,
     name_from_lock_key,
+    read_eviction_settings,
     require_redis_py,
 )
 
 try:
     import redis
     from redis.backoff import NoBackoff
-    from redis.exceptions import NoScriptError
+    from redis.commands import CoreCommands
+    from redis.exceptions import NoScriptError, ResponseError
     from redis.retry import Retry
+
+    from . import redlock_wire as wire
 except ImportError:  # reported by check_params (E030) and on first use
     redis = None
+    CoreCommands = object
 
 logger = logging.getLogger("django_setnx")
 
 DEFAULT_NODE_TIMEOUT = 0.1
 DEFAULT_CLOCK_DRIFT_FACTOR = 0.01
-DEFAULT_MAX_TTL = 3600
+#: Default of OPTIONS["MAX_TTL"]: also how long a restarted node sits out, so far
+#: shorter than the other backends' default.
+DEFAULT_MAX_TTL = 3600.0
 #: Fixed part of the drift allowance, in ms (Redis' PX resolution and TIME rounding).
 DRIFT_MS = 2
-#: Seconds a batch round of list/clear may take (many scripts per node).
+#: Seconds a batch round of list/clear (up to SCAN_COUNT scripts per node) may take.
 BATCH_TIMEOUT = 10.0
+#: Least time one SCAN call may take (it is max(this, 4 * NODE_TIMEOUT)).
+MIN_SCAN_TIMEOUT = 1.0
 MARKER_SUFFIX = "__node__"
-OPTION_NAMES = {"NODE_TIMEOUT", "CLOCK_DRIFT_FACTOR", "MAX_TTL", "STALE_RETENTION",
-                "CONNECTION_KWARGS"}
-#: Seconds between two warnings about the same untrusted node.
+OPTION_NAMES = {"NODE_TIMEOUT", "CLOCK_DRIFT_FACTOR", "STALE_RETENTION", "FENCING_RETENTION",
+                "CONNECTION_KWARGS", ALLOW_EVICTION_OPTION}
+#: How many granted fencing tokens this process remembers until their release (a
+#: lock that is never released is forgotten first).
+FENCING_MEMORY = 10_000
+#: Seconds between two log messages about the same node and the same problem.
 WARN_EVERY = 60.0
+#: The command that marks a brand-new set of masters trusted.
+TRUST_COMMAND = "trustlocknodes"
 
-# KEYS: marker. ARGV: max_ttl_ms. Creates a missing marker (a fresh or restarted-empty
-# node) as "trusted after node_now + max_ttl". Returns the ms until the node is
-# trusted (<= 0: trusted now).
-NODE_CHECK = """
+# KEYS: those of ACQUIRE, then the node's marker, last. ARGV: those of ACQUIRE, then
+# max_ttl_ms, last (last, so ACQUIRE's own keys and arguments keep their positions).
+# A node without a marker (fresh, or restarted empty) gets one saying "trusted after
+# node_now + MAX_TTL"; a node not trusted yet grants nothing and returns
+# {0, 0, ms until it votes}. Otherwise ACQUIRE runs: {won, fencing or ms until the
+# holder's expiry, 0}.
+NODE_ACQUIRE = f"""
+local marker = KEYS[#KEYS]
 local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local after = tonumber(redis.call('GET', KEYS[1]))
+local node_now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local after = tonumber(redis.call('GET', marker))
 if not after then
-  after = now + tonumber(ARGV[1])
-  redis.call('SET', KEYS[1], after)
+  after = node_now + tonumber(ARGV[#ARGV])
+  redis.call('SET', marker, after)
 end
-return after - now
+if after > node_now then
+  return {{0, 0, after - node_now}}
+end
+local function acquire()
+{ACQUIRE}
+end
+local reply = acquire()
+if reply.err then
+  return reply
+end
+return {{reply[1], reply[2], 0}}
 """
 
 # KEYS: marker. Marks the node trusted now (trust_nodes: a brand-new set). Returns 1.
@@ -154,22 +223,12 @@ redis.call('SET', KEYS[1], tonumber(t[1]) * 1000 - 1)
 return 1
 """
 
-# KEYS: lock, fence. ARGV: token, fencing. Raises the fence counter to at least
-# ``fencing`` and, if the record is still ours, sets its fencing field to it.
-# Returns 1 if the record still carries our token, else 0.
-RAISE_FENCE = """
-local fencing = tonumber(ARGV[2])
-local current = tonumber(redis.call('GET', KEYS[2]) or '0')
-if current < fencing then
-  redis.call('SET', KEYS[2], fencing)
-end
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then
-  return 0
-end
-redis.call('HSET', KEYS[1], 'fencing', fencing)
-return 1
+# KEYS: marker. Returns {node_now_ms, trusted_after_ms or false}; writes nothing.
+NODE_STATUS = """
+local t = redis.call('TIME')
+return {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000),
+        redis.call('GET', KEYS[1])}
 """
-
 
 class _Script:
     __slots__ = ("sha", "text")
@@ -180,89 +239,103 @@ class _Script:
 
 
 _ACQUIRE, _RELEASE, _EXTEND, _OWNS, _GET, _DELETE, _CLEAR = (
-    _Script(s) for s in (ACQUIRE, RELEASE, EXTEND, OWNS, GET, DELETE, CLEAR)
+    _Script(s) for s in (NODE_ACQUIRE, RELEASE, EXTEND, OWNS, GET, DELETE, CLEAR)
 )
-_NODE_CHECK, _TRUST, _RAISE_FENCE = (_Script(s) for s in (NODE_CHECK, TRUST, RAISE_FENCE))
-_ALL_SCRIPTS = (_ACQUIRE, _RELEASE, _EXTEND, _OWNS, _GET, _DELETE, _CLEAR, _NODE_CHECK,
-                _TRUST, _RAISE_FENCE)
+_TRUST, _STATUS = (_Script(s) for s in (TRUST, NODE_STATUS))
+_ALL_SCRIPTS = (_ACQUIRE, _RELEASE, _EXTEND, _OWNS, _GET, _DELETE, _CLEAR, _TRUST, _STATUS)
 
 
 if redis is not None:
-    try:
-        import hiredis
-    except ImportError:
-        hiredis = None
-    #: redis-py >= 5.1 reads a reply with a per-call timeout.
-    _READ_TIMEOUT = "timeout" in inspect.signature(
-        redis.connection.Connection.read_response).parameters
+
+    class EvictionRefused(redis.exceptions.RedisError):
+        """A node that may evict keys (not a ConnectionError: never retried)."""
 
 
-def _read(conn, deadline):
-    """One reply from ``conn`` through redis-py, waiting until ``deadline``
-    (monotonic) at most (the path without hiredis, or over TLS)."""
-    timeout = max(deadline - time.monotonic(), 0.0001)
-    if _READ_TIMEOUT:
-        return conn.read_response(timeout=timeout)
-    if not conn.can_read(timeout=timeout):
-        raise redis.exceptions.TimeoutError(f"no reply within {timeout:g} s")
-    return conn.read_response()
+def _is_no_script(reply):
+    """True for a NOSCRIPT error reply (redis-py's NoScriptError, or the raw error of
+    the fast path): the script is not cached there, and nothing ran."""
+    return isinstance(reply, NoScriptError) or (
+        isinstance(reply, ResponseError) and str(reply).startswith("NOSCRIPT"))
 
 
-def _readable_fds(fds, timeout):
-    """The subset of ``fds`` with data (or EOF) to read, waiting ``timeout`` s at most."""
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        for fd in fds:
-            poller.register(fd, select.POLLIN)
-        return {fd for fd, _ in poller.poll(max(timeout, 0) * 1000)}
-    return set(select.select(list(fds), [], [], max(timeout, 0))[0])
-
-
-def _send_all(sock, data, deadline):
-    """Write ``data`` to a non-blocking socket by ``deadline`` (one ``send`` usually)."""
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[sock.send(view):]
-        except BlockingIOError:
-            pass
-        if view:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([], [sock], [], remaining)[1]:
-                raise redis.exceptions.TimeoutError("could not write the request in time")
-
-
-def _preload(conn):
-    """Cache every script on a freshly connected server (one pipelined round trip),
-    so no NOSCRIPT fallback lands inside a lock's validity window."""
-    conn.send_packed_command(conn.pack_commands([("SCRIPT", "LOAD", s.text)
-                                                 for s in _ALL_SCRIPTS]), check_health=False)
-    for _ in _ALL_SCRIPTS:
-        conn.read_response()
-
-
-def _ready(conn, fast):
-    """Connect ``conn`` if it is not (caching the scripts). On the fast path its
-    socket then turns non-blocking and gets a hiredis reader of our own: the
-    rounds run on the socket that redis-py connected and authenticated."""
-    if getattr(conn, "_sock", None) is not None:
-        return
-    conn.connect()
-    _preload(conn)
-    if fast:
-        conn._sock.setblocking(False)
-        conn.__dict__["_setnx_wire"] = (conn._sock, hiredis.Reader(), bytearray(65536))
+def _is_wrong_type(reply):
+    """True for the error of a script that met a key of another type where a lock
+    record should be (written by hand or by something else): a record of that node
+    that cannot be read, rather than a node that cannot answer."""
+    return isinstance(reply, ResponseError) and "WRONGTYPE" in str(reply)
 
 
 class _Results(dict):
-    """``{node index: replies or _NodeFailed}`` of one round, and when it started
+    """``{node index: replies or a wire.Failure}`` of one round, and when it started
     (monotonic seconds, taken just before the first request was written)."""
 
     started = None
 
 
-class _NodeFailed(Exception):
-    """A node did not answer (down, timed out, or replied with an error)."""
+class _OnConnection(CoreCommands):
+    """redis-py's commands, sent on one given connection and parsed as ``client``
+    parses them: for the checks that run on a connection while it is being set up."""
+
+    def __init__(self, client, connection):
+        self._client = client
+        self._connection = connection
+
+    def execute_command(self, *args, **options):
+        self._connection.send_command(*args, check_health=False)
+        return self._client.parse_response(self._connection, args[0], **options)
+
+
+class _Node:
+    """One master: its idle connections (a fork-safe :class:`wire.Server`), made by
+    redis-py from the node's URL and options. Every new connection passes through
+    :meth:`_on_connect` before it is used."""
+
+    def __init__(self, url, kwargs, alias, allow_eviction):
+        self.alias = alias
+        self.allow_eviction = allow_eviction
+        # The client parses the replies of _on_connect's checks; it never connects.
+        self.client = redis.Redis.from_url(url, **{**kwargs,
+                                                   "redis_connect_func": self._on_connect})
+        pool = self.client.connection_pool
+        ck = pool.connection_kwargs
+        self.label = ck.get("path") or f"{ck.get('host', '?')}:{ck.get('port', '?')}"
+        self.server = wire.Server(
+            self.label, lambda: pool.connection_class(**ck),
+            tls=issubclass(pool.connection_class, redis.connection.SSLConnection))
+        self._warned = {}  # problem -> monotonic time of its last log message
+
+    def __repr__(self):
+        return f"<node {self.label}>"
+
+    def _on_connect(self, conn):
+        """Set up a new connection: redis-py's handshake, then refuse a server that
+        may evict keys (unless ALLOW_EVICTION), then cache every script in one
+        pipelined round trip, so no NOSCRIPT fallback lands inside a lock's validity
+        window. Raising here makes redis-py drop the connection."""
+        conn.on_connect()
+        if not self.allow_eviction:
+            settings = read_eviction_settings(_OnConnection(self.client, conn))
+            refusal = eviction_refusal(self.alias, self.label, *settings)
+            if refusal:
+                self.log_once("eviction", logging.ERROR, "%s", refusal)
+                raise EvictionRefused(refusal)
+        conn.send_packed_command(conn.pack_commands([("SCRIPT", "LOAD", s.text)
+                                                     for s in _ALL_SCRIPTS]), check_health=False)
+        for _ in _ALL_SCRIPTS:
+            conn.read_response()
+
+    def log_once(self, problem, level, message, *args):
+        """Log ``message`` unless this node logged the same problem in the last
+        WARN_EVERY seconds."""
+        now = time.monotonic()
+        last = self._warned.get(problem)
+        if last is None or now - last >= WARN_EVERY:
+            self._warned[problem] = now
+            logger.log(level, message, *args)
+
+    def close(self):
+        self.server.close()
+        self.client.close()
 
 
 def _is_number(value, *, minimum=0.0, inclusive=False):
@@ -271,46 +344,30 @@ def _is_number(value, *, minimum=0.0, inclusive=False):
     return value >= minimum if inclusive else value > minimum
 
 
-class _Node:
-    """One master: a client (SCAN, pipelines, EVAL fallbacks) and a stack of idle
-    connections for the parallel rounds (checked out one per round, without the
-    pool's per-checkout health probe: a broken one fails the round for its node
-    and is dropped)."""
+@dataclass(frozen=True)
+class NodeStatus:
+    """Whether one master votes (see :meth:`RedlockBackend.node_status`).
 
-    def __init__(self, url, kwargs, node_timeout):
-        self.url = url
-        self.client = redis.Redis.from_url(url, **kwargs)
-        self.pool = self.client.connection_pool
-        ck = self.pool.connection_kwargs
-        self.label = ck.get("path") or f"{ck.get('host', '?')}:{ck.get('port', '?')}"
-        # A node that accepts connections but does not answer must not hold a round
-        # up for longer than NODE_TIMEOUT per new connection either.
-        self._round_kwargs = {**ck, "socket_timeout": node_timeout,
-                              "socket_connect_timeout": node_timeout}
-        self.warned_at = None
-        self._idle = []
+    ``votes_in`` is the seconds until it votes again by its own clock (0: it votes
+    now); None when it has no marker yet (brand-new or restarted empty: the first
+    acquire that reaches it makes it sit out ``MAX_TTL``) or when it did not answer,
+    then ``error`` says why.
+    """
 
-    def __repr__(self):
-        return f"<node {self.label}>"
+    label: str
+    votes_in: float | None = None
+    error: str | None = None
 
-    def take(self):
-        try:
-            return self._idle.pop()  # list.pop/append are atomic: thread-safe
-        except IndexError:
-            return self.pool.connection_class(**self._round_kwargs)
-
-    def give_back(self, conn):
-        self._idle.append(conn)
-
-    def close(self):
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.disconnect()
-        self.client.close()
+    @property
+    def trusted(self):
+        return self.error is None and self.votes_in == 0
 
 
 class RedlockBackend(BaseLockBackend):
     """Locks granted by a majority of N independent Redis masters (Redlock)."""
+
+    option_names = BaseLockBackend.option_names | frozenset(OPTION_NAMES)
+    default_max_ttl = DEFAULT_MAX_TTL
 
     wakes_waiters = False
 
@@ -320,8 +377,6 @@ class RedlockBackend(BaseLockBackend):
         location = params.get("LOCATION")
         if isinstance(location, str) or not isinstance(location, (list, tuple)) \
                 or len(location) < 3:
-            from django.core.exceptions import ImproperlyConfigured
-
             raise ImproperlyConfigured(
                 f"SETNX_LOCKS[{alias!r}]['LOCATION'] must be a list of at least 3 redis:// "
                 f"URLs of independent masters, got {location!r}."
@@ -331,22 +386,17 @@ class RedlockBackend(BaseLockBackend):
         opts = self.options
         self.node_timeout = float(opts.get("NODE_TIMEOUT", DEFAULT_NODE_TIMEOUT))
         self.drift_factor = float(opts.get("CLOCK_DRIFT_FACTOR", DEFAULT_CLOCK_DRIFT_FACTOR))
-        self.max_ttl = float(opts.get("MAX_TTL", DEFAULT_MAX_TTL))
+        self.allow_eviction = opts.get(ALLOW_EVICTION_OPTION, False) is True
         self.max_ttl_ms = ttl_to_ms(self.max_ttl)
         self.retention_ms = ttl_to_ms(opts.get("STALE_RETENTION", DEFAULT_STALE_RETENTION))
-        if self.default_ttl > self.max_ttl:
-            from django.core.exceptions import ImproperlyConfigured
-
-            raise ImproperlyConfigured(
-                f"SETNX_LOCKS[{alias!r}]['TTL'] = {self.default_ttl:g} s is above "
-                f"OPTIONS['MAX_TTL'] = {self.max_ttl:g} s."
-            )
+        self.fence_ms = ttl_to_ms(opts.get("FENCING_RETENTION", DEFAULT_FENCING_RETENTION))
+        # token -> the fencing token this process was granted for it, until released.
+        self._fencing_of = _BoundedMap(FENCING_MEMORY)
+        self.scan_timeout = max(MIN_SCAN_TIMEOUT, 4 * self.node_timeout)
         self.quorum = len(self.locations) // 2 + 1
         self.marker_key = f"{self.key_prefix}:{MARKER_SUFFIX}"
-        self._match_head = _escape_glob(self.key_prefix) + ":{"
-        self._errors = (redis.exceptions.RedisError, OSError)
+        self._match_head = escape(self.key_prefix) + ":{"
         self._nodes = None
-        self._fast = False
         self._nodes_lock = threading.Lock()
 
     def __repr__(self):
@@ -357,7 +407,8 @@ class RedlockBackend(BaseLockBackend):
     @classmethod
     def check_params(cls, alias, params):
         """Return ``checks`` messages (ids ``django_setnx.E030``-``E039``, ``W030``)
-        for this alias' settings. Never connects."""
+        for this alias' settings. Never connects. (Unknown OPTIONS keys are warned
+        about by the common checks, from ``option_names``.)"""
         where = f"SETNX_LOCKS[{alias!r}]"
         errors = []
 
@@ -413,10 +464,10 @@ class RedlockBackend(BaseLockBackend):
             error("E038", f"{where}['TTL'] = {ttl!r} s is above OPTIONS['MAX_TTL'] = "
                           f"{max_ttl!r} s.",
                   hint="MAX_TTL bounds every ttl and is how long a restarted node sits out.")
-        unknown = sorted(set(options) - OPTION_NAMES)
-        if unknown:
-            error("E039", f"{where}['OPTIONS'] has unknown keys {unknown}.",
-                  hint=f"Known options: {sorted(OPTION_NAMES)}.")
+        allow = options.get(ALLOW_EVICTION_OPTION, False)
+        if not isinstance(allow, bool):
+            error("E039", f"{where}['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] must be True or "
+                          f"False, got {allow!r}.")
         return errors
 
     # -- connections --------------------------------------------------------------
@@ -430,21 +481,17 @@ class RedlockBackend(BaseLockBackend):
                 nodes = self._nodes
                 if nodes is None:
                     kwargs = {
-                        # For SCAN batches and EVAL fallbacks; the rounds' connections
-                        # wait NODE_TIMEOUT at most (see _Node and _round).
-                        "socket_timeout": max(1.0, self.node_timeout * 4),
-                        "socket_connect_timeout": max(1.0, self.node_timeout * 4),
-                        # A retried command would be invisible to the quorum logic.
+                        # Connecting and a new connection's handshake wait NODE_TIMEOUT
+                        # at most; a round's replies are awaited until its deadline.
+                        "socket_timeout": self.node_timeout,
+                        "socket_connect_timeout": self.node_timeout,
+                        # A retried connect would hold a round up; a down node is a no.
                         "retry": Retry(NoBackoff(), 0),
                         **self.options.get("CONNECTION_KWARGS", {}),
                     }
-                    nodes = [_Node(url, kwargs, self.node_timeout) for url in self.locations]
-                    # The fast path needs hiredis and plain sockets (TLS sockets
-                    # buffer decrypted data that poll() cannot see).
-                    self._fast = hiredis is not None and not any(
-                        issubclass(node.pool.connection_class, redis.connection.SSLConnection)
-                        for node in nodes)
-                    self._nodes = nodes
+                    nodes = self._nodes = [
+                        _Node(url, kwargs, self.alias, self.allow_eviction)
+                        for url in self.locations]
         return nodes
 
     def close(self):
@@ -461,384 +508,290 @@ class RedlockBackend(BaseLockBackend):
     def _name_from_key(self, key):
         return name_from_lock_key(self.key_prefix, key)
 
-    def _check_ttl(self, ttl, action):
-        if ttl > self.max_ttl:
-            raise ValueError(
-                f"Cannot {action} with ttl {ttl:g} s on SETNX_LOCKS[{self.alias!r}]: it is "
-                f"above OPTIONS['MAX_TTL'] = {self.max_ttl:g} s."
-            )
-        return ttl_to_ms(ttl)
-
     # -- the parallel round -------------------------------------------------------
 
-    def _round(self, calls, timeout=None):
+    def _round(self, calls, timeout=None, wrong_type_is_a_reply=False):
         """Run ``calls`` (``{node index: [(script, keys, args), ...]}``; a plain
         command is ``(None, (command, *args), ())``) on the nodes in parallel and
-        return ``{node index: [reply, ...] or _NodeFailed}``.
+        return ``{node index: [reply, ...] or wire.Failure}``.
 
         Every node's commands are written (pipelined) before any reply is read, then
         the replies are awaited against one deadline, ``timeout`` (default
-        ``NODE_TIMEOUT``) after the writes: one network round trip in all. A node
-        that is down, too slow or replies with an error fails as a whole; its
-        connection is dropped (an unread reply must never reach the next caller).
-        The result's ``started`` is taken after connecting, before the first write.
+        ``NODE_TIMEOUT``) after the writes: one network round trip in all (see
+        :mod:`~django_setnx.backends.redlock_wire`). A node that is down, too slow
+        or replies with an error fails as a whole, except that with
+        ``wrong_type_is_a_reply`` a WRONGTYPE error stays in its replies (a record
+        that cannot be read). The result's ``started`` is taken after connecting,
+        before the first write. A call list shared by several nodes is packed once.
         """
         nodes = self.nodes
-        fast = self._fast
-        results = _Results()
-        taken = []
+        commands = {}  # id(calls list) -> its commands
+        requests = {}
         for index, node_calls in calls.items():
-            node = nodes[index]
-            conn = node.take()
-            try:
-                # Connect (and cache the scripts) before the clock starts: only the
-                # requests themselves count against a lock's validity.
-                _ready(conn, fast)
-            except self._errors as exc:
-                self._failed(results, index, node, conn, exc)
+            node_commands = commands.get(id(node_calls))
+            if node_commands is None:
+                node_commands = commands[id(node_calls)] = [
+                    ("EVALSHA", script.sha, len(keys), *keys, *args) if script else keys
+                    for script, keys, args in node_calls]
+            requests[index] = (nodes[index].server, node_commands)
+        replies, started = wire.round_trip(
+            requests, self.node_timeout if timeout is None else timeout)
+        results = _Results(replies)
+        results.started = started
+        missing = {}  # node index -> call numbers that got NOSCRIPT
+        for index, node_replies in replies.items():
+            if isinstance(node_replies, wire.Failure):
                 continue
-            taken.append((index, node, conn, node_calls))
-        # An idle connection has nothing to read: if it has (EOF: the server restarted
-        # or closed it), reconnect it now rather than fail the round. One poll for all.
-        try:
-            stale = _readable_fds([conn._sock.fileno() for _, _, conn, _ in taken], 0)
-        except (OSError, ValueError):
-            stale = {None}
-        if stale:
-            for entry in list(taken):
-                index, node, conn, _ = entry
-                try:
-                    if stale == {None} or conn._sock.fileno() in stale:
-                        conn.disconnect()
-                        _ready(conn, fast)
-                except self._errors as exc:
-                    taken.remove(entry)
-                    self._failed(results, index, node, conn, exc)
-        results.started = time.monotonic()
-        wait = self.node_timeout if timeout is None else timeout
-        if fast:
-            retry = self._exchange(taken, results, wait)
-        else:
-            retry = self._exchange_redis_py(taken, results, wait)
-        for index, call_nos in retry.items():
-            results[index] = self._eval_on(index, calls[index], call_nos, results[index])
+            for call_no, reply in enumerate(node_replies):
+                if not isinstance(reply, ResponseError):
+                    continue
+                if _is_no_script(reply):
+                    # Not cached there (SCRIPT FLUSH): nothing ran; EVAL below.
+                    missing.setdefault(index, []).append(call_no)
+                elif not (wrong_type_is_a_reply and _is_wrong_type(reply)):
+                    results[index] = wire.Failure(nodes[index].label, reply)
+                    missing.pop(index, None)
+                    break
+        if missing:
+            self._eval_missing(calls, missing, results, timeout, wrong_type_is_a_reply)
         return results
 
-    def _failed(self, results, index, node, conn, exc):
-        conn.disconnect()
-        node.give_back(conn)
-        results[index] = _NodeFailed(f"{node.label}: {type(exc).__name__}: {exc}")
-
-    def _exchange(self, taken, results, wait):
-        """The fast path of _round: hiredis-packed requests written straight to the
-        non-blocking sockets, then one poll over all of them until every node's
-        replies are in or the deadline passed. Returns ``{node index: [call numbers
-        that got NOSCRIPT]}``."""
-        pending = {}
-        write_deadline = time.monotonic() + wait
-        for index, node, conn, node_calls in taken:
-            sock, reader, buffer = conn.__dict__["_setnx_wire"]
-            data = b"".join(hiredis.pack_command(
-                ("EVALSHA", script.sha, len(keys), *keys, *args) if script else keys)
-                for script, keys, args in node_calls)
-            try:
-                _send_all(sock, data, write_deadline)
-            except (OSError, redis.exceptions.RedisError) as exc:
-                self._failed(results, index, node, conn, exc)
-                continue
-            pending[sock.fileno()] = (index, node, conn, len(node_calls), sock, reader, buffer,
-                                      [])
-        deadline = time.monotonic() + wait
-        retry = {}
-        while pending:
-            try:
-                ready = _readable_fds(pending, deadline - time.monotonic())
-            except (OSError, ValueError) as exc:
-                for fd in list(pending):
-                    index, node, conn = pending.pop(fd)[:3]
-                    self._failed(results, index, node, conn, exc)
-                break
-            if not ready:
-                break  # the deadline passed: whoever has not answered fails below
-            for fd in ready:
-                index, node, conn, count, sock, reader, buffer, replies = pending[fd]
-                try:
-                    size = sock.recv_into(buffer)
-                except BlockingIOError:
-                    continue
-                except OSError as exc:
-                    del pending[fd]
-                    self._failed(results, index, node, conn, exc)
-                    continue
-                if not size:
-                    del pending[fd]
-                    self._failed(results, index, node, conn, redis.exceptions.ConnectionError(
-                        "the server closed the connection"))
-                    continue
-                reader.feed(buffer, 0, size)
-                while len(replies) < count:
-                    reply = reader.gets()
-                    if reply is False:
-                        break
-                    replies.append(reply)
-                if len(replies) < count:
-                    continue
-                del pending[fd]
-                node.give_back(conn)
-                results[index] = replies
-                for call_no, reply in enumerate(replies):
-                    if isinstance(reply, hiredis.ReplyError):
-                        if str(reply).startswith("NOSCRIPT"):
-                            # Not cached there (SCRIPT FLUSH): nothing ran; EVAL below.
-                            retry.setdefault(index, []).append(call_no)
-                        else:
-                            retry.pop(index, None)
-                            results[index] = _NodeFailed(f"{node.label}: {reply}")
-                            break
-        for index, node, conn, *_ in pending.values():
-            self._failed(results, index, node, conn, redis.exceptions.TimeoutError(
-                f"no reply within {wait:g} s"))
-        return retry
-
-    def _exchange_redis_py(self, taken, results, wait):
-        """_round through redis-py's connection methods (no hiredis, or TLS)."""
-        sent = []
-        for index, node, conn, node_calls in taken:
-            try:
-                conn.send_packed_command(conn.pack_commands([
-                    ("EVALSHA", script.sha, len(keys), *keys, *args) if script else keys
-                    for script, keys, args in node_calls]), check_health=False)
-            except self._errors as exc:
-                self._failed(results, index, node, conn, exc)
-                continue
-            sent.append((index, node, conn, node_calls))
-        deadline = time.monotonic() + wait
-        retry = {}
-        for index, node, conn, node_calls in sent:
-            replies = []
-            try:
-                for call_no in range(len(node_calls)):
-                    try:
-                        # A reply already received is taken even past the deadline.
-                        replies.append(_read(conn, deadline))
-                    except NoScriptError:
-                        replies.append(None)
-                        retry.setdefault(index, []).append(call_no)
-            except self._errors as exc:
-                retry.pop(index, None)
-                self._failed(results, index, node, conn, exc)
+    def _eval_missing(self, calls, missing, results, timeout, wrong_type_is_a_reply):
+        """Re-run the calls that got NOSCRIPT with EVAL (which also caches the
+        scripts), in one more parallel round. Rare: after a SCRIPT FLUSH."""
+        evals = {index: [(None, ("EVAL", calls[index][n][0].text, len(calls[index][n][1]),
+                                 *calls[index][n][1], *calls[index][n][2]), ())
+                         for n in call_nos]
+                 for index, call_nos in missing.items()}
+        again = self._round(evals, timeout, wrong_type_is_a_reply)
+        for index, call_nos in missing.items():
+            if isinstance(again[index], wire.Failure):
+                results[index] = again[index]
             else:
-                results[index] = replies
-                node.give_back(conn)
-        return retry
-
-    def _eval_on(self, index, node_calls, call_nos, replies):
-        """Re-run the NOSCRIPT calls ``call_nos`` of one node with EVAL (which also
-        caches the scripts there). Rare: once per script per server start."""
-        node = self.nodes[index]
-        try:
-            for call_no in call_nos:
-                script, keys, args = node_calls[call_no]
-                replies[call_no] = node.client.eval(script.text, len(keys), *keys, *args)
-        except self._errors as exc:
-            return _NodeFailed(f"{node.label}: {type(exc).__name__}: {exc}")
-        return replies
+                for call_no, reply in zip(call_nos, again[index]):
+                    results[index][call_no] = reply
 
     def _all(self, script, keys, args=()):
-        return {index: [(script, keys, args)] for index in range(len(self.locations))}
+        batch = [(script, keys, args)]
+        return {index: batch for index in range(len(self.locations))}
 
-    def _fail(self, action, results):
-        reasons = "; ".join(str(r) for r in results.values() if isinstance(r, _NodeFailed))
-        return LockBackendError(self.alias, f"{action} failed: no Redis node answered ({reasons})")
+    @staticmethod
+    def _failures(results):
+        return [r for r in results.values() if isinstance(r, wire.Failure)]
+
+    def _require_majority(self, action, results):
+        """Raise LockBackendError naming every node that failed unless a majority of
+        all the nodes answered ``results`` (a round on every node)."""
+        failed = self._failures(results)
+        answered = len(self.locations) - len(failed)
+        if answered < self.quorum:
+            raise LockBackendError(self.alias, self._quorum_message(action, answered, failed))
+
+    def _quorum_message(self, action, answered, failed):
+        count = "no Redis node answered" if answered == 0 else (
+            f"only {answered} of {len(self.locations)} Redis nodes answered")
+        return (f"{action} failed: {count}, and a majority needs {self.quorum} "
+                f"({'; '.join(map(str, failed))})")
 
     # -- the atomic operations ----------------------------------------------------
 
     def acquire(self, name, token, ttl, owner, wait=0.0):
         """Returns ``AcquireResult.won(fencing)`` when a majority granted the lock
-        within its validity, else ``.lost(retry_after)``; raises LockBackendError when
-        no node answered. ``wait`` is not used (no waiter queue on Redlock)."""
-        ttl_ms = self._check_ttl(ttl, "acquire")
-        acquire_call = (_ACQUIRE, self._keys(name),
-                        (token, ttl_ms, _owner_json(owner), self.retention_ms, 0))
-        # The node's marker and clock ride along in the same round (plain commands:
-        # cheaper than a script); a node without a marker is created one after.
-        batch = [(None, ("GET", self.marker_key), ()), (None, ("TIME",), ()), acquire_call]
-        results = self._round({i: batch for i in range(len(self.locations))})
+        within its validity, else ``.lost(retry_after)`` (a contention, as a majority
+        of the trusted nodes reported it). Raises LockBackendError when fewer than a
+        majority of the nodes answered, or than a majority of trusted nodes (some sit
+        out after losing their data). ``wait`` is not used (no waiter queue)."""
+        ttl_ms = self.check_ttl(ttl)
+        results = self._round(self._all(
+            _ACQUIRE, (*self._keys(name), self.marker_key),
+            (token, ttl_ms, _owner_json(owner), self.retention_ms, 0, self.max_ttl_ms)))
         started = results.started
         granted = {}          # node index -> fencing value
         maybe_ours = []       # nodes that granted or may have: released if we lose
         remainders = []       # ms until expiry, as the holders' nodes report it
-        untrusted = {}        # node index -> ms until it votes again
-        unmarked = []         # fresh or restarted-empty nodes: given a marker below
-        answered = 0
+        untrusted = {}        # node index -> ms until it votes
         for index, replies in results.items():
-            if isinstance(replies, _NodeFailed):
-                maybe_ours.append(index)
+            if isinstance(replies, wire.Failure):
+                maybe_ours.append(index)  # it may have granted before the reply was lost
                 continue
-            answered += 1
-            marker, (seconds, micros), (won, value) = replies
-            if marker is None:
-                unmarked.append(index)
-                untrusted[index] = self.max_ttl_ms
-            else:
-                ms = int(marker) - (int(seconds) * 1000 + int(micros) // 1000)
-                if ms > 0:
-                    untrusted[index] = ms
-            if not won:
-                remainders.append(int(value))
-            elif index in untrusted:
-                # Restarted (or new) and within MAX_TTL of it: its grant is a no,
-                # and is released below.
-                maybe_ours.append(index)
-            else:
+            won, value, sits_out_ms = replies[0]
+            if sits_out_ms > 0:
+                untrusted[index] = int(sits_out_ms)
+            elif won:
                 granted[index] = int(value)
                 maybe_ours.append(index)
-        if answered == 0:
-            raise self._fail(f"acquire {name!r}", results)
-        if unmarked:
-            # NODE_CHECK sets "trusted after node_now + MAX_TTL" unless another
-            # client just did; either way the node did not vote in this round.
-            marked = self._round({i: [(_NODE_CHECK, (self.marker_key,), (self.max_ttl_ms,))]
-                                  for i in unmarked})
-            for index in unmarked:
-                if not isinstance(marked[index], _NodeFailed):
-                    untrusted[index] = int(marked[index][0])
+            else:
+                remainders.append(int(value))
+        failed = self._failures(results)
+        answered = len(self.locations) - len(failed)
+        if answered < self.quorum or answered - len(untrusted) < self.quorum:
+            if maybe_ours:
+                self._release_on(name, token, maybe_ours)
+            if answered < self.quorum:
+                message = self._quorum_message(f"acquire {name!r}", answered, failed)
+            else:
+                message = self._untrusted_message(f"acquire {name!r}", answered, untrusted,
+                                                  failed)
+            raise LockBackendError(self.alias, message)
         if untrusted:
-            self._warn_untrusted(untrusted.items())
-            ghosts = [i for i in untrusted if i in maybe_ours]
-            if ghosts and len(granted) >= self.quorum:
-                self._release_on(name, token, ghosts)
-        fencing = max(granted.values()) if granted else None
-        if len(granted) >= self.quorum and self._valid(started, ttl_ms) and (
-                len(set(granted.values())) == 1
-                or self._raise_fence(name, token, fencing, granted, started, ttl_ms)):
+            self._warn_untrusted(untrusted)
+        if len(granted) >= self.quorum and self._valid(started, ttl_ms):
+            fencing = max(granted.values())
+            self._fencing_of.remember(token, fencing)
             return AcquireResult.won(fencing)
         if maybe_ours:
             self._release_on(name, token, maybe_ours)
         retry_after = min(remainders) / 1000 if remainders else None
         return AcquireResult.lost(retry_after=retry_after)
 
+    def _untrusted_message(self, action, answered, untrusted, failed):
+        sitting_out = ", ".join(f"{self.nodes[i].label} (votes in {ms / 1000:.0f} s)"
+                                for i, ms in sorted(untrusted.items()))
+        down = f" Not answering: {'; '.join(map(str, failed))}." if failed else ""
+        voters = answered - len(untrusted)
+        return (
+            f"{action} failed: of the {answered} Redis nodes that answered, "
+            f"{f'only {voters}' if voters else 'none'} may vote, and a majority needs "
+            f"{self.quorum}. "
+            f"Not voting yet: {sitting_out}: each lost its data (brand-new, or restarted "
+            f"empty) and sits out for MAX_TTL = {self.max_ttl:g} s, until every lock it may "
+            f"have forgotten has expired.{down} For a brand-new set of masters (no lock can "
+            f"be held yet), run `python manage.py {TRUST_COMMAND} --backend {self.alias}` "
+            f"once."
+        )
+
+    def validity(self, ttl):
+        """A lock acquired with ``ttl`` is certainly held for its ttl minus the
+        clock-drift allowance (the masters' clocks may run fast)."""
+        return max(ttl - (ttl * self.drift_factor + DRIFT_MS / 1000), 0.0)
+
     def _valid(self, started, ttl_ms):
         """True if the lock has validity left: ttl - elapsed - drift > 0."""
         elapsed_ms = (time.monotonic() - started) * 1000
         return ttl_ms - elapsed_ms - (ttl_ms * self.drift_factor + DRIFT_MS) > 0
 
-    def _raise_fence(self, name, token, fencing, granted, started, ttl_ms):
-        """Second round when the granting nodes' counters differ: raise each of them
-        to ``fencing`` (the largest), so that a majority counts at least the token
-        we return and every later majority, which shares a node with this one, mints
-        a larger token. True if a majority confirmed within the validity."""
-        lock_key, fence_key = self._keys(name)[:2]
-        results = self._round({i: [(_RAISE_FENCE, (lock_key, fence_key), (token, fencing))]
-                               for i in granted})
-        confirmed = sum(1 for r in results.values()
-                        if not isinstance(r, _NodeFailed) and r[0] == 1)
-        return confirmed >= self.quorum and self._valid(started, ttl_ms)
-
     def _release_on(self, name, token, indexes):
         """Best-effort release of ``token`` on ``indexes`` (errors are ignored: the
         records expire with their ttl anyway)."""
-        self._round({i: [(_RELEASE, self._keys(name), (token, self.retention_ms, 1000))]
-                     for i in indexes})
+        batch = [(_RELEASE, self._keys(name), (token, self.retention_ms, 1000, self.fence_ms))]
+        self._round({i: batch for i in indexes})
 
     def _warn_untrusted(self, untrusted):
-        now = time.monotonic()
-        for index, ms in untrusted:
+        for index, ms in untrusted.items():
             node = self.nodes[index]
-            if node.warned_at is None or now - node.warned_at >= WARN_EVERY:
-                node.warned_at = now
-                logger.warning(
-                    "Redlock %r: node %s lost its data (restarted empty, or new) and does "
-                    "not vote for %.0f s more (MAX_TTL = %g s, the delayed-restart rule). "
-                    "For a brand-new set of masters call locks[%r].trust_nodes() once.",
-                    self.alias, node.label, ms / 1000, self.max_ttl, self.alias)
+            node.log_once(
+                "untrusted", logging.WARNING,
+                "Redlock %r: node %s lost its data (restarted empty, or new) and does not "
+                "vote for %.0f s more (MAX_TTL = %g s, the delayed-restart rule). For a "
+                "brand-new set of masters run `manage.py %s --backend %s` once.",
+                self.alias, node.label, ms / 1000, self.max_ttl, TRUST_COMMAND, self.alias)
 
     def _count(self, results):
-        """(number of nodes whose single reply is 1, number of nodes that answered)."""
-        ok = answered = 0
-        for replies in results.values():
-            if isinstance(replies, _NodeFailed):
-                continue
-            answered += 1
-            ok += replies[0] == 1
-        return ok, answered
+        """The number of nodes whose single reply is 1."""
+        return sum(1 for replies in results.values()
+                   if not isinstance(replies, wire.Failure) and replies[0] == 1)
 
     def release(self, name, token):
         """Release on every node. True if a majority held our token and deleted it;
         False if too many nodes answered that it was not ours for a majority to have
         held it; LockBackendError if too few answered to tell."""
+        action = f"release {name!r}"
+        # Every master remembers the largest token of the majority, not only its own:
+        # a later majority shares a master with the one that released, and mints
+        # above it (see the module docstring, "Fencing tokens").
+        fencing = self._fencing_of.pop(token)
         results = self._round(self._all(_RELEASE, self._keys(name),
-                                        (token, self.retention_ms, 1000)))
-        released, answered = self._count(results)
+                                        (token, self.retention_ms, 1000, self.fence_ms,
+                                         "" if fencing is None else fencing)))
+        self._require_majority(action, results)
+        released = self._count(results)
         if released >= self.quorum:
             return True
-        if released + (len(self.locations) - answered) >= self.quorum:
+        failed = self._failures(results)
+        if released + len(failed) >= self.quorum:
             raise LockBackendError(
-                self.alias, f"release {name!r}: only {released} of {len(self.locations)} nodes "
-                            f"confirmed it and {len(self.locations) - answered} did not answer; "
-                            f"whether a majority held it is unknown ({self._reasons(results)})")
+                self.alias, f"{action} failed: only {released} of {len(self.locations)} nodes "
+                            f"confirmed it and {len(failed)} did not answer; whether a majority "
+                            f"held it is unknown ({'; '.join(map(str, failed))})")
         return False
-
-    def _reasons(self, results):
-        return "; ".join(str(r) for r in results.values() if isinstance(r, _NodeFailed)) or "-"
 
     def extend(self, name, token, ttl):
         """Set the expiry to now + ttl on every node holding our token. True if a
         majority did within the validity; else what is left of the lock is released
-        and False returned. LockBackendError if no node answered."""
-        ttl_ms = self._check_ttl(ttl, "extend")
-        lock_key = self._keys(name)[0]
-        results = self._round(self._all(_EXTEND, (lock_key,), (token, ttl_ms, self.retention_ms)))
-        started = results.started
-        extended, answered = self._count(results)
-        if answered == 0:
-            raise self._fail(f"extend {name!r}", results)
-        if extended >= self.quorum and self._valid(started, ttl_ms):
+        and False returned. LockBackendError if fewer than a majority answered."""
+        ttl_ms = self.check_ttl(ttl)
+        fencing = self._fencing_of.get(token)
+        results = self._round(self._all(_EXTEND, (self._keys(name)[0],),
+                                        (token, ttl_ms, self.retention_ms,
+                                         "" if fencing is None else fencing)))
+        self._require_majority(f"extend {name!r}", results)
+        if self._count(results) >= self.quorum and self._valid(results.started, ttl_ms):
             return True
         self._release_on(name, token, range(len(self.locations)))
         return False
 
     def owns(self, name, token):
-        """True if a majority of nodes hold ``name`` under ``token``, not expired."""
+        """True if a majority of nodes hold ``name`` under ``token``, not expired.
+        LockBackendError if fewer than a majority answered."""
         results = self._round(self._all(_OWNS, (self._keys(name)[0],), (token,)))
-        owned, answered = self._count(results)
-        if answered == 0:
-            raise self._fail(f"check {name!r}", results)
-        return owned >= self.quorum
+        self._require_majority(f"check {name!r}", results)
+        return self._count(results) >= self.quorum
 
     # -- records: the majority view ------------------------------------------------
 
     def _node_info(self, name, now, fields):
-        fields = dict(zip(fields[::2], fields[1::2]))
-        fields = {_text(k): v for k, v in fields.items()}
-        info = LockInfo(
-            name=name, backend=self.alias, fencing_token=int(fields["fencing"]),
-            owner=json.loads(fields["owner"]), acquired_at_ms=int(fields["acquired"]),
-            expires_at_ms=int(fields["expires"]), now_ms=int(now),
-        )
-        return _text(fields["token"]), info
+        """``(token, LockInfo)`` of one node's record; token None and an unreadable
+        LockInfo (see LockInfo.unreadable) when the record cannot be parsed."""
+        try:
+            record = {_text(k): v for k, v in zip(fields[::2], fields[1::2])}
+            owner = json.loads(record["owner"])
+            if not isinstance(owner, dict):
+                raise TypeError(f"owner is not a JSON object: {owner!r}")
+            info = LockInfo(
+                name=name, backend=self.alias, fencing_token=int(record["fencing"]),
+                owner=owner, acquired_at_ms=int(record["acquired"]),
+                expires_at_ms=int(record["expires"]), now_ms=int(now),
+            )
+            return _text(record["token"]), info
+        except (KeyError, TypeError, ValueError):
+            return None, LockInfo.unreadable(name, self.alias, now, fields)
 
     def _merge(self, name, replies):
-        """One LockInfo from the nodes' ``[now, fields]`` replies, or None.
+        """One LockInfo from the nodes' ``[now, fields]`` replies (or WRONGTYPE errors),
+        or None.
 
         The token recorded on most nodes wins. When a majority carry it, the lock is
         reported as its latest-expiring record (held until every one of them has
         expired: a conservative view for waiters). A token on a minority only is
         not a lock anyone holds by the majority rule: it is reported stale (a
-        leftover of a failed attempt, or of a holder whose nodes were lost).
+        leftover of a failed attempt, or of a holder whose nodes were lost). Records
+        that cannot be read group together, and show as one unreadable, stale
+        record when they are the most common.
         """
+        nows = [int(r[0]) for r in replies if not isinstance(r, ResponseError)]
+        # A key of the wrong type comes with no clock reading of its node's: another
+        # node's serves (the record is shown expired "now" in any case).
+        fallback_now = max(nows) if nows else int(time.time() * 1000)
         by_token = {}
-        for now, fields in replies:
-            if fields:
+        for reply in replies:
+            if isinstance(reply, ResponseError):
+                token, info = None, LockInfo.unreadable(name, self.alias, fallback_now, reply)
+            else:
+                now, fields = reply
+                if not fields:
+                    continue
                 token, info = self._node_info(name, now, fields)
-                by_token.setdefault(token, []).append(info)
+            by_token.setdefault(token, []).append(info)
         if not by_token:
             return None
 
         def remainder(info):
             return info.expires_at_ms - info.now_ms
 
-        infos = max(by_token.values(), key=lambda infos: (len(infos), max(map(remainder, infos))))
+        token, infos = max(by_token.items(),
+                           key=lambda item: (len(item[1]), max(map(remainder, item[1]))))
+        if token is None:
+            return infos[0]
         best = max(infos, key=remainder)
         # Stable across calls even though the nodes' clocks differ by a few ms: the
         # earliest acquisition, the latest expiry and the highest fencing token.
@@ -856,89 +809,136 @@ class RedlockBackend(BaseLockBackend):
 
     def _replies(self, results, position=0):
         """The ``position``-th reply of every node that answered."""
-        return [r[position] for r in results.values() if not isinstance(r, _NodeFailed)]
+        return [r[position] for r in results.values() if not isinstance(r, wire.Failure)]
 
     def get(self, name):
-        """The majority view of ``name`` (see _merge), or None."""
-        results = self._round(self._all(_GET, (self._keys(name)[0],)))
-        replies = self._replies(results)
-        if not replies:
-            raise self._fail(f"get {name!r}", results)
-        return self._merge(name, replies)
+        """The majority view of ``name`` (see _merge), or None. LockBackendError if
+        fewer than a majority answered."""
+        results = self._round(self._all(_GET, (self._keys(name)[0],)),
+                              wrong_type_is_a_reply=True)
+        self._require_majority(f"get {name!r}", results)
+        return self._merge(name, self._replies(results))
 
     def delete(self, name):
-        """Force-release ``name`` on every node. Returns the majority view of what was
-        removed, or None."""
-        results = self._round(self._all(_DELETE, self._keys(name), (self.retention_ms, 1000)))
-        replies = self._replies(results)
-        if not replies:
-            raise self._fail(f"delete {name!r}", results)
-        return self._merge(name, replies)
+        """Force-release ``name`` on every node that answers. Returns the majority view
+        of what was removed, or None; LockBackendError if fewer than a majority
+        answered (the lock may then still be held by the others)."""
+        results = self._round(self._all(_DELETE, self._keys(name),
+                                        (self.retention_ms, 1000, self.fence_ms)),
+                              wrong_type_is_a_reply=True)
+        self._require_majority(f"delete {name!r}", results)
+        return self._merge(name, self._replies(results))
+
+    # -- trusting new nodes -------------------------------------------------------
+
+    def node_status(self):
+        """Return a :class:`NodeStatus` per master, in ``LOCATION`` order: whether it
+        votes, and if not, how long until it does. Writes nothing."""
+        results = self._round(self._all(_STATUS, (self.marker_key,)))
+        statuses = []
+        for index, node in enumerate(self.nodes):
+            replies = results[index]
+            if isinstance(replies, wire.Failure):
+                statuses.append(NodeStatus(node.label, error=replies.reason))
+                continue
+            now, after = replies[0]
+            votes_in = None if after is None else max(int(after) - int(now), 0) / 1000
+            statuses.append(NodeStatus(node.label, votes_in=votes_in))
+        return statuses
 
     def trust_nodes(self):
         """Mark every reachable node trusted now, overriding the delayed-restart rule.
 
         Only for a brand-new set of masters (or one restarted while *certainly* no
         lock was held): it is how two holders would get in after a real restart.
-        Returns the labels of the nodes marked.
+        ``manage.py trustlocknodes`` calls it after a confirmation. Returns the
+        labels of the nodes marked.
         """
         results = self._round(self._all(_TRUST, (self.marker_key,)))
         return [self.nodes[i].label for i, r in sorted(results.items())
-                if not isinstance(r, _NodeFailed)]
+                if not isinstance(r, wire.Failure)]
 
     # -- listing and clearing -----------------------------------------------------
 
-    def _scan(self, node, name_glob):
-        match = f"{self._match_head}{name_glob or '*'}}}:lock"
-        cursor = 0
+    def _scan(self, index, match):
+        """Yield the lock keys matching ``match`` on node ``index``, one SCAN batch at
+        a time. Raises LockBackendError naming the node if it fails."""
+        cursor = b"0"
         while True:
-            cursor, keys = node.client.scan(cursor, match=match, count=SCAN_COUNT, _type="hash")
+            results = self._round({index: [(None, ("SCAN", cursor, "MATCH", match, "COUNT",
+                                                   SCAN_COUNT, "TYPE", "hash"), ())]},
+                                  timeout=self.scan_timeout)
+            replies = results[index]
+            if isinstance(replies, wire.Failure):
+                raise _ScanFailed(replies)
+            cursor, keys = replies[0]
             if keys:
                 yield keys
             if int(cursor) == 0:
                 return
 
-    def _batches(self, name_glob):
-        """Yield ``(names, {node index: [[now, fields] per name] or _NodeFailed})``
-        for every SCAN batch of every node, each name once: a name found
-        on node i is skipped if a node before i (that was scanned) has it too.
-        Down nodes are skipped; LockBackendError if no node could be scanned."""
+    def _batches(self, action, glob):
+        """Yield ``(names, {node index: [[now, fields] or error per name] or
+        wire.Failure})`` for every SCAN batch of every node, each name once: a name
+        found on node i is skipped if a node scanned before i has it too. Only names
+        that ``glob`` (a compiled glob, or None) matches. A node that fails is
+        skipped; LockBackendError as soon as fewer than a majority can answer."""
+        match = f"{self._match_head}{redis_match(glob) if glob else '*'}}}:lock"
+        everyone = range(len(self.locations))
         scanned = []
-        failures = []
-        for index, node in enumerate(self.nodes):
+        failed = []
+        for index in everyone:
             try:
-                for keys in self._scan(node, name_glob):
+                for keys in self._scan(index, match):
                     names = [self._name_from_key(key) for key in keys]
+                    if glob is not None:
+                        # SCAN's MATCH was a superset: our own glob decides.
+                        names = [n for n in names if glob.match(n)]
+                    if not names:
+                        continue
                     calls = [(_GET, (self._keys(n)[0],), ()) for n in names]
-                    results = self._round({i: calls for i in range(len(self.locations))},
-                                          timeout=BATCH_TIMEOUT)
+                    results = self._round({i: calls for i in everyone},
+                                          timeout=BATCH_TIMEOUT, wrong_type_is_a_reply=True)
+                    self._require_majority(action, results)
                     keep = [j for j in range(len(names))
-                            if not any(not isinstance(results[k], _NodeFailed)
-                                       and results[k][j][1] for k in scanned)]
+                            if not any(self._has_record(results[k], j) for k in scanned)]
                     if keep:
                         yield ([names[j] for j in keep],
-                               {i: r if isinstance(r, _NodeFailed) else [r[j] for j in keep]
+                               {i: r if isinstance(r, wire.Failure) else [r[j] for j in keep]
                                 for i, r in results.items()})
-            except self._errors as exc:
-                failures.append(f"{node.label}: {type(exc).__name__}: {exc}")
+            except _ScanFailed as exc:
+                failed.append(exc.failure)
+                answered = len(self.locations) - len(failed)
+                if answered < self.quorum:
+                    raise LockBackendError(
+                        self.alias, self._quorum_message(action, answered, failed)) from None
                 continue
             scanned.append(index)
-        if not scanned:
-            raise LockBackendError(self.alias, f"list failed: no Redis node answered "
-                                               f"({'; '.join(failures)})")
+
+    @staticmethod
+    def _has_record(replies, j):
+        return (not isinstance(replies, wire.Failure) and not isinstance(replies[j], ResponseError)
+                and bool(replies[j][1]))
+
+    def _compile(self, name_glob):
+        """The compiled glob (None for "every name"); ValueError/TypeError naming a
+        malformed one, before anything is sent."""
+        return compile_glob(name_glob) if name_glob else None
 
     def list(self, *, state=None, name_glob=None):
         """Yield the majority view of every lock found on any node, each name once,
-        one SCAN batch at a time (unsorted). Raises ValueError for an unknown state."""
+        one SCAN batch at a time (unsorted). Raises ValueError for an unknown state
+        or a malformed glob, LockBackendError when fewer than a majority of the nodes
+        answer."""
         if state is not None and state not in STATES:
             raise ValueError(f"state must be one of {STATES}, got {state!r}.")
-        return self._iter_infos(state, name_glob)
+        return self._iter_infos(state, self._compile(name_glob))
 
-    def _iter_infos(self, state, name_glob):
-        for names, results in self._batches(name_glob):
+    def _iter_infos(self, state, glob):
+        for names, results in self._batches("list", glob):
             for j, name in enumerate(names):
                 info = self._merge(name, [r[j] for r in results.values()
-                                          if not isinstance(r, _NodeFailed)])
+                                          if not isinstance(r, wire.Failure)])
                 if info is not None and (state is None or info.state == state):
                     yield info
 
@@ -947,28 +947,62 @@ class RedlockBackend(BaseLockBackend):
         """Remove the locks that ``list`` shows as stale (held ones too with
         ``include_held``) from every node. Each node re-checks atomically, by its own
         clock, that its record is removable (a lock re-acquired meanwhile is kept);
-        ``:fence`` counters and the node marker are never touched."""
+        the node marker is never touched. LockBackendError
+        when fewer than a majority of the nodes answer."""
+        glob = self._compile(name_glob)
         result = ClearResult(self.alias)
         older_than_ms = "" if older_than is None else int(older_than * 1000)
         args = (int(bool(include_held)), self.retention_ms, 1000, older_than_ms,
-                int(bool(dry_run)))
-        for names, results in self._batches(name_glob):
-            chosen = []
+                int(bool(dry_run)), self.fence_ms)
+        for names, results in self._batches("clear", glob):
+            chosen = []  # (name, the majority view's fencing token: every master keeps it)
             for j, name in enumerate(names):
                 info = self._merge(name, [r[j] for r in results.values()
-                                          if not isinstance(r, _NodeFailed)])
+                                          if not isinstance(r, wire.Failure)])
                 if info is not None and (include_held or info.is_stale):
-                    chosen.append(name)
+                    chosen.append((name, info.fencing_token))
             if not chosen:
                 continue
-            calls = [(_CLEAR, self._keys(n), args) for n in chosen]
+            calls = [(_CLEAR, self._keys(n), (*args, fencing)) for n, fencing in chosen]
+            chosen = [n for n, _ in chosen]
             done = self._round({i: calls for i in range(len(self.locations))},
-                               timeout=BATCH_TIMEOUT)
+                               timeout=BATCH_TIMEOUT, wrong_type_is_a_reply=True)
+            self._require_majority("clear", done)
             removed = [name for j, name in enumerate(chosen)
-                       if any(not isinstance(r, _NodeFailed) and r[j] == 1
+                       if any(not isinstance(r, wire.Failure) and r[j] == 1
                               for r in done.values())]
             if removed:
                 result.names.extend(removed)
                 if progress is not None:
                     progress(removed)
         return result
+
+
+class _BoundedMap:
+    """A thread-safe dict of at most ``size`` entries, the oldest dropped first."""
+
+    def __init__(self, size):
+        self.size = size
+        self._items = {}
+        self._guard = threading.Lock()
+
+    def remember(self, key, value):
+        with self._guard:
+            self._items[key] = value
+            if len(self._items) > self.size:
+                del self._items[next(iter(self._items))]
+
+    def get(self, key):
+        return self._items.get(key)
+
+    def pop(self, key):
+        with self._guard:
+            return self._items.pop(key, None)
+
+
+class _ScanFailed(Exception):
+    """A node's SCAN failed (carries its wire.Failure)."""
+
+    def __init__(self, failure):
+        super().__init__(str(failure))
+        self.failure = failure

@@ -2,7 +2,10 @@
 
 Install with ``pip install django-setnx[celery]``. Every feature is an option of one
 Task base class, :class:`ExclusiveTask`, given to ``@app.task`` (or set as class
-attributes of a subclass)::
+attributes of a subclass). It builds on Celery's Django task class (``DjangoTask``,
+so ``delay_on_commit()`` keeps working); :class:`ExclusiveTaskMixin` carries the
+same behaviour onto any task class of your own
+(``class MyTask(ExclusiveTaskMixin, MyBaseTask)``)::
 
     from celery import shared_task
     from django_setnx.contrib.celery import AlreadyQueued, ExclusiveTask
@@ -33,7 +36,7 @@ attributes of a subclass)::
 
 To make every task of an app accept these options, make it the app's task class:
 ``Celery("proj", task_cls="django_setnx.contrib.celery:ExclusiveTask")``; a task with
-neither ``lock_name`` nor ``once_policy`` behaves exactly like a plain Task.
+neither ``lock_name`` nor ``once_policy`` behaves exactly like a plain (Django) Task.
 
 Lock names are ``str.format`` templates filled from the task's arguments exactly like
 :func:`~django_setnx.locked` (``"report:{account_id}"``, ``"{order.pk}"``), or a
@@ -82,7 +85,9 @@ the task can release exactly that enqueue's lock with the backend's token-checke
 ``release(name, token)``:
 
 - on success, failure (the task raised), skip, ``Ignore``, ``Reject(requeue=False)``,
-  retry exhaustion, and a revoke or an expiry (the ``task_revoked`` signal);
+  retry exhaustion, and a revoke or an expiry (the ``task_revoked`` signal); a
+  revoke of a message still waiting for its ``countdown``/``eta`` in a worker frees
+  the lock when the revoke arrives, not at the ETA;
 - **not** when a retry was sent (``self.retry()``, ``autoretry_for``, or
   ``on_contention="retry"``): the retry message keeps the headers, the lock is
   extended to cover its countdown, and the run that ends the chain of retries
@@ -92,7 +97,29 @@ While the task runs, the worker keeps the once lock extended (every ``once_ttl``
 ``once_auto_renew``), so ``once_ttl`` only has to cover the time a message may wait
 in the queue. If the worker dies, nobody releases it and it expires ``once_ttl``
 seconds after the last renewal. The owner record keeps the enqueuer's host and pid.
-``app.send_task("name")`` bypasses ``apply_async`` and so this check.
+``app.send_task("name")`` bypasses ``apply_async`` and so this check. One call can
+override the task's policy: ``apply_async(..., once_policy="drop")``.
+
+A derived ``once_name`` longer than a lock name may be (200 characters) keeps its
+first 150 characters and ends with a digest of the whole, so long arguments never
+make a valid task fail.
+
+Canvases and periodic tasks
+---------------------------
+
+A duplicate met *inside a canvas* (a chain's next step, a group or chord member, a
+link callback: some caller already waits on its result) is never silently dropped
+and never blamed on the step before: its message is sent as usual, marked as a
+duplicate, and the worker settles it without running the body. With ``"drop"``
+the task succeeds with result ``None`` (the chain goes on, the chord counts it);
+with ``"raise"`` the task itself fails with :class:`AlreadyQueued` (the chain stops
+there, the chord's error callback runs, ``result.get()`` raises AlreadyQueued).
+
+For a periodic task, use ``once_policy="drop"`` (or ``"options": {"once_policy":
+"drop"}`` in its ``beat_schedule`` entry): a tick that finds the previous run still
+queued or running is skipped and logged at INFO. With ``"raise"``, Celery beat logs
+every such tick as a scheduling error with a traceback, since the exception is what
+"raise" asks for.
 
 ``acks_late`` and redelivery
 ----------------------------
@@ -128,7 +155,9 @@ Options (``@app.task(...)`` keywords or class attributes)
 ("raise"), ``lock_retry_countdown`` (10), ``lock_max_retries`` (None);
 ``once_policy`` (None: off; "raise" or "drop"), ``once_name`` (None: derived),
 ``once_ttl`` (3600), ``once_backend`` (None: ``lock_backend``), ``once_auto_renew``
-(True).
+(True); ``lock_release_on_commit`` (True) and ``lock_using`` (None: ``"default"``):
+a body run inside a transaction (eagerly, or called directly, in ``atomic()``)
+releases its run lock after that transaction commits.
 """
 
 import datetime
@@ -136,9 +165,8 @@ import hashlib
 import inspect
 import json
 import logging
-import secrets
-import threading
 import types
+from dataclasses import asdict
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -152,20 +180,30 @@ except ImportError as exc:  # pragma: no cover - exercised without celery instal
         "django_setnx.contrib.celery needs Celery (>= 5.3): pip install django-setnx[celery]"
     ) from exc
 
-from ..conf import DEFAULT_LOCK_ALIAS
-from ..decorators import _LockName
-from ..exceptions import LockBackendError, LockNotAcquired, LockNotOwned
+try:  # Celery >= 5.4: the Django task class (delay_on_commit)
+    from celery.contrib.django.task import DjangoTask as _DefaultBase
+except ImportError:  # pragma: no cover - older Celery
+    _DefaultBase = Task
+
+from ..backends.base import LockInfo
+from ..conf import DEFAULT_LOCK_ALIAS, MAX_NAME_LENGTH
+from ..decorators import LockName
+from ..exceptions import LockBackendError, LockError, LockNotAcquired
 from ..handler import locks
-from ..locking import Lock, current_owner
+from ..locking import Lock
+from ..transactions import deferred_lock
 from ..validation import validate_name, validate_timeout, validate_ttl
 
-__all__ = ["ONCE_NAME_HEADER", "ONCE_TOKEN_HEADER", "AlreadyQueued", "ExclusiveTask"]
+__all__ = ["ONCE_NAME_HEADER", "ONCE_TOKEN_HEADER", "AlreadyQueued", "ExclusiveTask",
+           "ExclusiveTaskMixin"]
 
 logger = logging.getLogger("django_setnx.celery")
 
 #: Message headers that carry the enqueue-once lock from the enqueuer to the worker.
 ONCE_TOKEN_HEADER = "django_setnx_once_token"
 ONCE_NAME_HEADER = "django_setnx_once_name"
+#: Marks a duplicate sent inside a canvas: the worker settles it by this policy.
+DUPLICATE_HEADER = "django_setnx_duplicate"
 
 SKIP = "skip"
 RETRY = "retry"
@@ -173,6 +211,11 @@ RAISE = "raise"
 DROP = "drop"
 CONTENTION_POLICIES = (RAISE, SKIP, RETRY)
 ONCE_POLICIES = (RAISE, DROP)
+#: Options Celery sets when a task is sent as part of a canvas, or with callbacks:
+#: someone already waits on its result (see "Canvases and periodic tasks").
+CANVAS_OPTIONS = ("chain", "group_id", "chord", "parent_id", "link", "link_error")
+#: A derived once name longer than the limit keeps this many characters, then a digest.
+KEPT_NAME_CHARACTERS = 150
 
 # Attributes set on the task's request (celery.app.task.Context) during a run.
 _RUN_LOCK_ATTR = "_django_setnx_run_lock"
@@ -189,15 +232,18 @@ class AlreadyQueued(LockNotAcquired):
     """
 
     def __init__(self, name, task_name=None, task_id=None, info=None):
+        holder = f" as {task_id}" if task_id else ""
+        super().__init__(name, 0, (
+            f"Task {task_name} is already queued or running{holder} (enqueue-once lock "
+            f"{name!r}); not enqueued again."
+        ))
+        if isinstance(info, dict):  # rebuilt from args (pickle, Celery's JSON)
+            info = LockInfo(**info)
+        # ``info`` travels as a plain dict, so that JSON carries it whole too.
+        self.args = (name, task_name, task_id, None if info is None else asdict(info))
         self.task_name = task_name
         self.task_id = task_id
         self.info = info
-        holder = f" as {task_id}" if task_id else ""
-        message = (
-            f"Task {task_name} is already queued or running{holder} (enqueue-once lock "
-            f"{name!r}); not enqueued again."
-        )
-        super().__init__(name, 0, message)
 
 
 def _header(request, key):
@@ -241,90 +287,38 @@ def _find_run(cls):
     return None
 
 
-class _OnceClaim:
-    """The enqueue-once lock one message carries: adopted by the worker that runs it."""
-
-    def __init__(self, task, name, token):
-        self.task = task
-        self.name = name
-        self.token = token
-        self.backend = locks[task._once_backend_alias()]
-        self.owned = False
-        self._stop = threading.Event()
-        self._renewer = None
-
-    @classmethod
-    def from_request(cls, task, request):
-        token = _header(request, ONCE_TOKEN_HEADER)
-        name = _header(request, ONCE_NAME_HEADER)
-        if not token or not name or not task.once_policy:
-            return None
-        return cls(task, name, token)
-
-    def headers(self):
-        return {ONCE_TOKEN_HEADER: self.token, ONCE_NAME_HEADER: self.name}
-
-    def extend(self, ttl):
-        try:
-            self.owned = bool(self.backend.extend(self.name, self.token, ttl))
-        except LockBackendError:
-            logger.warning("Could not extend enqueue-once lock %r", self.name, exc_info=True)
-            return self.owned
-        return self.owned
-
-    def adopt(self):
-        """At the start of a run: re-extend the lock and keep renewing it while it runs."""
-        if not self.extend(self.task.once_ttl):
-            logger.warning(
-                "Task %s[%s]: its enqueue-once lock %r expired and was taken over (or "
-                "removed) before it ran; running it anyway, a duplicate may be queued.",
-                self.task.name, self.task.request.id, self.name,
-            )
-            return
-        if self.task.once_auto_renew:
-            self._renewer = threading.Thread(
-                target=self._renew, name=f"django-setnx once {self.name[:40]}", daemon=True
-            )
-            self._renewer.start()
-
-    def _renew(self):
-        ttl = self.task.once_ttl
-        while not self._stop.wait(ttl / 3):
-            try:
-                if not self.backend.extend(self.name, self.token, ttl):
-                    self.owned = False
-                    logger.warning("Enqueue-once lock %r was lost while its task ran", self.name)
-                    return
-            except LockBackendError:
-                logger.warning("Could not renew enqueue-once lock %r", self.name, exc_info=True)
-
-    def stop_renewing(self):
-        self._stop.set()
-        renewer, self._renewer = self._renewer, None
-        if renewer is not None and renewer is not threading.current_thread():
-            renewer.join(timeout=self.task.once_ttl)
-
-    def release(self):
-        self.stop_renewing()
-        try:
-            released = self.backend.release(self.name, self.token)
-        except LockBackendError:
-            logger.warning(
-                "Could not release enqueue-once lock %r; it expires by itself",
-                self.name, exc_info=True,
-            )
-            return False
-        if not released:
-            logger.info("Enqueue-once lock %r was no longer this task's; left alone", self.name)
-        self.owned = False
-        return released
+def _canonical(value):
+    """``value`` as JSON-able data with one spelling per value: dict items ordered by
+    their keys' canonical JSON (so mixed key types sort), sets sorted, tuples as
+    lists, anything else by ``repr``."""
+    if isinstance(value, dict):
+        items = [(_canonical(k), _canonical(v)) for k, v in value.items()]
+        return {"{}": sorted(items, key=lambda kv: json.dumps(kv[0], sort_keys=True))}
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return {"set": sorted((_canonical(v) for v in value), key=json.dumps)}
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return {"repr": repr(value)}
 
 
-class ExclusiveTask(Task):
-    """A Celery Task with run-exclusive and enqueue-once locks (see the module docs).
+def _bounded_name(name):
+    """``name``, or for one over the limit its first KEPT_NAME_CHARACTERS characters
+    and a digest of the whole (a derived name must never make a valid call fail)."""
+    if len(name) <= MAX_NAME_LENGTH:
+        return name
+    digest = hashlib.sha1(name.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{name[:KEPT_NAME_CHARACTERS]}:{digest}"
 
-    Without ``lock_name`` and ``once_policy`` it is a plain Task.
-    """
+
+def _once_lock(task, name, ttl):
+    return Lock(name, ttl, backend=task._once_backend_alias(), auto_renew=task.once_auto_renew)
+
+
+class ExclusiveTaskMixin:
+    """Run-exclusive and enqueue-once locks for a Celery task class (see the module
+    documentation). Put it before the task class it extends."""
 
     #: Run-exclusive: name template (or callable) of the lock held while the body runs.
     lock_name = None
@@ -342,6 +336,12 @@ class ExclusiveTask(Task):
     lock_retry_countdown = 10
     #: Retries on contention; None: the task's ``max_retries``.
     lock_max_retries = None
+    #: When the body runs inside a transaction on one of ``lock_using`` (eager
+    #: tasks, or a direct call, made in ``atomic()`` or under ``ATOMIC_REQUESTS``),
+    #: release the run lock after that transaction commits (at once on rollback).
+    lock_release_on_commit = True
+    #: Database alias(es) whose transactions count; None: ``"default"``.
+    lock_using = None
 
     #: Enqueue-once: None (off), "raise" (AlreadyQueued) or "drop" (apply_async returns None).
     once_policy = None
@@ -398,8 +398,8 @@ class ExclusiveTask(Task):
             run = _find_run(cls)
             if run is None:
                 raise ImproperlyConfigured(f"{cls.__qualname__} has no run method.")
-            make_lock = _LockName(run, cls.lock_name) if cls.lock_name else None
-            make_once = _LockName(run, cls.once_name) if cls.once_name else None
+            make_lock = LockName(run, cls.lock_name) if cls.lock_name else None
+            make_once = LockName(run, cls.once_name) if cls.once_name else None
             builders = (make_lock, make_once, inspect.signature(run))
             cls._setnx_names = builders
         return builders
@@ -413,19 +413,23 @@ class ExclusiveTask(Task):
         return None if make_lock is None else validate_name(make_lock(tuple(args), dict(kwargs)))
 
     def once_lock_name(self, args, kwargs):
-        """The enqueue-once lock's name for a call with ``args``/``kwargs``."""
+        """The enqueue-once lock's name for a call with ``args``/``kwargs``.
+
+        An explicit ``once_name`` is used as given (and must be a valid name); a
+        derived one is kept within the name limit (see :func:`_bounded_name`).
+        """
         make_lock, make_once, signature = self._setnx_name_builders()
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         if make_once is not None:
             return validate_name(make_once(args, kwargs))
         if make_lock is not None:
-            return validate_name(f"celery-once:{self.name}:{make_lock(args, kwargs)}")
+            return validate_name(_bounded_name(
+                f"celery-once:{self.name}:{make_lock(args, kwargs)}"))
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        payload = json.dumps(dict(bound.arguments), sort_keys=True, default=repr,
-                             separators=(",", ":"))
-        digest = hashlib.sha1(payload.encode()).hexdigest()
-        return validate_name(f"celery-once:{self.name}:{digest}")
+        payload = json.dumps(_canonical(dict(bound.arguments)), separators=(",", ":"))
+        digest = hashlib.sha1(payload.encode("utf-8", "surrogatepass")).hexdigest()
+        return validate_name(_bounded_name(f"celery-once:{self.name}:{digest}"))
 
     # -- enqueue-once -----------------------------------------------------------
 
@@ -434,41 +438,65 @@ class ExclusiveTask(Task):
         """Send the task; with ``once_policy``, only if no copy is queued or running.
 
         Returns the AsyncResult, or None when ``once_policy="drop"`` dropped a
-        duplicate; raises :class:`AlreadyQueued` with ``once_policy="raise"``.
+        duplicate; raises :class:`AlreadyQueued` with ``once_policy="raise"``. A
+        duplicate inside a canvas is sent, to be settled by the worker (see
+        "Canvases and periodic tasks"). ``once_policy=`` overrides the task's policy
+        for this call.
         """
+        policy = options.pop("once_policy", self.once_policy)
+        if policy is not None and policy not in ONCE_POLICIES:
+            raise ValueError(f"once_policy must be None, 'raise' or 'drop', got {policy!r}.")
         options.update(producer=producer, link=link, link_error=link_error, shadow=shadow)
         headers = options.get("headers") or {}
-        if not self.once_policy or options.get("retries") or ONCE_TOKEN_HEADER in headers:
+        if not policy or options.get("retries") or ONCE_TOKEN_HEADER in headers:
             # Off, or a retry/resend of a message that already carries its once lock.
             return super().apply_async(args, kwargs, task_id, **options)
 
         # The id first, so that the lock's owner record can name it.
         task_id = task_id or uuid()
         name = self.once_lock_name(args, kwargs)
-        backend = locks[self._once_backend_alias()]
         ttl = self.once_ttl + _delay_seconds(options.get("countdown"), options.get("eta"))
-        token = secrets.token_hex(16)
-        owner = current_owner(f"celery task {self.name}[{task_id}]")
-        owner["celery_task_id"] = task_id
-        result = backend.acquire(name, token, ttl, owner)
-        if not result.acquired:
-            return self.already_queued(name, args, kwargs, options)
+        lk = Lock(name, ttl, backend=self._once_backend_alias(),
+                  guards=f"celery task {self.name}[{task_id}]")
+        lk.owner_extra["celery_task_id"] = task_id
+        if not lk.acquire(blocking=False):
+            if any(options.get(key) for key in CANVAS_OPTIONS):
+                return self._send_duplicate(policy, name, args, kwargs, task_id, options)
+            return self.already_queued(name, args, kwargs, options, policy)
 
-        options["headers"] = {**headers, ONCE_TOKEN_HEADER: token, ONCE_NAME_HEADER: name}
+        options["headers"] = {**headers, ONCE_TOKEN_HEADER: lk._token, ONCE_NAME_HEADER: name}
         try:
             return super().apply_async(args, kwargs, task_id, **options)
         except BaseException:
             # Not sent (broker down), or run eagerly and raised: either way no queued
             # copy holds the lock any more. Token-checked, so never someone else's.
             try:
-                backend.release(name, token)
-            except LockBackendError:
+                lk.release()
+            except LockError:
                 logger.warning("Could not release enqueue-once lock %r", name, exc_info=True)
             raise
 
-    def already_queued(self, name, args, kwargs, options):
+    def _send_duplicate(self, policy, name, args, kwargs, task_id, options):
+        """A duplicate inside a canvas: send it marked, for the worker to settle by
+        ``policy`` without running the body, so the canvas neither hangs nor blames
+        the step before."""
+        holder = self._holder(name)
+        options["headers"] = {**(options.get("headers") or {}),
+                              DUPLICATE_HEADER: [policy, name, holder]}
+        logger.info("Task %s[%s] is a duplicate inside a canvas (%r held by %s): sent to be "
+                    "settled by once_policy=%r", self.name, task_id, name, holder, policy)
+        return super().apply_async(args, kwargs, task_id, **options)
+
+    def _holder(self, name):
+        try:
+            info = locks[self._once_backend_alias()].get(name)
+        except LockBackendError:
+            return None
+        return info.owner.get("celery_task_id") if info is not None else None
+
+    def already_queued(self, name, args, kwargs, options, policy=None):
         """Called when ``apply_async`` finds a copy queued or running: raise or drop."""
-        if self.once_policy == DROP:
+        if (policy or self.once_policy) == DROP:
             logger.info("Task %s not enqueued: a copy is already queued or running (%r)",
                         self.name, name)
             return  # apply_async() returns None
@@ -488,13 +516,15 @@ class ExclusiveTask(Task):
             # A plain call: Task.__call__ pushes a request and runs the body, which
             # we wrap in the run lock.
             return self._run_exclusive(
-                request, args, kwargs, lambda: super(ExclusiveTask, self).__call__(*args, **kwargs)
+                request, args, kwargs, lambda: super(ExclusiveTaskMixin, self).__call__(
+                    *args, **kwargs)
             )
+        duplicate = _header(request, DUPLICATE_HEADER)
+        if duplicate:
+            return self._settle_duplicate(*duplicate)
         # A worker (or apply()/eager mode) is running us: the request is on the stack.
-        once = _OnceClaim.from_request(self, request)
+        once = self._adopt_once(request)
         setattr(request, _ONCE_ATTR, once)
-        if once is not None:
-            once.adopt()
         keep_once = False
         try:
             return self._run_exclusive(request, args, kwargs, lambda: self.run(*args, **kwargs))
@@ -514,9 +544,40 @@ class ExclusiveTask(Task):
         finally:
             if once is not None:
                 if keep_once or getattr(request, _RETRY_SENT_ATTR, False):
-                    once.stop_renewing()
+                    once._stop_renewer()
                 else:
-                    once.release()
+                    _release_quietly(once)
+
+    def _settle_duplicate(self, policy, name, holder):
+        if policy == DROP:
+            logger.info("Task %s[%s] not run: a copy is already queued or running (%r)",
+                        self.name, self.request.id, name)
+            return None
+        raise AlreadyQueued(name, self.name, holder)
+
+    def _adopt_once(self, request):
+        """The enqueue-once lock this message carries, held by this run (or None)."""
+        token = _header(request, ONCE_TOKEN_HEADER)
+        name = _header(request, ONCE_NAME_HEADER)
+        if not token or not name:
+            # No once lock travels with this message. (One that does is adopted
+            # whatever the task's own policy: apply_async(once_policy=...) and beat
+            # entries can ask for one per call.)
+            return None
+        once = _once_lock(self, name, self.once_ttl)
+        try:
+            adopted = once.adopt(token)
+        except LockError:
+            logger.warning("Could not extend enqueue-once lock %r", name, exc_info=True)
+            adopted = False
+        if not adopted:
+            logger.warning(
+                "Task %s[%s]: its enqueue-once lock %r expired and was taken over (or "
+                "removed) before it ran; running it anyway, a duplicate may be queued.",
+                self.name, request.id, name,
+            )
+            return None
+        return once
 
     def _run_exclusive(self, request, args, kwargs, body):
         name = self.run_lock_name(args, kwargs)
@@ -527,7 +588,13 @@ class ExclusiveTask(Task):
         else:
             guards = f"celery task {self.name}[{request.id}]"
         lk = Lock(name, self.lock_ttl, backend=self.lock_backend, timeout=self.lock_timeout,
-                  auto_renew=self.lock_auto_renew, guards=guards)
+                  auto_renew=self.lock_auto_renew, guards=guards,
+                  release_on_commit=self.lock_release_on_commit, using=self.lock_using)
+        if request.id:
+            lk.owner_extra["celery_task_id"] = request.id
+        if self.lock_release_on_commit and deferred_lock(lk) is not None:
+            # An earlier run in this transaction holds it until COMMIT: run under it.
+            return body()
         if not lk.acquire():
             return self.lock_contended(lk, args, kwargs)
         holder = request if not request.called_directly else None
@@ -538,10 +605,10 @@ class ExclusiveTask(Task):
         except BaseException as exc:
             if self._take_run_lock(holder, lk):
                 # Release without masking ``exc``, even if the lock was lost meanwhile.
-                lk.__exit__(type(exc), exc, exc.__traceback__)
+                lk.release_at_exit(exc)
             raise
         if self._take_run_lock(holder, lk):
-            lk.release()  # LockNotOwned here: the run was not exclusive; say so.
+            lk.release_at_exit()  # LockNotOwned here: the run was not exclusive; say so.
         return result
 
     @staticmethod
@@ -601,21 +668,25 @@ class ExclusiveTask(Task):
                 if run_lock is not None and self._take_run_lock(request, run_lock):
                     try:
                         run_lock.release()
-                    except (LockNotOwned, LockBackendError):
+                    except LockError:
                         logger.warning("Could not release lock %r before a retry",
                                        run_lock.name, exc_info=True)
                 once = getattr(request, _ONCE_ATTR, None)
                 if once is not None:
                     # Stop the renewer first: it would shorten the expiry set here.
-                    once.stop_renewing()
+                    once._stop_renewer()
                     if countdown is None and eta is None:
                         delay = self.default_retry_delay or 0
                     else:
                         delay = _delay_seconds(countdown, eta)
-                    once.extend(self.once_ttl + delay)
+                    try:
+                        once.extend(self.once_ttl + delay)
+                    except LockError:
+                        logger.warning("Could not extend enqueue-once lock %r for a retry",
+                                       once.name, exc_info=True)
                     options["headers"] = {
                         **(options.get("headers") or request.headers or {}),
-                        **once.headers(),
+                        ONCE_TOKEN_HEADER: once._token, ONCE_NAME_HEADER: once.name,
                     }
         try:
             ret = super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta,
@@ -627,16 +698,98 @@ class ExclusiveTask(Task):
         return ret
 
 
+class ExclusiveTask(ExclusiveTaskMixin, _DefaultBase):
+    """A Celery Task (Celery's ``DjangoTask`` where available) with run-exclusive and
+    enqueue-once locks (see the module documentation).
+
+    Without ``lock_name`` and ``once_policy`` it is a plain task.
+    """
+
+
+def _release_quietly(once):
+    try:
+        once.release()
+    except LockError:
+        logger.info("Enqueue-once lock %r was no longer this task's, or could not be "
+                    "released; it expires by itself", once.name, exc_info=True)
+
+
+def _release_once_of(task, request_like):
+    """Release the enqueue-once lock a message carries (revoked or expired: it never
+    runs), with the lock signals. Token-checked: a lock that passed to a later
+    enqueue is left alone."""
+    token = _header(request_like, ONCE_TOKEN_HEADER)
+    name = _header(request_like, ONCE_NAME_HEADER)
+    if not token or not name:
+        return False
+    once = _once_lock(task, name, task.once_ttl)
+    once.take_token(token)
+    try:
+        once.release()
+    except LockError:
+        logger.info("Enqueue-once lock %r of a task that never ran was no longer its own, "
+                    "or could not be released", name, exc_info=True)
+        return False
+    return True
+
+
 @celery_signals.task_revoked.connect(weak=False, dispatch_uid="django_setnx_once_revoked")
 def _release_once_on_revoke(sender=None, request=None, **kwargs):
     """A revoked or expired message never runs: release its enqueue-once lock."""
-    if not isinstance(sender, ExclusiveTask) or request is None:
+    if not isinstance(sender, ExclusiveTaskMixin) or request is None:
         return
     try:
-        once = _OnceClaim.from_request(sender, request)
-        if once is not None:
-            once.release()
+        _release_once_of(sender, request)
     except Exception:  # a signal handler must never break the worker
         logger.warning("Could not release the enqueue-once lock of a revoked task",
                        exc_info=True)
 
+
+def _install_revoke_hook():
+    """Wrap the worker's ``revoke`` control command so that revoking a message that
+    waits for its countdown/eta in this worker frees its enqueue-once lock at once.
+
+    Celery only discards such a message (and sends ``task_revoked``) when its ETA
+    comes; until then its once lock would refuse every new enqueue. Control commands
+    only ever run in workers, so this changes nothing elsewhere.
+    """
+    try:
+        from celery.worker import control, state
+    except ImportError:  # pragma: no cover
+        return
+    original = control.Panel.data.get("revoke")
+    if original is None or getattr(original, "_django_setnx", False):
+        return
+
+    def revoke(panel, task_id, *args, **kwargs):
+        result = original(panel, task_id, *args, **kwargs)
+        ids = [task_id] if isinstance(task_id, str) else list(task_id or ())
+        for waiting in list(state.scheduled_requests) + list(state.reserved_requests):
+            if waiting.id in ids and isinstance(waiting.task, ExclusiveTaskMixin):
+                if waiting in state.active_requests:
+                    continue
+                try:
+                    released = _release_once_of(waiting.task, _RequestHeaders(waiting))
+                except Exception:  # noqa: BLE001 - a control command must answer
+                    logger.warning("Could not release the enqueue-once lock of revoked "
+                                   "task %s", waiting.id, exc_info=True)
+                else:
+                    if released:
+                        logger.info("Released the enqueue-once lock of revoked task %s",
+                                    waiting.id)
+        return result
+
+    revoke.__dict__.update(original.__dict__)
+    revoke.__doc__ = original.__doc__
+    revoke._django_setnx = True
+    control.Panel.data["revoke"] = revoke
+
+
+class _RequestHeaders:
+    """A worker Request's message headers, seen the way _header() reads a request."""
+
+    def __init__(self, request):
+        self.headers = request.request_dict
+
+
+_install_revoke_hook()

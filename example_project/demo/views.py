@@ -3,7 +3,8 @@
 - ``/report/``: a 5-second job under ``@locked("demo:slow-report", ttl=30)``. Open it
   in two tabs (or ``curl`` it twice at once): the first request takes the lock and
   works; the second finds it held and answers at once with HTTP 409 "busy, try
-  again" and a ``Retry-After`` header, from the lock's expiry on the backend's clock.
+  again" and a ``Retry-After`` header: the time the job still needs (the lock's ttl
+  is a safety bound, not the job's length).
 - ``/async-report/``: the same with an ``async def`` view (run it under ASGI, or
   ``runserver``, which adapts it).
 - ``/task/``: a Celery task that is run-exclusive and enqueue-once
@@ -12,7 +13,6 @@
 """
 
 import asyncio
-import math
 import time
 
 from asgiref.sync import sync_to_async
@@ -22,6 +22,7 @@ from django.shortcuts import render
 from django.views.decorators.http import require_http_methods
 
 from django_setnx import locked, locks
+from django_setnx.decorators import retry_after_seconds
 from django_setnx.exceptions import LockBackendError
 
 LOCK_NAME = "demo:slow-report"
@@ -34,16 +35,25 @@ def _backend_name():
     return settings.SETNX_LOCKS["default"]["BACKEND"].rsplit(".", 1)[-1]
 
 
+def job_time_left(lock, request=None):
+    """Seconds until the holder's job should be done: JOB_SECONDS after it took the
+    lock, by the backend's clock (the ``retry_after`` of the demo views)."""
+    try:
+        holder = lock.info()
+    except LockBackendError:
+        return 1
+    if holder is None or not holder.is_held:
+        return 1
+    return JOB_SECONDS - (holder.now_ms - holder.acquired_at_ms) / 1000
+
+
 def busy_page(lock, request, *args, **kwargs):
     """``on_contention`` of the demo views: the busy page, HTTP 409 with Retry-After."""
     try:
         holder = lock.info()  # None if it was released in the meantime
     except LockBackendError:
         holder = None
-    if holder is not None and holder.is_held:
-        retry_after = max(1, math.ceil(holder.expires_in))
-    else:
-        retry_after = 1
+    retry_after = retry_after_seconds(lock, job_time_left, request)
     response = render(
         request,
         "demo/busy.html",

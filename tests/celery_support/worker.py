@@ -107,3 +107,46 @@ class CeleryWorker:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+
+class CeleryBeat:
+    """A ``celery beat`` subprocess of tests.celery_app, with its schedule file and log
+    in ``log_dir``; the schedule comes from ``SETNX_TEST_BEAT_*`` in ``env``."""
+
+    def __init__(self, env, log_dir):
+        self.env = env
+        self.log_path = Path(log_dir) / f"beat-{uuid.uuid4().hex[:8]}.log"
+        self.schedule = Path(log_dir) / f"beat-{uuid.uuid4().hex[:8]}.schedule"
+        self.process = None
+
+    def start(self):
+        env = {
+            **os.environ,
+            **self.env,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "PYTHONUNBUFFERED": "1",
+        }
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "tests.celery_app", "beat",
+                 "-s", str(self.schedule), "--max-interval", "1", "--loglevel=INFO"],
+                cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        return self
+
+    def stop(self, timeout=15):
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def log(self):
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""

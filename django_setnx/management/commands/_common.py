@@ -6,6 +6,7 @@ import unicodedata
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError
 
+from django_setnx.globs import compile_glob
 from django_setnx.handler import locks
 
 #: Unicode categories never printed raw: controls (newline, ESC, ...), format
@@ -20,8 +21,8 @@ def add_backend_arguments(parser, action):
     )
     parser.add_argument(
         "--name", dest="name_glob", metavar="GLOB",
-        help="Only locks whose name matches this Redis-style glob (*, ?, [abc], [^a], "
-             "\\ escapes), on every backend.",
+        help="Only locks whose name matches this glob (*, ?, [abc], [a-z], [!a] or [^a], "
+             "\\ escapes), with the same meaning on every backend.",
     )
 
 
@@ -59,32 +60,15 @@ def backend_failure(alias, exc):
 
 def validate_glob(pattern):
     """Return the ``--name`` glob (None when not given), or raise CommandError for an
-    empty one or one whose meaning differs between backends: a trailing lone ``\\``
-    or a ``[`` without its ``]`` (Redis reads past the name into the key's suffix)."""
+    empty or malformed one (see :mod:`django_setnx.globs`)."""
     if pattern is None:
         return None
     if pattern == "":
         raise CommandError("--name must not be empty (use --name '*' for every lock).")
-    i, n = 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if c == "\\":
-            if i + 1 == n:
-                raise CommandError(
-                    f"--name {pattern!r} ends with a lone backslash; write \\\\ for a "
-                    f"literal one.")
-            i += 2
-            continue
-        if c == "[":
-            j = i + 1
-            while j < n and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            if j >= n:
-                raise CommandError(
-                    f"--name {pattern!r} has a '[' without a closing ']'; write \\[ for a "
-                    f"literal one.")
-            i = j
-        i += 1
+    try:
+        compile_glob(pattern)
+    except ValueError as exc:
+        raise CommandError(f"--name: {exc}") from exc
     return pattern
 
 

@@ -2,11 +2,17 @@
 
 The table escapes control characters in names and owners (a lock name is user data:
 it must not forge output lines or send terminal escapes) and truncates very long
-values; ``--json`` prints every value in full, one object per line, streamed, and
-is the format to use for large listings or scripts.
+values; ``--json`` prints every value in full as NDJSON (one JSON object per line,
+streamed as the backends yield them: constant memory, and ``| head``, ``| jq -c`` or
+``| grep`` work on a listing of any size), the format for scripts.
+
+A reader that stops early (``listlocks | head``) ends the command quietly, as any
+Unix filter does.
 """
 
 import json
+import os
+import sys
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
@@ -46,8 +52,8 @@ class Command(BaseCommand):
         add_backend_arguments(parser, "List")
         parser.add_argument(
             "--json", action="store_true", dest="as_json",
-            help="Print a JSON list of lock records, every value in full (streamed: use it "
-                 "for large listings).",
+            help="Print one JSON object per lock and line (NDJSON), every value in full, "
+                 "streamed: for scripts and large listings.",
         )
 
     def handle(self, *args, **options):
@@ -58,10 +64,18 @@ class Command(BaseCommand):
         selected = select_backends(options["backends"])
         self._failures = []
         infos = self._infos(selected, state, name_glob)
-        if options["as_json"]:
-            self._write_json(infos)
-        else:
-            self._write_table(infos)
+        try:
+            if options["as_json"]:
+                self._write_json(infos)
+            else:
+                self._write_table(infos)
+            self.stdout.flush()
+        except BrokenPipeError:
+            # The reader went away (``| head``): stop quietly. Point stdout at devnull
+            # so that the interpreter's final flush does not fail again.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return
         if self._failures:
             raise CommandError("; ".join(self._failures))
 
@@ -77,15 +91,11 @@ class Command(BaseCommand):
     # -- JSON ---------------------------------------------------------------------
 
     def _write_json(self, infos):
-        # Written record by record as the backends yield them: constant memory for
-        # any number of locks. One record per line.
+        # NDJSON, record by record as the backends yield them: constant memory for
+        # any number of locks, and every line is a complete document.
         write = self.stdout.write
-        first = True
         for info in infos:
-            write(("[\n  " if first else ",\n  ") + json.dumps(info.as_dict(), sort_keys=True),
-                  ending="")
-            first = False
-        write("[]" if first else "\n]")
+            write(json.dumps(info.as_dict(), sort_keys=True, ensure_ascii=False))
 
     # -- table --------------------------------------------------------------------
 

@@ -1,0 +1,201 @@
+"""The Redis backend's asyncio client: the same server and settings as its redis-py
+client, through ``redis.asyncio``, so that coroutines acquire, release, extend and
+wait without a thread each.
+
+A ``redis.asyncio`` connection belongs to the event loop it was made in, so there
+is one client per running loop (see ``RedisBackend._aconnection``). It is built
+from the sync client's connection settings (``LOCATION`` and ``CONNECTION_KWARGS``,
+or a django-redis cache's pool, ``OPTIONS["CACHE"]``), with the backend's own
+policies: no retries, and every new connection checks its server's eviction policy
+before any lock command runs on it (``AsyncEvictionCheck``). A shared django-redis
+pool is never used from asyncio: the async client has a pool of its own.
+
+Plain connections (TCP, TLS, Unix socket) are supported. For Sentinel, Cluster or a
+custom ``CLIENT_CLASS``, ``async_client_from`` returns None and the backend's async
+methods fall back to running the sync ones in threads.
+"""
+
+import asyncio
+
+import redis
+from redis import asyncio as redis_asyncio
+from redis.asyncio import connection as async_connection
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+#: The connection settings carried over from the sync client's pool (what a user
+#: sets through LOCATION and CONNECTION_KWARGS); redis-py's internal objects of the
+#: sync pool (its retry policy, parser, maintenance handlers) are not.
+USER_CONNECTION_KWARGS = frozenset({
+    "host", "port", "path", "db", "username", "password", "credential_provider",
+    "socket_timeout", "socket_connect_timeout", "socket_keepalive",
+    "socket_keepalive_options", "encoding", "encoding_errors", "decode_responses",
+    "client_name", "health_check_interval", "protocol", "lib_name", "lib_version",
+})
+
+#: "No limit" for redis.asyncio's ConnectionPool (it reads None as 100).
+UNBOUNDED = 2**31
+
+#: redis-py's sync connection classes and their asyncio twins.
+ASYNC_CONNECTION_CLASSES = {
+    redis.connection.Connection: async_connection.Connection,
+    redis.connection.SSLConnection: async_connection.SSLConnection,
+    redis.connection.UnixDomainSocketConnection: async_connection.UnixDomainSocketConnection,
+}
+
+
+def async_client_from(sync_client, connect_check):
+    """A ``redis.asyncio.Redis`` reaching the server ``sync_client`` reaches, with
+    the same user settings, no retries, and ``connect_check`` (an AsyncEvictionCheck,
+    or None) run on every new connection. Returns None if ``sync_client`` is not a plain
+    ``redis.Redis`` on a plain connection pool (Sentinel, Cluster, a custom class)."""
+    pool = getattr(sync_client, "connection_pool", None)
+    if (type(sync_client) is not redis.Redis or pool is None
+            or type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool)):
+        return None
+    connection_class = ASYNC_CONNECTION_CLASSES.get(pool.connection_class)
+    if connection_class is None:
+        return None
+    kwargs = {key: value for key, value in pool.connection_kwargs.items()
+              if key in USER_CONNECTION_KWARGS or key.startswith("ssl_")}
+    kwargs["retry"] = Retry(NoBackoff(), 0)
+    if connect_check is not None:
+        kwargs["redis_connect_func"] = connect_check.on_connect
+    # Unbounded: a burst of coroutines (a thousand acquiring at once) opens what it
+    # needs rather than failing with "Too many connections" (the sync pool's limit,
+    # 100 by default, suits threads, not coroutines); the connections are reused
+    # afterwards. (A BlockingConnectionPool would queue them, at ~20% of the cost of
+    # every command.) Waiting coroutines share one connection (InboxWaits).
+    async_pool = redis_asyncio.ConnectionPool(
+        connection_class=connection_class, max_connections=UNBOUNDED, **kwargs)
+    return redis_asyncio.Redis(connection_pool=async_pool)
+
+
+class AsyncEvictionCheck:
+    """The async ``redis_connect_func`` (:meth:`on_connect`): after the handshake, read the server's
+    eviction policy on the new connection and raise what ``refusal_error`` makes of
+    a refusal (see ``redis.eviction_refusal``), so no lock command runs on a server
+    that may evict lock keys. ``refusal_for(maxmemory, policy, server)`` returns the
+    message or None; ``unknown_policy(error, server)`` the message when neither
+    command answers."""
+
+    def __init__(self, refusal_for, unknown_policy, refusal_error):
+        self.refusal_for = refusal_for
+        self.unknown_policy = unknown_policy
+        self.refusal_error = refusal_error
+
+    async def on_connect(self, connection):
+        """redis.asyncio's ``redis_connect_func`` contract (it must be a coroutine
+        function: a callable object is not awaited)."""
+        await connection.on_connect()
+        server = getattr(connection, "path", None) or f"{connection.host}:{connection.port}"
+        try:
+            maxmemory, policy = await _eviction_settings(connection)
+        except redis.exceptions.ResponseError as exc:
+            refusal = self.unknown_policy(exc, server)
+        else:
+            refusal = self.refusal_for(maxmemory, policy, server)
+        if refusal is not None:
+            raise self.refusal_error(refusal)
+
+
+async def _eviction_settings(connection):
+    """``(maxmemory, policy)`` read on one asyncio connection, as
+    ``read_eviction_settings`` reads them on a sync one."""
+    from .redis import config_reply, info_reply, settings_from_config, settings_from_info
+
+    try:
+        await connection.send_command("CONFIG", "GET", "maxmemory*")
+        return settings_from_config(config_reply(await connection.read_response()))
+    except redis.exceptions.ResponseError:
+        await connection.send_command("INFO", "memory")
+        return settings_from_info(info_reply(await connection.read_response()))
+
+
+class InboxWaits:
+    """The inbox waits of one event loop's coroutines, on one connection.
+
+    Each waiting coroutine would otherwise hold a connection of its own in a BLPOP
+    (a thousand waiters: a thousand connections). Instead one task, started when the
+    first coroutine waits and ending once none has for ``GRACE`` seconds, BLPOPs on
+    every waiter's inbox at once and completes the future of the one whose inbox got a
+    message. A coroutine that starts waiting on an inbox the BLPOP in flight does not
+    cover pushes to ``control`` (a key of this object's own, expiring) so that the
+    BLPOP is sent again with it. Inboxes stay covered for ``GRACE`` after their waiter
+    left, so that a waiter retrying its acquire in between changes nothing.
+
+    An inbox message is only a wake-up (the truth is in the lock record), so one that
+    arrives after its waiter left is dropped. If the connection breaks, every waiter is
+    woken: its next acquire finds out what happened.
+    """
+
+    GRACE = 5.0
+
+    def __init__(self, client, control, max_block):
+        self.client = client
+        self.control = control
+        self.max_block = max_block
+        self.futures = {}  # inbox key (bytes) -> the future of its waiter, or None
+        self.last_used = {}  # inbox key -> loop time of its last wait
+        self.covered = None  # the inbox keys of the BLPOP in flight, None when idle
+        self.poked = False  # a poke was sent since that BLPOP was
+        self.task = None
+
+    async def wait(self, inbox, timeout):
+        """Wait up to ``timeout`` seconds for a message in ``inbox``. Returns the
+        message, True when the connection broke (the caller should look), or None."""
+        key = inbox.encode() if isinstance(inbox, str) else inbox
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self.futures[key] = future
+        self.last_used[key] = loop.time()
+        try:
+            if self.task is None or self.task.done():
+                self.task = loop.create_task(self._run())
+            elif self.covered is not None and key not in self.covered and not self.poked:
+                self.poked = True
+                await self._poke()
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            if self.futures.get(key) is future:
+                self.futures[key] = None
+
+    async def _poke(self):
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.rpush(self.control, 1)
+            pipe.pexpire(self.control, int(self.GRACE * 1000))
+            await pipe.execute()
+
+    async def _run(self):
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                now = loop.time()
+                for key in [key for key, future in self.futures.items()
+                            if future is None and now - self.last_used[key] > self.GRACE]:
+                    del self.futures[key], self.last_used[key]
+                if not self.futures:
+                    return
+                keys = list(self.futures)
+                self.covered, self.poked = frozenset(keys), False
+                try:
+                    reply = await self.client.blpop([*keys, self.control],
+                                                    timeout=self.max_block)
+                except (redis.exceptions.RedisError, OSError):
+                    self._wake_all(True)
+                    return
+                finally:
+                    self.covered = None
+                if reply is not None:
+                    future = self.futures.get(reply[0])
+                    if future is not None and not future.done():
+                        future.set_result(reply[1])
+        finally:
+            self.covered = None
+
+    def _wake_all(self, value):
+        for future in self.futures.values():
+            if future is not None and not future.done():
+                future.set_result(value)

@@ -1,0 +1,44 @@
+"""A WSGI app for the gunicorn ``--preload`` test (tests/test_gunicorn.py).
+
+Loaded once in gunicorn's master, which then forks its workers. At import it uses
+the lock backend named by ``SETNX_PRELOAD_ALIAS``, so the backend's connections are
+open *before* the fork, as they are when a project's import-time code (an app's
+``ready()``, a module-level warm-up) touches a lock. The one view increments a
+counter file with a non-atomic read-modify-write under ``@locked``.
+"""
+
+import os
+import time
+
+import django
+from django.core.wsgi import get_wsgi_application
+from django.http import HttpResponse
+from django.urls import path
+
+django.setup()
+
+from django_setnx import lock, locked  # noqa: E402 - after django.setup()
+
+ALIAS = os.environ["SETNX_PRELOAD_ALIAS"]
+COUNTER = os.environ["SETNX_PRELOAD_COUNTER"]
+
+# Open the backend's connections in the master, before gunicorn forks.
+with lock("preload:warm-up", ttl=10, backend=ALIAS, timeout=10) as _warm:
+    assert _warm.owned()
+
+
+@locked("preload:counter", ttl=30, timeout=30, backend=ALIAS, release_on_commit=False)
+def increment(request):
+    with open(COUNTER) as f:
+        value = int(f.read() or 0)
+    time.sleep(0.002)  # widen the window in which a second holder would lose an update
+    with open(COUNTER, "w") as f:
+        f.write(str(value + 1))
+    return HttpResponse(f"{os.getpid()}")
+
+
+urlpatterns = [
+    path("increment/", increment),
+    path("ping/", lambda request: HttpResponse("pong")),
+]
+application = get_wsgi_application()

@@ -1,0 +1,790 @@
+"""The database backend where Django apps really run: the project's DATABASES entry
+configured with AUTOCOMMIT off or Django's connection pool, servers that drop idle
+connections or lose an answer, contention that deadlocks, forks, bad input and
+hostile globs. Every test runs against the real server (SQLite, PostgreSQL,
+MariaDB); connections are ended with the server's own tools (pg_terminate_backend,
+KILL) or cut by a small proxy on a Unix socket.
+
+Extra DATABASES aliases exist only inside the tests that need them
+(``temporary_database``): an alias in settings.DATABASES would be opened by every
+other test of the suite.
+"""
+
+import contextlib
+import copy
+import gc
+import os
+import secrets
+import select
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import weakref
+
+import django
+import pytest
+from django.conf import settings
+from django.db import connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_setnx import lock, locks
+from django_setnx.backends import database
+from django_setnx.backends.database import DatabaseBackend
+from django_setnx.exceptions import LockBackendError
+from django_setnx.models import LockRecord
+
+OWNER = {"host": "test", "pid": 1, "thread": "MainThread"}
+#: Long enough for any operation here to end; only a hang goes past it.
+HANG = 60
+
+
+
+def _aliases(*vendors):
+    """The database lock aliases of this run whose ENGINE is one of ``vendors``."""
+    return [alias for alias in settings.CONTRACT_ALIASES if alias in settings.DATABASES
+            and any(v in settings.DATABASES[alias]["ENGINE"] for v in vendors)]
+
+
+#: Servers whose sessions can be ended (an SQLite connection is a file).
+SERVER_ALIASES = _aliases("postgresql", "mysql")
+POSTGRES = "postgres" in settings.CONTRACT_ALIASES
+
+
+def needs(condition):
+    """Define the test only when ``condition`` holds (a server of this run): a test
+    that cannot apply does not exist, rather than being skipped (which CI counts
+    as a failure: a missing server must not pass)."""
+    return lambda test: test if condition else None
+
+
+def _token():
+    return secrets.token_hex(16)
+
+
+@pytest.fixture
+def make_backend():
+    """Database backends that are not in SETNX_LOCKS, closed at the end."""
+    made = []
+
+    def make(database_alias, **options):
+        backend = DatabaseBackend(f"edge-{len(made)}",
+                                  {"OPTIONS": {"DATABASE": database_alias, **options}})
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+@pytest.fixture
+def temporary_database(monkeypatch, django_db_blocker):
+    """``temporary_database(primary, alias, **changes)``: a context manager for a
+    DATABASES alias that exists only inside the block, a copy of ``primary``'s (test
+    database) settings with ``changes`` (an ``OPTIONS`` change is merged)."""
+    # Django's test case refuses connections to aliases it was not told about, and
+    # these did not exist when it was set up: Django's own method, for this test.
+    monkeypatch.setattr(BaseDatabaseWrapper, "ensure_connection",
+                        django_db_blocker._real_ensure_connection)
+
+    @contextlib.contextmanager
+    def temporary(primary, alias, **changes):
+        settings_dict = copy.deepcopy(connections[primary].settings_dict)
+        options = changes.pop("OPTIONS", {})
+        settings_dict.update(changes)
+        settings_dict["OPTIONS"] = {**settings_dict["OPTIONS"], **options}
+        connections.settings[alias] = settings_dict
+        try:
+            yield alias
+        finally:
+            with contextlib.suppress(AttributeError):
+                connections[alias].close()
+                del connections[alias]
+            del connections.settings[alias]
+
+    return temporary
+
+
+def _sql(backend, statement, params=()):
+    """Run SQL on the backend's own autocommit connection (``{lock}``: its table,
+    ``{p}``: its placeholder); returns the first row, if any."""
+    def work(cursor, sql, raw):
+        cursor.execute(statement.format(lock=sql.lock_table, p=sql.placeholder), params)
+        return cursor.fetchone() if cursor.description else None
+
+    return backend._run("test", work, retry=False)
+
+
+def _vendor(db_alias):
+    return connections[db_alias].vendor
+
+
+def _in_thread(fn):
+    """Run ``fn`` in a thread; return what it returned or raise what it raised.
+    Fails the test if it is still running after HANG seconds."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(HANG)
+    if thread.is_alive():
+        pytest.fail(f"still running after {HANG} s: the operation hangs")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+# -- 1. the lock connection is ours: autocommit, never from Django's pool -----------------
+
+
+def test_the_lock_connection_autocommits_when_the_database_does_not(db_alias, name, make_backend,
+                                                                     temporary_database):
+    with temporary_database(db_alias, f"{db_alias}-manual", AUTOCOMMIT=False) as manual:
+        backend, other = make_backend(manual), locks[db_alias]
+        token = _token()
+        won = backend.acquire(name, token, 30, OWNER)
+        assert won.acquired
+        # Visible to every other connection at once...
+        seen = other.get(name)
+        assert seen is not None and seen.fencing_token == won.fencing_token
+        assert backend.release(name, token) is True
+        assert other.get(name) is None
+        # ...and nothing left in an open transaction for the next acquirer to wait for.
+        newcomer = _token()
+        assert _in_thread(lambda: other.acquire(name, newcomer, 30, OWNER)).acquired
+        assert other.release(name, newcomer) is True
+
+
+@needs(POSTGRES and django.VERSION >= (5, 1))  # OPTIONS["pool"]: Django 5.1+
+def test_lock_connections_never_come_from_djangos_pool(name, make_backend, temporary_database):
+    threads = 4
+    pool = {"min_size": 1, "max_size": threads, "timeout": 2}
+    with temporary_database("postgres", "postgres-pool", OPTIONS={"pool": pool}) as pooled:
+        backend = make_backend(pooled)
+        together = threading.Barrier(threads)
+        errors = []
+
+        def worker(index):
+            try:
+                token = _token()
+                # This thread's lock connection is open from here on...
+                assert backend.acquire(f"{name}:{index}", token, 30, OWNER).acquired
+                together.wait(timeout=HANG)
+                # ...while every thread uses the ORM at once: all of the pool's
+                # connections must still be there for it.
+                with connections[pooled].cursor() as cursor:
+                    cursor.execute("SELECT 1")
+                    assert cursor.fetchone() == (1,)
+                together.wait(timeout=HANG)
+                assert backend.release(f"{name}:{index}", token) is True
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(repr(exc))
+                together.abort()
+            finally:
+                connections[pooled].close()  # the ORM's connection back to the pool
+
+        workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+        try:
+            for thread in workers:
+                thread.start()
+            for thread in workers:
+                thread.join(HANG)
+            assert errors == []
+            with connections[pooled].cursor() as cursor:
+                cursor.execute("SELECT 1")
+        finally:
+            backend.close()
+            connections[pooled].close()
+            connections[pooled].close_pool()
+
+
+# -- 2. idle and dropped connections ------------------------------------------------------
+
+
+def _session_id(backend):
+    """The server's id of the backend's connection in this thread; not retried."""
+    def work(cursor, sql, raw):
+        cursor.execute("SELECT pg_backend_pid()" if sql.vendor == "postgresql"
+                       else "SELECT CONNECTION_ID()")
+        return cursor.fetchone()[0]
+
+    return backend._run("session id", work, retry=False)
+
+
+def _kill(killer, session):
+    """End a session on the server, from another connection, and wait until it is gone."""
+    postgres = killer._dialect.vendor == "postgresql"
+    _sql(killer, "SELECT pg_terminate_backend({p})" if postgres else "KILL {p}", (session,))
+    alive = ("SELECT COUNT(*) FROM pg_stat_activity WHERE pid = {p}" if postgres
+             else "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = {p}")
+    deadline = time.monotonic() + HANG
+    while _sql(killer, alive, (session,))[0]:
+        assert time.monotonic() < deadline, f"session {session} survived its kill"
+        time.sleep(0.01)
+
+
+@needs(SERVER_ALIASES)
+@pytest.mark.parametrize("server_alias", SERVER_ALIASES)
+def test_a_connection_dropped_while_idle_is_replaced_before_use(server_alias, name, make_backend):
+    backend = make_backend(server_alias, HEALTH_CHECK_AFTER=0.2)
+    killer = make_backend(server_alias)
+    token = _token()
+    assert backend.acquire(name, token, 30, OWNER).acquired
+    assert backend.release(name, token)
+    _session_id(killer)  # connects the killer
+    session = _session_id(backend)
+
+    _kill(killer, session)
+    time.sleep(0.3)  # idle for longer than HEALTH_CHECK_AFTER
+    token = _token()
+    assert backend.acquire(name, token, 30, OWNER).acquired
+    assert backend.release(name, token) is True
+    assert _session_id(backend) != session
+
+    # It was the check that replaced it, not a retry: an operation that is never
+    # retried works too after the idle period.
+    session = _session_id(backend)
+    _kill(killer, session)
+    time.sleep(0.3)
+    assert _session_id(backend) != session
+
+
+@needs(SERVER_ALIASES)
+@pytest.mark.parametrize("server_alias", SERVER_ALIASES)
+def test_a_busy_connection_is_not_checked_and_a_lost_one_is_retried(server_alias, name,
+                                                                    make_backend):
+    backend = make_backend(server_alias)  # HEALTH_CHECK_AFTER: the default, 10 s
+    killer = make_backend(server_alias)
+    _session_id(killer)
+    session = _session_id(backend)
+    _kill(killer, session)
+    # No idle wait: nothing checks the connection first (no extra round trip on the
+    # hot path), so an operation that may not be retried reports the loss...
+    with pytest.raises(LockBackendError, match=r"session id failed"):
+        _session_id(backend)
+    # ...and the next one is on a new connection.
+    assert _session_id(backend) != session
+
+    # Each retry-safe operation, on a connection that died just before it, succeeds.
+    token = _token()
+    operations = [
+        ("acquire", lambda: backend.acquire(name, token, 30, OWNER).acquired, True),
+        ("extend", lambda: backend.extend(name, token, 30), True),
+        ("owns", lambda: backend.owns(name, token), True),
+        ("get", lambda: backend.get(name).name, name),
+        ("list", lambda: [i.name for i in backend.list(name_glob=name)], [name]),
+        ("release", lambda: backend.release(name, token), True),
+        ("acquire again", lambda: backend.acquire(name, _token(), 30, OWNER).acquired, True),
+        ("clear", lambda: backend.clear(include_held=True, name_glob=name).names, [name]),
+    ]
+    for label, operation, expected in operations:
+        _kill(killer, _session_id(backend))
+        assert operation() == expected, label
+
+
+def test_acquire_is_idempotent_for_its_own_token(db_alias, name):
+    """What a retried acquire finds when its first attempt did write: its own row."""
+    backend = locks[db_alias]
+    token = _token()
+    first = backend.acquire(name, token, 30, OWNER)
+    assert first.acquired
+    again = backend.acquire(name, token, 30, OWNER, wait=5)
+    assert again.acquired and again.fencing_token == first.fencing_token
+    assert backend.get(name).fencing_token == first.fencing_token
+    assert not backend.acquire(name, _token(), 30, OWNER).acquired
+    assert backend.release(name, token) is True
+    # The next acquisition mints a larger token.
+    newcomer = _token()
+    assert backend.acquire(name, newcomer, 30, OWNER).fencing_token > first.fencing_token
+    backend.release(name, newcomer)
+
+
+class _Proxy:
+    """Forwards a Unix socket to a TCP server, one thread per connection.
+
+    ``lose_answer_to(marker)``: the next client message that contains ``marker`` is
+    forwarded; once the server's answer starts to arrive (the server did the work),
+    the answer is thrown away and the connection cut, as a server restart or a
+    network failure would at the worst moment. ``stall_path``: a second socket that
+    accepts connections (the kernel does) and never answers.
+    """
+
+    def __init__(self, path, target):
+        self.path, self.target = path, target
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(16)
+        self.marker = None
+        self.answers_lost = 0
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def lose_answer_to(self, marker):
+        self.marker = marker.encode()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._pipe, args=(client,), daemon=True).start()
+
+    def _pipe(self, client):
+        upstream = socket.create_connection(self.target)
+        cutting = False
+        try:
+            while not self.closed:
+                ready, _, _ = select.select([client, upstream], [], [], 0.2)
+                for sock in ready:
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    if sock is client:
+                        if self.marker is not None and self.marker in data:
+                            self.marker, cutting = None, True
+                        upstream.sendall(data)
+                    elif cutting:
+                        self.answers_lost += 1
+                        client.close()
+                        upstream.settimeout(0.5)  # let the server finish its answer
+                        with contextlib.suppress(OSError):
+                            while upstream.recv(65536):
+                                pass
+                        return
+                    else:
+                        client.sendall(data)
+        except OSError:
+            return
+        finally:
+            client.close()
+            upstream.close()
+
+    def close(self):
+        self.closed = True
+        self.listener.close()
+
+
+@pytest.fixture
+def proxied_postgres(temporary_database):
+    """A temporary alias of the PostgreSQL test database reached through a _Proxy."""
+    settings_dict = connections["postgres"].settings_dict
+    directory = tempfile.mkdtemp(prefix="setnx-")
+    port = "5432"
+    proxy = _Proxy(os.path.join(directory, f".s.PGSQL.{port}"),
+                   (settings_dict["HOST"] or "127.0.0.1", int(settings_dict["PORT"] or 5432)))
+    try:
+        with temporary_database("postgres", "postgres-proxied", HOST=directory,
+                                PORT=port) as alias:
+            yield alias, proxy
+    finally:
+        proxy.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@needs(POSTGRES)
+def test_an_answer_lost_with_the_connection_is_not_misread(proxied_postgres, name,
+                                                           make_backend):
+    """The worst moment: the server did the work and only its answer was lost."""
+    alias, proxy = proxied_postgres
+    backend = make_backend(alias)
+    token = _token()
+    proxy.lose_answer_to(token)
+    won = backend.acquire(name, token, 30, OWNER)
+    assert proxy.answers_lost == 1
+    # The retry found the row its first attempt wrote: won, with that fencing token.
+    assert won.acquired and won.fencing_token == locks["postgres"].get(name).fencing_token
+
+    proxy.lose_answer_to(token)
+    # The first attempt deleted the row: the retry finds nothing, which is no loss.
+    assert backend.release(name, token) is True
+    assert proxy.answers_lost == 2
+    assert locks["postgres"].get(name) is None
+
+
+# -- 3. contention is retried, not reported as an outage ------------------------------------
+
+
+@pytest.mark.slow
+def test_deadlocks_and_lock_waits_are_retried_not_reported(db_alias, name):
+    """8 threads race for a few names that keep being released (deleted) and taken
+    again (inserted): concurrent inserts of the same new key, which MariaDB answers
+    with a deadlock now and then. Not one error may reach the caller."""
+    backend, threads, attempts = locks[db_alias], 8, 1500
+    names = [f"{name}:{i}" for i in range(4)]
+    errors, wins = [], []
+
+    def worker(index):
+        won = 0
+        for attempt in range(attempts):
+            item, token = names[(index + attempt) % len(names)], _token()
+            try:
+                if backend.acquire(item, token, 30, OWNER).acquired:
+                    won += 1
+                    if not backend.release(item, token):
+                        errors.append(f"{item}: release reported the lock lost")
+            except LockBackendError as exc:
+                errors.append(str(exc))
+        wins.append(won)
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    assert errors == []
+    assert len(wins) == threads and sum(wins) > 0
+
+
+# -- 4. forks -------------------------------------------------------------------------------
+
+
+@pytest.mark.no_db
+def test_backends_share_one_fork_hook_and_are_not_kept_alive(monkeypatch):
+    registered = []
+    monkeypatch.setattr(os, "register_at_fork", lambda **hooks: registered.append(hooks))
+    backends = [DatabaseBackend(f"fork-{i}", {"OPTIONS": {"DATABASE": "default"}})
+                for i in range(100)]
+    assert registered == [], "a hook per instance"
+    assert all(b in database._BACKENDS for b in backends)  # the one hook reaches them
+    refs = [weakref.ref(b) for b in backends]
+    del backends
+    gc.collect()
+    assert [ref for ref in refs if ref() is not None] == [], "kept alive by a fork hook"
+
+
+@needs(SERVER_ALIASES)
+@pytest.mark.parametrize("server_alias", SERVER_ALIASES)
+def test_a_forked_child_never_ends_the_parents_session(server_alias, name):
+    backend = locks[server_alias]
+    token = _token()
+    assert backend.acquire(name, token, 30, OWNER).acquired
+    session = _session_id(backend)
+    pid = os.fork()
+    if pid == 0:  # the child: whatever it does with the backend, the parent's
+        code = 1  # session must survive
+        try:
+            backend.close()
+            gc.collect()
+            with lock(f"{name}:child", ttl=10, backend=server_alias, timeout=5):
+                pass
+            backend.close()
+            # Drop what the backend keeps of the parent's connections: their
+            # finalizers run now, and must not reach the parent's sessions either.
+            getattr(database, "_INHERITED", []).clear()
+            gc.collect()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _session_id(backend) == session  # not retried: the same session, alive
+    assert backend.release(name, token) is True
+
+
+# -- 5. timeouts ------------------------------------------------------------------------------
+
+
+def test_the_lock_connection_carries_the_operation_timeout(db_alias, name, make_backend):
+    backend = make_backend(db_alias, OPERATION_TIMEOUT=3)
+    assert not backend.owns(name, _token())  # connects
+    raw = backend._local.wrapper.connection
+    vendor = _vendor(db_alias)
+    if vendor == "postgresql":
+        parameters = raw.info.get_parameters()
+        assert parameters["connect_timeout"] == "3"
+        assert parameters["tcp_user_timeout"] == "3000"
+        assert parameters["keepalives_idle"] == "3"
+    elif vendor == "mysql":
+        assert _sql(backend, "SELECT @@SESSION.innodb_lock_wait_timeout, "
+                             "@@SESSION.lock_wait_timeout") == (3, 3)
+    else:
+        assert _sql(backend, "PRAGMA busy_timeout") == (3000,)
+
+
+@pytest.mark.parametrize("waiting_alias", _aliases("mysql", "sqlite"))
+def test_a_lock_held_elsewhere_fails_within_the_timeout(waiting_alias, name, make_backend):
+    """Another transaction keeps the lock row (MySQL: a row lock) or the database
+    (SQLite: its write lock): the acquire gives up after OPERATION_TIMEOUT. (On
+    PostgreSQL a lock wait is bounded by the server's own lock_timeout, if set: see
+    database._timeout_options.)"""
+    vendor = _vendor(waiting_alias)
+    holder, backend = make_backend(waiting_alias), make_backend(waiting_alias, OPERATION_TIMEOUT=1)
+    token = _token()
+    assert holder.acquire(name, token, 30, OWNER).acquired
+    if vendor == "mysql":
+        _sql(holder, "START TRANSACTION")
+        _sql(holder, "SELECT name FROM {lock} WHERE name = {p} FOR UPDATE", (name,))
+        expected = r"Lock wait timeout"
+    else:
+        _sql(holder, "BEGIN IMMEDIATE")
+        expected = r"database is locked"
+    try:
+        with pytest.raises(LockBackendError, match=expected):
+            _in_thread(lambda: backend.acquire(name, _token(), 30, OWNER))
+    finally:
+        _sql(holder, "ROLLBACK")
+    assert holder.release(name, token) is True
+
+
+@needs(POSTGRES)
+def test_a_silent_server_fails_the_connect_within_the_timeout(make_backend, temporary_database):
+    directory = tempfile.mkdtemp(prefix="setnx-")
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.bind(os.path.join(directory, ".s.PGSQL.5432"))
+    silent.listen(16)  # the kernel accepts; nobody ever answers
+    try:
+        with temporary_database("postgres", "postgres-silent", HOST=directory,
+                                PORT="5432") as alias:
+            backend = make_backend(alias, OPERATION_TIMEOUT=1)
+            with pytest.raises(LockBackendError, match="cannot connect"):
+                _in_thread(lambda: backend.acquire("silent", _token(), 30, OWNER))
+    finally:
+        silent.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.no_db
+@pytest.mark.parametrize("options, named", [
+    ({"OPERATION_TIMEOUT": 0}, "OPERATION_TIMEOUT"),
+    ({"OPERATION_TIMEOUT": "5"}, "OPERATION_TIMEOUT"),
+    ({"OPERATION_TIMEOUT": float("inf")}, "OPERATION_TIMEOUT"),
+    ({"HEALTH_CHECK_AFTER": -1}, "HEALTH_CHECK_AFTER"),
+    ({"HEALTH_CHECK_AFTER": True}, "HEALTH_CHECK_AFTER"),
+])
+def test_bad_connection_options_are_named(options, named):
+    from django.core.exceptions import ImproperlyConfigured
+
+    params = {"OPTIONS": {"DATABASE": "default", **options}}
+    with pytest.raises(ImproperlyConfigured, match=named):
+        DatabaseBackend("bad", params)
+    errors = DatabaseBackend.check_params("bad", params)
+    assert [e.id for e in errors] == ["django_setnx.E022"] and named in errors[0].msg
+
+
+# -- 6. bad input, unreadable rows --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ttl", [0, -1, float("nan"), float("inf"), "5", True, 10 ** 12])
+def test_a_bad_ttl_writes_nothing(db_alias, name, ttl):
+    backend = locks[db_alias]
+    with pytest.raises((TypeError, ValueError)):
+        backend.acquire(name, _token(), ttl, OWNER)
+    assert backend.get(name) is None
+    assert _sql(backend, f"SELECT COUNT(*) FROM {database.LOCK_TABLE} WHERE name = {{p}}",
+                (name,)) == (0,)
+    token = _token()
+    assert backend.acquire(name, token, 30, OWNER).acquired
+    expires = backend.get(name).expires_at_ms
+    with pytest.raises((TypeError, ValueError)):
+        backend.extend(name, token, ttl)
+    assert backend.get(name).expires_at_ms == expires
+    backend.release(name, token)
+
+
+def _insert_row(backend, name, owner, acquired_at, expires_at):
+    _sql(backend, "INSERT INTO {lock} (name, token, owner, acquired_at, expires_at, fencing, "
+                  "next_token, next_since, next_seen) VALUES ({p}, {p}, {p}, {p}, {p}, 0, '', 0, 0)",
+         (name, _token(), owner, acquired_at, expires_at))
+
+
+def test_unreadable_rows_are_listed_and_cleared(db_alias, name):
+    backend = locks[db_alias]
+    now = int(time.time() * 1000)
+    hour = 3600 * 1000
+    _insert_row(backend, f"{name}:text-owner", "not json", now, now + hour)
+    _insert_row(backend, f"{name}:list-owner", "[1, 2]", now, now + hour)
+    _insert_row(backend, f"{name}:far-future", "{}", now, 10 ** 17)
+    _insert_row(backend, f"{name}:far-past", "{}", now, -(2 ** 62))
+    unreadable = [f"{name}:far-future", f"{name}:far-past"]
+    if _vendor(db_alias) == "sqlite":  # columns are not typed: anything can be stored
+        _insert_row(backend, f"{name}:text-expiry", "{}", now, "soon")
+        unreadable.append(f"{name}:text-expiry")
+
+    infos = {i.name: i for i in backend.list(name_glob=f"{name}:*")}
+    assert sorted(infos) == sorted([f"{name}:text-owner", f"{name}:list-owner", *unreadable])
+    for info in infos.values():
+        info.as_dict()  # what listlocks --json prints
+        again = backend.get(info.name)
+        assert (again.state, again.owner, again.fencing_token) == \
+            (info.state, info.owner, info.fencing_token)
+    # A bad owner is kept as text; the times still say the lock is held.
+    assert infos[f"{name}:text-owner"].owner == {"unreadable": repr("not json")}
+    assert infos[f"{name}:list-owner"].is_held
+    # Absurd times: listed as stale, and removed by a plain clear (no --all).
+    assert all(infos[n].is_stale for n in unreadable)
+    assert sorted(i.name for i in backend.list(state="stale", name_glob=f"{name}:*")) == \
+        sorted(unreadable)
+    assert sorted(backend.clear(name_glob=f"{name}:*").names) == sorted(unreadable)
+    assert sorted(backend.clear(name_glob=f"{name}:*", include_held=True).names) == \
+        sorted([f"{name}:text-owner", f"{name}:list-owner"])
+    assert list(backend.list(name_glob=f"{name}:*")) == []
+
+
+# -- 7. globs -----------------------------------------------------------------------------------
+
+
+def test_hostile_globs_match_in_linear_time(db_alias, name):
+    backend = locks[db_alias]
+    heads = [f"{name}:" + "ab" * 70 + f"{i:03d}" for i in range(20)]
+    names = [head + "x" * (200 - len(head)) for head in heads]
+    tokens = {n: _token() for n in names}
+    for n in names:
+        assert backend.acquire(n, tokens[n], 30, OWNER).acquired
+    assert all(len(n) == 200 for n in names)
+    for pattern in ["*?*?*?*?*?*?*?*?#", "*a*a*a*a*a*a*a*a*a*a*a*c", f"{name}*?*?*?*?*?*?*?*?#"]:
+        assert list(backend.list(name_glob=pattern)) == []
+        assert backend.clear(include_held=True, name_glob=pattern).names == []
+    everything = f"{name}*?*?*?*?*?*?*?*?x"
+    assert sorted(i.name for i in backend.list(name_glob=everything)) == sorted(names)
+    assert sorted(backend.clear(include_held=True, name_glob=everything).names) == sorted(names)
+
+
+def test_the_glob_prefix_is_matched_exactly(db_alias, name):
+    """The SQL prefilter by literal prefix may never drop or add a name: not by case
+    (MySQL's and SQLite's LIKE ignore it), trailing spaces, or LIKE's own wildcards."""
+    backend = locks[db_alias]
+    suffixes = ["Report:1", "report:1", "REPORT:1", "Report:1 ", "Rep%rt:1", "Rep_rt:1",
+                "Rep\\rt:1", "Repo"]
+    names = [f"{name}:{s}" for s in suffixes]
+    for n in names:
+        assert backend.acquire(n, _token(), 30, OWNER).acquired
+
+    def listed(pattern):
+        return sorted(i.name[len(name) + 1:] for i in backend.list(name_glob=f"{name}:{pattern}"))
+
+    assert listed("Report*") == ["Report:1", "Report:1 "]
+    assert listed("Report:1") == ["Report:1"]
+    assert listed("Rep%rt*") == ["Rep%rt:1"]
+    assert listed("Rep_rt:?") == ["Rep_rt:1"]
+    assert listed("Rep\\\\rt*") == ["Rep\\rt:1"]
+    assert listed("report:?") == ["report:1"]
+    assert listed("Rep?rt:1") == ["Rep%rt:1", "Rep\\rt:1", "Rep_rt:1", "Report:1"]
+    assert listed("Repo") == ["Repo"]
+    removed = backend.clear(include_held=True, name_glob=f"{name}:Report*").names
+    assert sorted(removed) == [f"{name}:Report:1", f"{name}:Report:1 "]
+    assert len(list(backend.list(name_glob=f"{name}:*"))) == len(names) - 2
+
+
+# -- 8. SQLite inside the caller's write transaction ------------------------------------------
+
+
+def test_sqlite_inside_a_write_transaction_says_what_to_do(name, make_backend):
+    backend = make_backend("default", OPERATION_TIMEOUT=0.5)
+
+    def write_then_lock():
+        try:
+            with transaction.atomic(using="default"):
+                LockRecord.objects.using("default").create(
+                    name=f"{name}:row", token="t", acquired_at=0, expires_at=0)
+                backend.acquire(name, _token(), 30, OWNER)
+        finally:
+            connections["default"].close()
+
+    with pytest.raises(LockBackendError) as caught:
+        _in_thread(write_then_lock)
+    message = str(caught.value)
+    assert "database is locked" in message
+    assert "inside a transaction" in message
+    assert "Take the lock before the transaction writes" in message
+    assert "release it after the commit" in message
+
+
+
+def test_a_deeply_nested_owner_is_unreadable_not_a_crash(db_alias, name):
+    backend = locks[db_alias]
+    now = int(time.time() * 1000)
+    _insert_row(backend, name, "[" * 100_000 + "]" * 100_000, now, now + 3_600_000)
+    info = backend.get(name)
+    assert info.is_held and "unreadable" in info.owner
+    assert [i.name for i in backend.list(name_glob=name)] == [name]
+    assert backend.clear(name_glob=name, include_held=True).names == [name]
+
+
+@pytest.mark.parametrize("acquired_at, expires_at", [
+    ("now", 10 ** 17),          # an expiry in the year 3 170 000
+    (-5, "hour"),               # acquired before 1970
+    (10 ** 17, "hour"),         # acquired in the far future
+], ids=["expires-far-future", "acquired-before-1970", "acquired-far-future"])
+def test_an_implausible_row_never_blocks_an_acquire(db_alias, name, acquired_at, expires_at):
+    """Rows no backend could have written are listed as stale: an acquire takes them
+    over as it takes a stale row (it used to wait for the year 3 170 000)."""
+    backend = locks[db_alias]
+    now = int(time.time() * 1000)
+    values = {"now": now, "hour": now + 3_600_000}
+    _insert_row(backend, name, "{}", values.get(acquired_at, acquired_at),
+                values.get(expires_at, expires_at))
+    assert backend.get(name).is_stale
+    token = _token()
+    result = backend.acquire(name, token, 30, OWNER)
+    assert result.acquired
+    assert backend.get(name).owner == OWNER
+    assert backend.release(name, token)
+
+
+@needs(POSTGRES)
+def test_a_postgres_row_lock_held_elsewhere_fails_within_the_timeout(name, make_backend):
+    """libpq has no read timeout: the wait is bounded client-side, the statement
+    cancelled (it must not take the lock later, when the row lock is gone), and the
+    connection closed."""
+    holder, backend = make_backend("postgres"), make_backend("postgres", OPERATION_TIMEOUT=1)
+    token = _token()
+    # A stale row: the acquire below would take it over, if it ever ran.
+    assert holder.acquire(name, token, 0.05, OWNER).acquired
+    time.sleep(0.1)
+    _sql(holder, "BEGIN")
+    _sql(holder, "SELECT name FROM {lock} WHERE name = {p} FOR UPDATE", (name,))
+    started = time.monotonic()
+    try:
+        with pytest.raises(LockBackendError, match=r"no answer .* within 1 s"):
+            _in_thread(lambda: backend.acquire(name, _token(), 30, OWNER))
+        assert time.monotonic() - started < 4  # 1 s, a cancel, no retry
+    finally:
+        _sql(holder, "ROLLBACK")
+    time.sleep(0.2)
+    # Cancelled: it did not run after the ROLLBACK (the stale row is still there).
+    assert backend.get(name).is_stale
+    assert backend.acquire(name, token, 30, OWNER).acquired  # a new connection works
+    assert backend.release(name, token)
+
+
+@needs(POSTGRES)
+def test_a_stopped_postgres_server_process_fails_within_the_timeout(name, make_backend):
+    """The server process serving our connection is stopped (SIGSTOP): the kernel
+    still acknowledges every packet, so no TCP setting notices. The client-side
+    bound does."""
+    import signal
+
+    backend = make_backend("postgres", OPERATION_TIMEOUT=1)
+    stopped = []
+
+    def stop_own_server_process_then_acquire():
+        # On this thread's connection: the one the acquire below uses.
+        (pid,) = _sql(backend, "SELECT pg_backend_pid()")
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append((pid, time.monotonic()))
+        return backend.acquire(name, _token(), 1, OWNER)
+
+    try:
+        with pytest.raises(LockBackendError, match=r"no answer"):
+            _in_thread(stop_own_server_process_then_acquire)
+        assert time.monotonic() - stopped[0][1] < 4
+    finally:
+        for pid, _ in stopped:
+            os.kill(pid, signal.SIGCONT)
+    # Resumed, the server may still run the statement it had received before the
+    # cancel (a stopped process cannot be cancelled): the outcome was unknown, and
+    # the lock may be held under a token nobody has, for its ttl at most.
+    time.sleep(1.2)
+    token = _token()
+    assert backend.acquire(name, token, 30, OWNER).acquired
+    assert backend.release(name, token)

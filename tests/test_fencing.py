@@ -1,0 +1,213 @@
+"""Fencing tokens without permanent per-name state.
+
+A fencing token strictly increases per name across releases, takeovers, restarts,
+``clearlocks`` and forced releases, and across the removal of every record of the
+name (evicted, purged, deleted by hand, migrated), while no key or row of a name
+outlives its last use by more than the stale-retention window. Tokens are a hybrid
+clock (the backend's clock in µs, or the name's last token plus one), so they fit
+in 53 bits (JSON-safe) for centuries.
+"""
+
+import time
+
+import pytest
+from django.conf import settings
+from django.core.management import call_command
+from django.db import connections
+from django.test import override_settings
+
+from django_setnx import lock, locks
+from tests import workers
+
+# Rows are deleted by hand and migrations run: every statement must commit.
+pytestmark = pytest.mark.autocommit
+
+JSON_SAFE = 2**53
+
+
+def acquired_token(alias, name, ttl=30):
+    lk = lock(name, ttl=ttl, backend=alias)
+    assert lk.acquire(timeout=5)
+    token = lk.fencing_token
+    lk.release()
+    return token
+
+
+def delete_every_record_by_hand(alias, name):
+    """Remove every key or row of ``name`` from the storage itself, bypassing the
+    backend (as an operator, an eviction or a purge would)."""
+    params = settings.SETNX_LOCKS[alias]
+    backend = params["BACKEND"].rsplit(".", 1)[-1]
+    if backend == "DatabaseBackend":
+        database = params.get("OPTIONS", {}).get("DATABASE", "default")
+        with connections[database].cursor() as cursor:
+            cursor.execute("DELETE FROM django_setnx_lock WHERE name = %s", [name])
+    elif backend in ("RedisBackend", "RedlockBackend"):
+        import redis
+
+        urls = params["LOCATION"]
+        urls = [urls] if isinstance(urls, str) else urls
+        prefix = params.get("KEY_PREFIX", "setnx")
+        for url in urls:
+            client = redis.Redis.from_url(url)
+            keys = list(client.scan_iter(match=f"{prefix}:{{{name}}}:*"))
+            if keys:
+                client.delete(*keys)
+            client.close()
+    else:  # locmem
+        locks[alias]._store.records.pop(name, None)
+
+
+def test_tokens_are_json_safe_integers(alias, name):
+    token = acquired_token(alias, name)
+    assert isinstance(token, int) and 0 < token < JSON_SAFE
+
+
+def test_tokens_increase_after_every_record_is_deleted_by_hand(alias, name):
+    first = acquired_token(alias, name)
+    holder = lock(name, ttl=30, backend=alias)
+    assert holder.acquire(timeout=5)
+    second = holder.fencing_token
+    assert second > first
+    delete_every_record_by_hand(alias, name)
+    third = acquired_token(alias, name)
+    assert third > second
+    delete_every_record_by_hand(alias, name)
+    assert acquired_token(alias, name) > third
+
+
+def test_tokens_increase_across_takeovers_clearlocks_and_force_releases(alias, name):
+    tokens = []
+    stale = lock(name, ttl=0.05, backend=alias)
+    assert stale.acquire(timeout=5)
+    tokens.append(stale.fencing_token)
+    time.sleep(0.1)
+    taker = lock(name, ttl=30, backend=alias)
+    assert taker.acquire(timeout=5)  # a takeover of the expired record
+    tokens.append(taker.fencing_token)
+    call_command("clearlocks", "--all", "--noinput", "--backend", alias, verbosity=0)
+    held = lock(name, ttl=30, backend=alias)
+    assert held.acquire(timeout=5)
+    tokens.append(held.fencing_token)
+    locks[alias].delete(name)  # what the admin's force-release does
+    tokens.append(acquired_token(alias, name))
+    assert tokens == sorted(set(tokens)), tokens
+
+
+def test_tokens_increase_across_processes(shared_alias, name, spawn):
+    env = workers.child_environment()
+    before = acquired_token(shared_alias, name)
+    answer = spawn.ctx.Queue()
+    child = spawn(workers.fencing_tokens, env, shared_alias, name, 3, answer)
+    theirs = answer.get(timeout=60)
+    child.join(timeout=30)
+    after = acquired_token(shared_alias, name)
+    assert [before, *theirs, after] == sorted({before, *theirs, after})
+
+
+# -- bounded state ---------------------------------------------------------------------
+
+
+def test_redis_keeps_no_key_without_a_ttl(name, redis_client):
+    """Many distinct names, acquired and released, abandoned stale or still held:
+    every key under the prefix has a TTL (there used to be a fence counter per name,
+    without one)."""
+    backend = locks["redis"]
+    for i in range(600):
+        n = f"{name}:{i}"
+        token = f"t{i}"
+        assert backend.acquire(n, token, 30 if i % 3 else 0.05, {"host": "h", "pid": 1}).acquired
+        if i % 3 == 1:
+            assert backend.release(n, token)
+    prefix = settings.SETNX_LOCKS["redis"]["KEY_PREFIX"]
+    keys = list(redis_client.scan_iter(match=f"{prefix}:{{{name}:*", count=1000))
+    assert len(keys) >= 600
+    pipe = redis_client.pipeline(transaction=False)
+    for key in keys:
+        pipe.pttl(key)
+    assert all(ttl > 0 for ttl in pipe.execute()), "a key without a TTL"
+
+
+def test_redis_legacy_fence_counters_are_dropped_by_clear(name, redis_client):
+    """Counters of version 0.1 (``P:{N}:fence`` without a TTL) go at the next clear;
+    the next token is larger than the counter anyway."""
+    prefix = settings.SETNX_LOCKS["redis"]["KEY_PREFIX"]
+    legacy = f"{prefix}:{{{name}}}:fence"
+    redis_client.set(legacy, 41)
+    assert acquired_token("redis", name) > 41
+    released_fence = redis_client.pttl(legacy)
+    assert released_fence > 0, "the release wrote the fence with a TTL"
+    other = f"{prefix}:{{{name}:old}}:fence"
+    redis_client.set(other, 7)
+    call_command("clearlocks", "--backend", "redis", verbosity=0)
+    assert not redis_client.exists(other)
+    assert redis_client.exists(legacy), "a fence with a TTL is today's: left to expire"
+
+
+def test_database_purges_stale_rows_after_the_retention(db_alias, name):
+    """Rows that expired without a release are purged once STALE_RETENTION old, by
+    the acquires themselves (at most once per PURGE_EVERY): no cron job needed."""
+    params = {**settings.SETNX_LOCKS[db_alias],
+              "OPTIONS": {**settings.SETNX_LOCKS[db_alias].get("OPTIONS", {}),
+                          "STALE_RETENTION": 1}}
+    with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "purging": params}):
+        backend = locks["purging"]
+        for i in range(50):
+            assert backend.acquire(f"{name}:{i}", f"t{i}", 0.05, {"host": "h"}).acquired
+        assert len(list(backend.list(name_glob=f"{name}:*"))) == 50
+        time.sleep(1.3)
+        assert acquired_token("purging", f"{name}:fresh") > 0
+        assert [info.name for info in backend.list(name_glob=f"{name}:*")] == []
+    locks.reset()
+
+
+# -- the migration that removed the counters table ---------------------------------------
+
+
+@pytest.fixture
+def migrate(db_alias):
+    """``migrate(target)`` runs django_setnx's migrations on ``db_alias`` to ``target``;
+    the app is migrated to its latest migration again afterwards."""
+    from django.db.migrations.executor import MigrationExecutor
+
+    connection = connections[db_alias]
+
+    def run(target):
+        executor = MigrationExecutor(connection)
+        executor.migrate([("django_setnx", target)])
+        locks.close_all()  # the backends' connections saw the old table
+
+    yield run
+    run("0003_fencing_in_the_lock_row")
+
+
+def test_tokens_issued_after_the_migration_are_larger(db_alias, name, migrate):
+    migrate("0002_next_in_line")
+    quote = connections[db_alias].ops.quote_name
+    now = int(time.time() * 1000)
+    with connections[db_alias].cursor() as cursor:
+        # What version 0.1 left behind: counters, and a held lock.
+        cursor.execute(f"INSERT INTO {quote('django_setnx_fence')} (name, value) "
+                       f"VALUES (%s, %s), (%s, %s)", [name, 5000, f"{name}:gone", 7])
+        cursor.execute(
+            f"INSERT INTO {quote('django_setnx_lock')} (name, token, owner, acquired_at, "
+            f"expires_at, next_token, next_since, next_seen) "
+            f"VALUES (%s, %s, '{{}}', %s, %s, '', 0, 0)", [name, "old-token", now, now + 60_000])
+    migrate("0003_fencing_in_the_lock_row")
+    backend = locks[db_alias]
+    assert backend.get(name).fencing_token == 5000, "the held lock keeps its token"
+    assert backend.release(name, "old-token")
+    assert acquired_token(db_alias, name) > 5000
+    assert acquired_token(db_alias, f"{name}:gone") > 7
+
+
+def test_the_migration_refuses_a_counter_ahead_of_the_clock(db_alias, name, migrate):
+    migrate("0002_next_in_line")
+    quote = connections[db_alias].ops.quote_name
+    with connections[db_alias].cursor() as cursor:
+        cursor.execute(f"INSERT INTO {quote('django_setnx_fence')} (name, value) VALUES (%s, %s)",
+                       [name, 10**17])
+    with pytest.raises(RuntimeError, match="at least the database clock"):
+        migrate("0003_fencing_in_the_lock_row")
+    with connections[db_alias].cursor() as cursor:
+        cursor.execute(f"DELETE FROM {quote('django_setnx_fence')} WHERE name = %s", [name])

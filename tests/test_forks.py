@@ -1,0 +1,116 @@
+"""Fork safety: a backend used before a fork (gunicorn ``--preload``, Celery prefork,
+``multiprocessing`` with the fork start method) keeps its guarantees in the parent and
+in the child. A child must never read or write a socket its parent opened: if it did,
+the two would read each other's replies, and a reply meant for the other process
+could report a lock as acquired that this one never wrote.
+
+Each test runs on every backend that several processes can share (SQLite,
+PostgreSQL, MariaDB, Redis and Redlock).
+"""
+
+import os
+import signal
+import time
+import traceback
+
+import pytest
+
+from django_setnx import lock, locks
+from django_setnx.exceptions import LockError
+
+pytestmark = pytest.mark.slow
+
+ROUNDS = 150
+
+
+def _race(alias, name, marker_dir, report_path):
+    """Take the lock ``ROUNDS`` times; inside, hold an exclusive marker file.
+
+    Returns a report: rounds won, overlaps seen (the marker already existed, i.e. two
+    holders at once) and non-LockError exceptions (with tracebacks).
+    """
+    won = overlaps = 0
+    foreign = []
+    marker = os.path.join(marker_dir, "inside")
+    for _ in range(ROUNDS):
+        lk = lock(name, ttl=10, backend=alias)
+        try:
+            if not lk.acquire(timeout=10):
+                continue
+        except LockError:
+            continue  # an outage is reported as LockBackendError: allowed, not a success
+        except Exception:  # noqa: BLE001 - exactly what this test looks for
+            foreign.append(traceback.format_exc())
+            continue
+        try:
+            try:
+                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                overlaps += 1
+            else:
+                os.close(fd)
+                time.sleep(0.0005)
+                os.unlink(marker)
+            won += 1
+        finally:
+            try:
+                lk.release()
+            except LockError:
+                pass
+            except Exception:  # noqa: BLE001
+                foreign.append(traceback.format_exc())
+    with open(report_path, "w") as f:
+        f.write(repr({"won": won, "overlaps": overlaps, "foreign": foreign}))
+
+
+def _read_report(path):
+    with open(path) as f:
+        return eval(f.read())  # noqa: S307 - our own repr of a dict of ints and strings
+
+
+def test_used_then_forked_parent_and_child_race(shared_alias, name, tmp_path):
+    """The backend opens its connections in the parent, then the process forks and
+    both race on one lock: never two holders, only LockError subclasses escape, and
+    both make progress. Afterwards the parent's backend still works."""
+    backend = locks[shared_alias]
+    # Use every kind of operation first, so each connection the backend keeps is open.
+    warm = lock(name, ttl=10, backend=shared_alias)
+    assert warm.acquire(timeout=5)
+    assert warm.owned() and warm.info() is not None
+    list(backend.list(name_glob=name))
+    warm.release()
+
+    child_report = tmp_path / "child.txt"
+    parent_report = tmp_path / "parent.txt"
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 0
+        try:
+            _race(shared_alias, name, str(tmp_path), str(child_report))
+        except BaseException:  # noqa: BLE001
+            with open(child_report, "w") as f:
+                f.write(repr({"won": 0, "overlaps": 0, "foreign": [traceback.format_exc()]}))
+            code = 1
+        finally:
+            os._exit(code)
+    try:
+        _race(shared_alias, name, str(tmp_path), str(parent_report))
+    finally:
+        deadline = time.monotonic() + 120
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child did not finish in 120 s")
+            time.sleep(0.05)
+
+    parent, child = _read_report(parent_report), _read_report(child_report)
+    assert parent["foreign"] == [] and child["foreign"] == [], (parent, child)
+    assert parent["overlaps"] == 0 and child["overlaps"] == 0, (parent, child)
+    assert parent["won"] > 0 and child["won"] > 0, (parent, child)
+    # The parent's connections survived the child (which exited, closing its copies).
+    with lock(name, ttl=10, backend=shared_alias, timeout=5) as lk:
+        assert lk.owned()

@@ -1,0 +1,220 @@
+"""The Redis backend under asyncio: its own ``redis.asyncio`` client per event loop,
+no thread per call or per waiter, one connection for all the waiters of a loop,
+the eviction check on every new asyncio connection, and cancellation."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+from django.conf import settings
+from django.test import override_settings
+
+if "redis" not in settings.TEST_BACKENDS:
+    pytest.skip("redis is not in settings.TEST_BACKENDS", allow_module_level=True)
+
+import redis
+
+from django_setnx import lock, locks
+from django_setnx.backends.redis import RedisBackend, lock_keys
+from django_setnx.exceptions import LockBackendError
+from tests.servers import RedisServer
+
+BACKEND = "django_setnx.backends.redis.RedisBackend"
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def executor_threads():
+    """Threads of asyncio's default executor (what sync_to_async runs calls in)."""
+    return [t for t in threading.enumerate() if t.name.startswith(("asyncio_", "ThreadPoolExecutor"))]
+
+
+@pytest.fixture(params=["LOCATION", "CACHE"])
+def redis_alias(request):
+    """The Redis lock alias, reaching the server through LOCATION or through a
+    django-redis cache (OPTIONS["CACHE"])."""
+    if request.param == "LOCATION":
+        yield "redis"
+        return
+    url = settings.SETNX_LOCKS["redis"]["LOCATION"]
+    with override_settings(
+            CACHES={**settings.CACHES, "shared": {"BACKEND": "django_redis.cache.RedisCache",
+                                                  "LOCATION": url}},
+            SETNX_LOCKS={**settings.SETNX_LOCKS, "viacache": {
+                "BACKEND": BACKEND, "KEY_PREFIX": "setnx-viacache",
+                "OPTIONS": {"CACHE": "shared"}}}):
+        yield "viacache"
+        locks["viacache"].close()
+
+
+def test_async_calls_use_the_loops_own_client_not_threads(redis_alias, name):
+    alias = redis_alias
+
+    async def main():
+        backend = locks[alias]
+        lk = lock(name, ttl=30, backend=alias)
+        assert await lk.aacquire(blocking=False)
+        assert backend._aconnection() is not None
+        assert await lk.aowned()
+        info = await lk.ainfo()
+        assert info.fencing_token == lk.fencing_token
+        await lk.aextend(60)  # raises LockNotOwned if it was not
+        assert (await lk.ainfo()).expires_in > 59
+        await lk.arelease()
+        assert await backend.aget(name) is None
+        await backend.aclose()
+
+    before = len(executor_threads())
+    run(main())
+    assert len(executor_threads()) == before, "an async call ran in a thread"
+
+
+def test_a_thousand_waiting_coroutines_hold_no_thread_and_one_connection(name):
+    """1,000 coroutines wait for one lock in one loop: no thread each, one Redis
+    connection for all their waits; meanwhile an unrelated lock is taken and freed;
+    then every waiter gets the lock in turn."""
+    backend = locks["redis"]
+
+    async def main():
+        holder = lock(name, ttl=30, backend="redis")
+        assert await holder.aacquire()
+        order = []
+
+        async def waiter(i):
+            lk = lock(name, ttl=30, backend="redis")
+            assert await lk.aacquire(timeout=120)
+            order.append(i)
+            await lk.arelease()
+
+        threads_before = threading.active_count()
+        tasks = [asyncio.create_task(waiter(i)) for i in range(1000)]
+        client = backend._aconnection().client
+        deadline = time.monotonic() + 30
+        while len(backend._aconnection().waits.futures) < 1000:
+            assert time.monotonic() < deadline, "the waiters never all queued"
+            await asyncio.sleep(0.05)
+        assert threading.active_count() <= threads_before
+        blocked = [c for c in await client.client_list() if c["cmd"] == "blpop"]
+        assert len(blocked) == 1, blocked
+        unrelated = lock(f"{name}:other", ttl=30, backend="redis")
+        assert await unrelated.aacquire(blocking=False)
+        await unrelated.arelease()
+        await holder.arelease()
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        assert sorted(order) == list(range(1000))
+        await backend.aclose()
+
+    run(main())
+
+
+def test_a_waiter_is_woken_by_a_release_from_another_thread(name):
+    """The release comes from sync code in another thread (a Celery worker, a
+    management command): the waiting coroutine is handed the lock at once."""
+    holder = lock(name, ttl=30, backend="redis")
+    assert holder.acquire()
+
+    async def main():
+        threading.Timer(0.3, holder.release).start()
+        started = time.monotonic()
+        lk = lock(name, ttl=30, backend="redis")
+        assert await lk.aacquire(timeout=10)
+        waited = time.monotonic() - started
+        await lk.arelease()
+        await locks["redis"].aclose()
+        return waited
+
+    assert run(main()) < 1.2  # a handoff, not the 1.5 s retry of a missed wake-up
+
+
+def test_the_waits_connection_killed_by_the_server_wakes_its_waiters(name):
+    """CLIENT KILL of the loop's waiting connection: the waiters look again (their
+    next acquire reconnects) and still get the lock when it is released."""
+    backend = locks["redis"]
+    admin = redis.Redis.from_url(settings.SETNX_LOCKS["redis"]["LOCATION"])
+
+    async def main():
+        holder = lock(name, ttl=30, backend="redis")
+        assert await holder.aacquire()
+        lk = lock(name, ttl=30, backend="redis")
+        waiting = asyncio.create_task(lk.aacquire(timeout=20))
+        await asyncio.sleep(0.3)
+        killed = [c for c in admin.client_list() if c["cmd"] == "blpop"]
+        assert killed
+        for client in killed:
+            admin.client_kill_filter(_id=client["id"])
+        await asyncio.sleep(0.3)
+        await holder.arelease()
+        assert await waiting
+        await lk.arelease()
+        await backend.aclose()
+
+    run(main())
+    admin.close()
+
+
+def test_a_cancelled_waiter_leaves_nothing_queued(name):
+    backend = locks["redis"]
+    client = backend.connection.client
+
+    async def main():
+        holder = lock(name, ttl=30, backend="redis")
+        assert await holder.aacquire()
+        waiting = asyncio.create_task(lock(name, ttl=30, backend="redis").aacquire(timeout=20))
+        await asyncio.sleep(0.3)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        waiters_key = lock_keys(backend.key_prefix, name)[2]
+        assert client.zcard(waiters_key) == 0
+        await holder.arelease()
+        assert await backend.aget(name) is None  # not handed to the cancelled waiter
+        await backend.aclose()
+
+    run(main())
+
+
+@pytest.fixture
+def evicting_redis():
+    server = RedisServer("--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru").start()
+    yield server
+    server.stop()
+
+
+def test_an_asyncio_connection_to_a_server_that_may_evict_is_refused(evicting_redis, name):
+    backend = RedisBackend("evicting", {"BACKEND": BACKEND, "LOCATION": evicting_redis.url})
+
+    async def main():
+        with pytest.raises(LockBackendError, match="allkeys-lru"):
+            await backend.aacquire(name, "tok", 30, {"pid": 1})
+
+    run(main())
+    assert redis.Redis.from_url(evicting_redis.url).dbsize() == 0
+    backend.close()
+
+
+def test_sentinel_and_cluster_clients_fall_back_to_threads():
+    """A client redis.asyncio cannot mirror (here: a custom CLIENT_CLASS) makes the
+    async methods run the sync ones in threads, still correct."""
+    params = {"BACKEND": BACKEND, "LOCATION": settings.SETNX_LOCKS["redis"]["LOCATION"],
+              "KEY_PREFIX": "setnx-custom",
+              "OPTIONS": {"CLIENT_CLASS": "tests.test_redis_async.custom_client"}}
+    with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "custom": params}):
+        async def main():
+            assert locks["custom"]._aconnection() is None
+            lk = lock("fallback", ttl=30, backend="custom")
+            assert await lk.aacquire(blocking=False)
+            await lk.arelease()
+
+        run(main())
+        locks["custom"].close()
+
+
+class _CustomRedis(redis.Redis):
+    pass
+
+
+def custom_client(location, **kwargs):
+    return _CustomRedis.from_url(location, **kwargs)

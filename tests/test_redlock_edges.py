@@ -1,0 +1,323 @@
+"""Redlock where Django apps really run: quorum errors, brand-new masters and the
+``trustlocknodes`` command, masters that may evict keys, bad input, records that
+cannot be read, and name globs. Real throwaway masters (tests/scaleout_plugin.py);
+fork safety is in tests/test_forks.py.
+"""
+
+import builtins
+import logging
+import math
+import os
+import signal
+from io import StringIO
+
+import pytest
+from django.conf import settings
+from django.core.checks import run_checks
+from django.core.management import CommandError, call_command
+from django.test import override_settings
+
+if "redis" not in settings.TEST_BACKENDS:
+    pytest.skip("redis is not in settings.TEST_BACKENDS", allow_module_level=True)
+
+import redis
+
+from django_setnx import lock, locks
+from django_setnx.backends.redlock import RedlockBackend
+from django_setnx.exceptions import LockBackendError
+from tests.test_redlock import MARKER, OWNER, alias_on, clients, fence_key, lock_key, unique
+
+EVICTING = ["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]
+
+
+def label(server):
+    return f"127.0.0.1:{server.port}"
+
+
+# -- fewer than a majority answering ----------------------------------------------------
+
+
+def test_no_majority_is_an_error_at_once_naming_each_node_and_why(make_masters):
+    """One master down, one not answering (SIGSTOP): the remaining one cannot tell
+    anything. Every operation raises LockBackendError at once, naming the alias and
+    both nodes with their reasons, instead of reporting a contention (acquire used
+    to return False, and wait its whole timeout) or a false "not owned"."""
+    masters = make_masters(3)
+    name = unique()
+    with alias_on(masters.urls, NODE_TIMEOUT=0.2) as alias:
+        held = lock(name, ttl=30, backend=alias)
+        assert held.acquire(blocking=False)
+        down, stopped, _ = masters.servers
+        down.kill()
+        os.kill(stopped.process.pid, signal.SIGSTOP)
+        try:
+            operations = {
+                "acquire": lambda: lock(unique(), ttl=10, backend=alias).acquire(timeout=5),
+                "check": held.owned,
+                "extend": held.extend,
+                "get": held.info,
+                "release": held.release,
+                "delete": lambda: locks[alias].delete(unique()),
+                "list": lambda: list(locks[alias].list()),
+                "clear": lambda: locks[alias].clear(include_held=True),
+            }
+            for action, operation in operations.items():
+                with pytest.raises(LockBackendError) as raised:
+                    operation()
+                message = str(raised.value)
+                assert raised.value.alias == alias and f"'{alias}'" in message
+                assert action in message, message
+                assert "only 1 of 3 Redis nodes answered" in message, message
+                assert f"{label(down)}: ConnectionError" in message, message
+                assert f"{label(stopped)}: TimeoutError" in message, message
+        finally:
+            os.kill(stopped.process.pid, signal.SIGCONT)
+
+
+# -- brand-new masters and trustlocknodes -------------------------------------------------
+
+
+def test_untrusted_masters_are_an_error_naming_them_and_the_command(make_masters):
+    masters = make_masters(3, trusted=False)
+    name = unique()
+    with alias_on(masters.urls, alias="fresh") as alias:
+        with pytest.raises(LockBackendError) as raised:
+            lock(name, backend=alias).acquire(timeout=5)
+        message = str(raised.value)
+        for server in masters.servers:
+            assert f"{label(server)} (votes in 3600 s)" in message, message
+        assert "none may vote" in message and "MAX_TTL = 3600 s" in message, message
+        assert "manage.py trustlocknodes --backend fresh" in message, message
+        assert not any(c.exists(lock_key(name)) for c in clients(masters)), \
+            "untrusted masters grant nothing"
+
+        # One master trusted: still no trusted majority; the other two are named.
+        first, second, _ = clients(masters)
+        first.set(MARKER, 0)  # "trusted after" the epoch
+        with pytest.raises(LockBackendError, match="only 1 may vote") as raised:
+            lock(name, backend=alias).acquire(blocking=False)
+        assert label(masters.servers[0]) not in str(raised.value)
+        assert all(label(s) in str(raised.value) for s in masters.servers[1:])
+
+        # Two of three trusted: a trusted majority, the lock works (the third is only
+        # logged about).
+        second.set(MARKER, 0)
+        with lock(name, backend=alias, timeout=5) as lk:
+            assert lk.owned()
+
+
+def command(*args, answer=None, monkeypatch=None, **options):
+    """Run trustlocknodes; returns its stdout. ``answer`` is typed at the prompt."""
+    if monkeypatch is not None:
+        def fake_input(prompt):
+            if answer is None:
+                raise AssertionError(f"unexpected prompt: {prompt}")
+            return answer
+        monkeypatch.setattr(builtins, "input", fake_input)
+    out = StringIO()
+    call_command("trustlocknodes", *args, stdout=out, stderr=StringIO(), **options)
+    return out.getvalue()
+
+
+def test_trustlocknodes_dry_run_then_confirmed(make_masters, monkeypatch):
+    masters = make_masters(3, trusted=False)
+    first, second, third = masters.servers
+    with alias_on(masters.urls, alias="fresh") as alias:
+        # A client met the first master only, 100 s ago (its marker, by its clock).
+        client = redis.Redis(port=first.port)
+        seconds, micros = client.time()
+        client.set(MARKER, seconds * 1000 + micros // 1000 + 3500 * 1000)
+
+        out = command("--backend", alias, "--dry-run", monkeypatch=monkeypatch)
+        assert f"{label(first)}  untrusted: votes in 3500 s" in out, out
+        for server in (second, third):
+            assert f"{label(server)}  no marker (brand-new, or restarted empty): sits out " \
+                   f"for 3600 s from the first acquire that reaches it" in out, out
+        assert "trusted now" not in out
+        with pytest.raises(LockBackendError):  # a dry run changes nothing
+            lock(unique(), backend=alias).acquire(blocking=False)
+
+        # Declined at the prompt: nothing is trusted.
+        with pytest.raises(CommandError, match="cancelled: no master was marked trusted"):
+            command("--backend", alias, answer="no", monkeypatch=monkeypatch)
+        with pytest.raises(LockBackendError):
+            lock(unique(), backend=alias).acquire(blocking=False)
+
+        out = command("--backend", alias, answer="yes", monkeypatch=monkeypatch,
+                      force_color=True)
+        assert "\x1b[" in out and "3 masters trusted now" in out, out
+        assert all(label(s) in out for s in (first, second, third))
+        with lock(unique(), backend=alias, timeout=5) as lk:
+            assert lk.owned()
+        out = command("--backend", alias, monkeypatch=monkeypatch)
+        assert "every master votes already; nothing to do" in out, out
+
+
+def test_trustlocknodes_brand_new_set_noinput_and_a_master_down(make_masters, monkeypatch):
+    masters = make_masters(3, trusted=False)
+    with alias_on(masters.urls, alias="fresh") as alias:
+        out = command("--dry-run", monkeypatch=monkeypatch)  # every Redlock alias
+        assert out.count("no marker (brand-new, or restarted empty)") == 3, out
+
+        masters.servers[2].kill()
+        with pytest.raises(CommandError, match=f"{label(masters.servers[2])} did not answer"):
+            command("--backend", alias, "--noinput", monkeypatch=monkeypatch)
+        # The two that answered were trusted: a majority, the lock works.
+        with lock(unique(), backend=alias, timeout=5) as lk:
+            assert lk.owned()
+
+
+def test_trustlocknodes_refuses_unknown_and_other_aliases(redlock_masters3):
+    with pytest.raises(CommandError, match="Unknown lock backend 'nope'"):
+        call_command("trustlocknodes", "--backend", "nope", "--noinput")
+    with pytest.raises(CommandError, match="'locmem' is a LocMemBackend, not a RedlockBackend"):
+        call_command("trustlocknodes", "--backend", "locmem", "--noinput")
+    only_locmem = {"locmem": settings.SETNX_LOCKS["locmem"]}
+    with override_settings(SETNX_LOCKS=only_locmem), \
+            pytest.raises(CommandError, match="No Redlock backend is configured"):
+        call_command("trustlocknodes", "--noinput")
+    locks.close_all()
+
+
+# -- masters that may evict keys ---------------------------------------------------------
+
+
+def test_a_master_that_may_evict_is_refused(make_masters, caplog):
+    masters = make_masters(3, server_args={2: EVICTING})
+    evicting = masters.servers[2]
+    name = unique()
+    with alias_on(masters.urls) as alias, caplog.at_level(logging.ERROR, "django_setnx"):
+        with lock(name, ttl=10, backend=alias, timeout=5):
+            written = [c.exists(lock_key(name)) for c in clients(masters)]
+        assert written == [1, 1, 0], "nothing is written to the master that may evict"
+        assert any(label(evicting) in r.getMessage() and "'allkeys-lru'" in r.getMessage()
+                   and "ALLOW_EVICTION" in r.getMessage() for r in caplog.records), \
+            caplog.text
+
+    with alias_on(masters.urls, ALLOW_EVICTION=True) as alias, \
+            lock(name, ttl=10, backend=alias, timeout=5):
+        assert all(c.exists(lock_key(name)) for c in clients(masters)), \
+            "ALLOW_EVICTION accepts the risk"
+
+
+def test_two_masters_that_may_evict_are_a_quorum_error(make_masters):
+    masters = make_masters(3, server_args={0: EVICTING, 2: EVICTING})
+    with alias_on(masters.urls) as alias, pytest.raises(LockBackendError) as raised:
+        lock(unique(), backend=alias).acquire(timeout=5)
+    message = str(raised.value)
+    assert "only 1 of 3 Redis nodes answered" in message, message
+    for server in (masters.servers[0], masters.servers[2]):
+        assert f"Redis {label(server)} has maxmemory-policy 'allkeys-lru'" in message, message
+
+
+def test_each_new_connection_is_checked(make_masters):
+    """A master reconfigured to evict is refused from its next connection on, and
+    accepted again once it no longer may evict."""
+    masters = make_masters(3)
+    first = clients(masters)[0]
+    name = unique()
+    with alias_on(masters.urls) as alias:
+        with lock(name, ttl=10, backend=alias, timeout=5):
+            assert first.exists(lock_key(name))
+        first.config_set("maxmemory", "64mb")
+        first.config_set("maxmemory-policy", "volatile-lru")
+        first.client_kill_filter(_type="normal", skipme=True)  # our connections drop
+        with lock(name, ttl=10, backend=alias, timeout=5):
+            assert not first.exists(lock_key(name)), "refused on its new connection"
+        first.config_set("maxmemory-policy", "noeviction")
+        first.client_kill_filter(_type="normal", skipme=True)
+        with lock(name, ttl=10, backend=alias, timeout=5):
+            assert first.exists(lock_key(name)), "accepted again"
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ttl", [0, -1, math.nan, True, "10", 10**400],
+                         ids=["zero", "negative", "nan", "bool", "str", "huge-int"])
+def test_bad_ttl_is_refused_before_anything_is_written(redlock_masters3, ttl):
+    name = unique()
+    with alias_on(redlock_masters3.urls) as alias:
+        backend = locks[alias]
+        with pytest.raises((TypeError, ValueError), match=r"ttl .*(number|finite)"):
+            backend.acquire(name, "t1", ttl, OWNER)
+        for client in clients(redlock_masters3):
+            assert not client.exists(lock_key(name)) and not client.exists(fence_key(name))
+
+        assert backend.acquire(name, "t2", 10, OWNER).acquired
+        expires = backend.get(name).expires_at_ms
+        with pytest.raises((TypeError, ValueError)):
+            backend.extend(name, "t2", ttl)
+        assert backend.get(name).expires_at_ms == expires, "extend wrote nothing"
+        backend.release(name, "t2")
+
+
+def test_max_ttl_option_and_unknown_options_are_warned_about(redlock_masters3):
+    params = {"BACKEND": "django_setnx.backends.redlock.RedlockBackend",
+              "LOCATION": redlock_masters3.urls, "KEY_PREFIX": "setnx-test",
+              "OPTIONS": {"MAX_TTL": 7200, "NODE_TIMEOUTS": 1}}
+    assert not [m for m in RedlockBackend.check_params("rl", params) if m.id.endswith("E039")]
+    with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "rl": params}):
+        messages = {(m.id, m.msg) for m in run_checks(tags=["django_setnx"])}
+        assert ("django_setnx.W002",
+                ("SETNX_LOCKS['rl']['OPTIONS'] has an unknown key 'NODE_TIMEOUTS'; it is "
+                 "ignored.")) in messages
+        assert not [m for m in messages if m[0].startswith("django_setnx.E")], messages
+        backend = locks["rl"]
+        assert backend.max_ttl == 7200
+        name = unique()
+        assert backend.acquire(name, "t", 3601, OWNER).acquired
+        backend.release(name, "t")
+        locks.close_all()
+    with alias_on(redlock_masters3.urls) as alias:
+        assert locks[alias].max_ttl == 3600, "Redlock's default MAX_TTL"
+        with pytest.raises(ValueError, match=rf"3601 s is above the maximum of 3600 s "
+                                             rf"\(SETNX_LOCKS\['{alias}'\]"):
+            locks[alias].acquire(unique(), "t", 3601, OWNER)
+
+
+def test_records_that_cannot_be_read_never_crash_get_or_list(redlock_masters3):
+    garbled, not_json, wrong_type = unique("bad"), unique("bad"), unique("bad")
+    for client in clients(redlock_masters3):
+        client.hset(lock_key(garbled), mapping={"token": "x", "fencing": "abc"})
+        client.hset(lock_key(not_json), mapping={
+            "token": "x", "fencing": 1, "owner": "{not json", "acquired": 1, "expires": 2})
+        client.set(lock_key(wrong_type), "a string, not a hash")
+    with alias_on(redlock_masters3.urls) as alias:
+        backend = locks[alias]
+        for name in (garbled, not_json, wrong_type):
+            info = backend.get(name)
+            assert info.state == "stale" and info.fencing_token == 0, info
+            assert "unreadable" in info.owner
+        listed = {i.name: i for i in backend.list(name_glob="bad-*")}
+        assert set(listed) == {garbled, not_json}, "SCAN lists lock hashes only"
+        assert all(i.is_stale and "unreadable" in i.owner for i in listed.values())
+        out = StringIO()
+        call_command("listlocks", "--backend", alias, "--name", "bad-*", stdout=out)
+        assert garbled in out.getvalue() and not_json in out.getvalue()
+    for client in clients(redlock_masters3):
+        client.delete(lock_key(garbled), lock_key(not_json), lock_key(wrong_type))
+
+
+# -- globs ---------------------------------------------------------------------------------
+
+
+def test_name_globs_follow_django_setnx_globs_not_redis(redlock_masters3):
+    """``[!a]`` is "any character but a" in django_setnx.globs; Redis' own MATCH reads
+    it as "! or a". SCAN only narrows by the literal prefix; the glob decides."""
+    prefix = unique("glob")
+    names = {c: f"{prefix}-{c}" for c in "ab!"}
+    with alias_on(redlock_masters3.urls) as alias:
+        backend = locks[alias]
+        for name in names.values():
+            assert backend.acquire(name, "t", 30, OWNER).acquired
+        pattern = f"{prefix}-[!a]"
+        assert {i.name for i in backend.list(name_glob=pattern)} == {names["b"], names["!"]}
+        with pytest.raises(ValueError, match="without a closing"):
+            backend.list(name_glob=f"{prefix}-[a")
+        with pytest.raises(ValueError, match="without a closing"):
+            backend.clear(include_held=True, name_glob=f"{prefix}-[a")
+        removed = backend.clear(include_held=True, name_glob=pattern).names
+        assert sorted(removed) == sorted([names["b"], names["!"]])
+        assert {i.name for i in backend.list(name_glob=f"{prefix}-*")} == {names["a"]}
+        backend.release(names["a"], "t")

@@ -1,0 +1,136 @@
+"""``auto_renew``: a renewed lock is marked lost, and ``lock_lost`` sent, no later
+than its expiry by the process' own monotonic clock, whatever the backend does
+(answers no, fails, or hangs)."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from django.conf import settings
+from django.test import override_settings
+
+from django_setnx import lock, locks
+from django_setnx.exceptions import LockNotOwned
+from django_setnx.signals import lock_lost
+
+#: Scheduling slack allowed after the deadline on a loaded 2-core CI machine. The
+#: bug this guards against is lateness by a socket timeout (here 20 s) or by a whole
+#: ttl, not by milliseconds.
+SLACK = 0.5
+
+
+@pytest.fixture
+def private_redis(redis_server):
+    """A ``private`` lock alias on a throwaway Redis whose socket timeout (20 s) is far
+    longer than the ttls used here, so a hanging extend outlives the lock."""
+    config = {**settings.SETNX_LOCKS, "private": {
+        "BACKEND": "django_setnx.backends.redis.RedisBackend",
+        "LOCATION": redis_server.url,
+        "KEY_PREFIX": "renewal",
+        "OPTIONS": {"CONNECTION_KWARGS": {"socket_timeout": 20, "socket_connect_timeout": 20}},
+    }}
+    with override_settings(SETNX_LOCKS=config):
+        yield redis_server
+    locks.reset()
+
+
+@pytest.fixture
+def lost_events():
+    events = {}
+
+    def receiver(lock, **kwargs):
+        events.setdefault(lock.name, []).append(time.monotonic())
+
+    lock_lost.connect(receiver, weak=False, dispatch_uid="test-renewal-lost")
+    yield events
+    lock_lost.disconnect(dispatch_uid="test-renewal-lost")
+
+
+def wait_for(events, name, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and name not in events:
+        time.sleep(0.01)
+    return events.get(name)
+
+
+def test_hanging_extend_marks_the_lock_lost_by_its_expiry(private_redis, lost_events, name):
+    """Redis freezes (SIGSTOP) while the lock is held: the renewer's extend hangs for
+    the socket timeout, but the lock is marked lost when its ttl runs out."""
+    ttl = 1.5
+    lk = lock(name, ttl=ttl, backend="private", auto_renew=True)
+    started = time.monotonic()
+    assert lk.acquire()
+    os.kill(private_redis.process.pid, signal.SIGSTOP)
+    try:
+        seen = wait_for(lost_events, name, timeout=8)
+    finally:
+        os.kill(private_redis.process.pid, signal.SIGCONT)
+    assert seen is not None, "lock_lost was not sent while extend hung"
+    assert len(seen) == 1
+    assert seen[0] - started <= ttl + SLACK
+    assert lk.lost
+    with pytest.raises(LockNotOwned, match="lost"):
+        lk.release()
+
+
+def test_failing_extend_marks_the_lock_lost_by_its_expiry(private_redis, lost_events, name):
+    """Redis goes away while the lock is held: every extend fails, and the lock is
+    marked lost when its ttl runs out, not a renewal interval or a ttl later."""
+    ttl = 1.5
+    lk = lock(name, ttl=ttl, backend="private", auto_renew=True)
+    started = time.monotonic()
+    assert lk.acquire()
+    private_redis.kill()
+    seen = wait_for(lost_events, name, timeout=8)
+    assert seen is not None and len(seen) == 1
+    assert seen[0] - started <= ttl + SLACK
+
+
+def test_healthy_renewal_keeps_the_lock_past_its_ttl(alias, lost_events, name):
+    lk = lock(name, ttl=0.6, backend=alias, auto_renew=True)
+    assert lk.acquire()
+    time.sleep(1.5)
+    assert lk.owned() and not lk.lost
+    lk.release()
+    assert name not in lost_events
+
+
+def test_lost_lock_still_carrying_our_token_is_freed_by_release(alias, lost_events, name):
+    """A lock marked lost by our clock whose record the backend still holds under our
+    token (nobody took it over) is freed by release(), which still raises."""
+    lk = lock(name, ttl=30, backend=alias)
+    assert lk.acquire()
+    lk._mark_lost()  # as the watchdog does when a renewal could not be confirmed
+    assert locks[alias].get(name) is not None
+    with pytest.raises(LockNotOwned, match="lost"):
+        lk.release()
+    assert locks[alias].get(name) is None
+    assert lost_events[name] and len(lost_events[name]) == 1
+
+
+def test_a_forked_child_gets_a_watchdog_of_its_own(private_redis, name):
+    """The watchdog thread does not survive a fork (threads never do): a child whose
+    own auto-renewed lock hangs still has it marked lost by its expiry."""
+    warm = lock(f"{name}:parent", ttl=5, backend="private", auto_renew=True)
+    assert warm.acquire()  # the parent's watchdog is running now
+    server_pid = private_redis.process.pid
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            got = threading.Event()
+            lock_lost.connect(lambda **kw: got.set(), weak=False)
+            child = lock(f"{name}:child", ttl=1, backend="private", auto_renew=True)
+            child.acquire()
+            os.kill(server_pid, signal.SIGSTOP)
+            try:
+                code = 0 if got.wait(1 + SLACK + 1) else 2
+            finally:
+                os.kill(server_pid, signal.SIGCONT)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's lock was never marked lost"
+    warm.release()

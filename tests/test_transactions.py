@@ -1,0 +1,481 @@
+"""Locks and the caller's database transaction.
+
+A decorated call (``@locked``, an ``ExclusiveTask`` body) made inside
+``transaction.atomic()`` or under ``ATOMIC_REQUESTS`` keeps its lock until the
+transaction commits, so the next holder reads what it wrote; after a rollback the
+lock is released at once. ``with lock(..., release_on_commit=True)`` opts in to the
+same; a plain ``with lock(...)`` releases at the end of its block.
+
+These tests run without pytest-django's per-test transaction (``autocommit``): the
+behaviour under test is what COMMIT and ROLLBACK do.
+"""
+
+import threading
+import time
+import uuid
+
+import pytest
+from django.conf import settings
+from django.db import connections, transaction
+from django.http import HttpResponse
+from django.test import Client, RequestFactory
+from django.urls import path
+
+from django_setnx import lock, locked, locks
+from django_setnx.exceptions import LockBackendError
+
+pytestmark = pytest.mark.autocommit
+
+
+def held(alias, name):
+    info = locks[alias].get(name)
+    return info is not None and info.is_held
+
+
+@pytest.fixture
+def counter_table():
+    """A one-row counter table on PostgreSQL, dropped afterwards."""
+    if "postgres" not in settings.DATABASES:
+        pytest.skip("PostgreSQL is not among SETNX_TEST_BACKENDS")
+    table = f"setnx_counter_{uuid.uuid4().hex[:12]}"
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, value int NOT NULL)")
+        cursor.execute(f"INSERT INTO {table} VALUES (1, 0)")
+    yield table
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute(f"DROP TABLE {table}")
+
+
+def test_read_modify_write_inside_atomic_loses_no_update(alias, name, counter_table):
+    """4 threads x 20 increments, each a @locked read-modify-write called inside the
+    thread's own atomic() on PostgreSQL: the lock is released only after COMMIT, so
+    every increment reads the previous one's committed value."""
+
+    @locked(name, ttl=30, timeout=60, backend=alias, using="postgres")
+    def increment():
+        with connections["postgres"].cursor() as cursor:
+            cursor.execute(f"SELECT value FROM {counter_table} WHERE id = 1")
+            value = cursor.fetchone()[0]
+            time.sleep(0.001)
+            cursor.execute(f"UPDATE {counter_table} SET value = %s WHERE id = 1", [value + 1])
+
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(20):
+                with transaction.atomic(using="postgres"):
+                    increment()
+                    # Work after the guarded call, before COMMIT: the window in which
+                    # a lock released at the call's end let the next holder in.
+                    time.sleep(0.002)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    with connections["postgres"].cursor() as cursor:
+        cursor.execute(f"SELECT value FROM {counter_table} WHERE id = 1")
+        assert cursor.fetchone()[0] == 80
+    assert not held(alias, name)
+
+
+def test_sqlite_writer_inside_atomic_releases_after_commit(name):
+    """A @locked function that writes to SQLite inside atomic(), with its lock in the
+    same SQLite database: no 'database is locked' on release (the release waits for
+    the caller's COMMIT, which frees SQLite's single write lock), and the lock is free
+    afterwards."""
+    from django.contrib.auth.models import Group
+
+    group_name = f"g-{uuid.uuid4().hex}"
+
+    @locked(name, ttl=30, backend="default")
+    def write():
+        Group.objects.create(name=group_name)
+
+    try:
+        with transaction.atomic():
+            write()
+            assert held("default", name), "released before the transaction committed"
+        assert not held("default", name)
+        assert Group.objects.filter(name=group_name).exists()
+    finally:
+        Group.objects.filter(name=group_name).delete()
+
+
+def test_release_waits_for_commit(alias, name):
+    """The lock is still held while COMMIT runs (an on_commit callback registered
+    before the guarded call sees it held), and free once the atomic block has exited."""
+    seen = []
+
+    @locked(name, ttl=30, backend=alias)
+    def guarded():
+        return "done"
+
+    with transaction.atomic():
+        transaction.on_commit(lambda: seen.append(held(alias, name)))
+        assert guarded() == "done"
+        assert held(alias, name)
+    assert seen == [True]
+    assert not held(alias, name)
+
+
+def test_rollback_releases_at_once(alias, name):
+    @locked(name, ttl=30, backend=alias)
+    def guarded():
+        return 1
+
+    with pytest.raises(ZeroDivisionError):
+        with transaction.atomic():
+            guarded()
+            assert held(alias, name)
+            1 / 0
+    assert not held(alias, name)
+
+
+def test_savepoint_rollback_releases_while_the_outer_transaction_goes_on(alias, name):
+    @locked(name, ttl=30, backend=alias)
+    def guarded():
+        return 1
+
+    with transaction.atomic():
+        try:
+            with transaction.atomic():  # a savepoint
+                guarded()
+                assert held(alias, name)
+                raise KeyError("undo")
+        except KeyError:
+            pass
+        if locks[alias].writes_wait_for_transaction("default"):
+            # SQLite, the same database: the backend cannot write before the outer
+            # transaction ends, so the release waits for that end.
+            assert held(alias, name)
+        else:
+            assert not held(alias, name), "the savepoint rolled back: nothing to protect"
+        other = locked(f"{name}:2", ttl=30, backend=alias)(lambda: 2)
+        other()
+        assert held(alias, f"{name}:2")
+    assert not held(alias, name) and not held(alias, f"{name}:2")
+
+
+def test_sqlite_savepoint_rollback_after_the_outer_transaction_wrote(name):
+    """SQLite, the lock on the same database, a guarded call that wrote in a savepoint
+    which then rolled back: the transaction goes on holding SQLite's single write
+    lock, so the release cannot happen at the rollback; it happens when the outer
+    transaction ends, with no error and no wait."""
+    from django.contrib.auth.models import Group
+
+    group_name = f"g-{uuid.uuid4().hex}"
+
+    @locked(name, ttl=30, backend="default")
+    def guarded():
+        Group.objects.create(name=group_name)  # takes SQLite's write lock
+
+    started = time.monotonic()
+    with transaction.atomic():
+        try:
+            with transaction.atomic():
+                guarded()
+                raise KeyError("undo")
+        except KeyError:
+            pass
+        assert held("default", name)
+    assert time.monotonic() - started < 4, "a release waited for SQLite's write lock"
+    assert not held("default", name)
+    assert not Group.objects.filter(name=group_name).exists()
+
+
+def test_sqlite_the_same_writer_twice_in_one_transaction(name):
+    """The second call of the same @locked writer in one atomic() on SQLite runs
+    under the lock still held, without a write that would wait for the caller's own
+    transaction."""
+    from django.contrib.auth.models import Group
+
+    prefix = f"g-{uuid.uuid4().hex}"
+
+    @locked(name, ttl=30, backend="default")
+    def write(i):
+        Group.objects.create(name=f"{prefix}-{i}")
+
+    try:
+        started = time.monotonic()
+        with transaction.atomic():
+            write(1)
+            write(2)
+        assert time.monotonic() - started < 4
+        assert not held("default", name)
+        assert Group.objects.filter(name__startswith=prefix).count() == 2
+    finally:
+        Group.objects.filter(name__startswith=prefix).delete()
+
+
+def test_exclusive_task_twice_in_one_transaction(alias, name):
+    from celery import Celery
+
+    from django_setnx.contrib.celery import ExclusiveTask
+
+    app = Celery("setnx_tx_twice", set_as_current=False)
+    app.conf.update(task_always_eager=True, broker_url="memory://",
+                    result_backend="cache+memory://")
+
+    @app.task(base=ExclusiveTask, shared=False, name=f"tx.twice.{uuid.uuid4().hex}",
+              lock_name=name, lock_backend=alias)
+    def job(n):
+        return n
+
+    with transaction.atomic():
+        assert job(1) == 1 and job(2) == 2
+        assert held(alias, name)
+    assert not held(alias, name)
+
+
+def test_with_blocks_opting_in_twice_in_one_transaction(alias, name):
+    with transaction.atomic():
+        with lock(name, ttl=30, backend=alias, release_on_commit=True, timeout=3) as first:
+            pass
+        with lock(name, ttl=30, backend=alias, release_on_commit=True, timeout=3) as second:
+            assert second.fencing_token == first.fencing_token
+        assert held(alias, name)
+    assert not held(alias, name)
+
+
+def test_exception_from_the_call_inside_a_committed_transaction(alias, name):
+    """A guarded call that raises, caught by the caller who then commits: the lock is
+    kept until that commit, like a call that returned."""
+
+    @locked(name, ttl=30, backend=alias)
+    def fails():
+        raise ValueError("nope")
+
+    with transaction.atomic():
+        with pytest.raises(ValueError):
+            fails()
+        assert held(alias, name)
+    assert not held(alias, name)
+
+
+def test_several_databases_all_must_commit(alias, name):
+    if "postgres" not in settings.DATABASES:
+        pytest.skip("PostgreSQL is not among SETNX_TEST_BACKENDS")
+
+    @locked(name, ttl=30, backend=alias, using=["default", "postgres"])
+    def guarded():
+        return 1
+
+    with transaction.atomic(using="default"):
+        with transaction.atomic(using="postgres"):
+            guarded()
+        assert held(alias, name), "postgres committed, default is still open"
+    assert not held(alias, name)
+
+
+def test_release_on_commit_false_releases_at_the_end_of_the_call(alias, name):
+    @locked(name, ttl=30, backend=alias, release_on_commit=False)
+    def guarded():
+        return 1
+
+    with transaction.atomic():
+        guarded()
+        assert not held(alias, name)
+
+
+def test_context_manager_is_opt_in(alias, name):
+    with transaction.atomic():
+        with lock(name, ttl=30, backend=alias):
+            pass
+        assert not held(alias, name), "a plain with-block releases at its end"
+        with lock(name, ttl=30, backend=alias, release_on_commit=True) as lk:
+            pass
+        assert held(alias, name) and lk.owned()
+    assert not held(alias, name)
+
+
+def test_explicit_release_is_always_immediate(alias, name):
+    lk = lock(name, ttl=30, backend=alias, release_on_commit=True)
+    with transaction.atomic():
+        lk.acquire()
+        lk.release()
+        assert not held(alias, name)
+
+
+def test_outside_a_transaction_nothing_is_deferred(alias, name):
+    @locked(name, ttl=30, backend=alias)
+    def guarded():
+        return held(alias, name)
+
+    assert guarded() is True
+    assert not held(alias, name)
+
+
+def test_unknown_using_alias_is_refused_at_decoration():
+    from django.core.exceptions import ImproperlyConfigured
+
+    with pytest.raises(ImproperlyConfigured, match="'nowhere'"):
+        locked("x", using="nowhere")
+
+
+def test_a_lock_lost_before_commit_is_reported_not_raised_from_commit(alias, name, caplog):
+    """The deferred release finds the lock gone (force-released meanwhile): COMMIT
+    still succeeds, lock_lost is sent and a warning logged."""
+    from django_setnx.signals import lock_lost
+
+    lost = []
+    lock_lost.connect(lambda lock, **kw: lost.append(lock.name), weak=False,
+                      dispatch_uid="test-tx-lost")
+    try:
+        @locked(name, ttl=30, backend=alias)
+        def guarded():
+            return 1
+
+        with transaction.atomic():
+            guarded()
+            locks[alias].delete(name)  # an operator force-released it
+        assert lost == [name]
+        assert "after the transaction's commit" in caplog.text
+    finally:
+        lock_lost.disconnect(dispatch_uid="test-tx-lost")
+
+
+# -- views under ATOMIC_REQUESTS --------------------------------------------------
+
+SEEN_AT_COMMIT = []
+
+
+@locked("tx-view:{pk}", ttl=30)
+def atomic_view(request, pk):
+    from django.contrib.auth.models import Group
+
+    Group.objects.create(name=f"tx-view-{pk}")
+    lock_name = f"tx-view:{pk}"
+    transaction.on_commit(lambda: SEEN_AT_COMMIT.append(held("default", lock_name)))
+    return HttpResponse("ok")
+
+
+urlpatterns = [path("atomic/<str:pk>/", atomic_view)]
+
+
+@pytest.fixture
+def atomic_requests():
+    settings_dict = connections["default"].settings_dict
+    before = settings_dict["ATOMIC_REQUESTS"]
+    settings_dict["ATOMIC_REQUESTS"] = True
+    yield
+    settings_dict["ATOMIC_REQUESTS"] = before
+
+
+@pytest.mark.urls("tests.test_transactions")
+def test_view_under_atomic_requests_releases_after_commit(atomic_requests):
+    from django.contrib.auth.models import Group
+
+    pk = uuid.uuid4().hex
+    SEEN_AT_COMMIT.clear()
+    try:
+        response = Client().get(f"/atomic/{pk}/")
+        assert response.status_code == 200
+        assert SEEN_AT_COMMIT == [True], "released before ATOMIC_REQUESTS committed"
+        assert not held("default", f"tx-view:{pk}")
+    finally:
+        Group.objects.filter(name=f"tx-view-{pk}").delete()
+
+
+@locked("tx-view-fail:{pk}", ttl=30)
+def failing_view(request, pk):
+    from django.contrib.auth.models import Group
+
+    Group.objects.create(name=f"tx-view-fail-{pk}")
+    raise RuntimeError("boom")
+
+
+urlpatterns.append(path("fail/<str:pk>/", failing_view))
+
+
+@pytest.mark.urls("tests.test_transactions")
+def test_view_under_atomic_requests_rollback_releases(atomic_requests):
+    """A view that raises under ATOMIC_REQUESTS: the request's transaction rolls back,
+    and the lock is free at once."""
+    from django.contrib.auth.models import Group
+
+    pk = uuid.uuid4().hex
+    response = Client(raise_request_exception=False).get(f"/fail/{pk}/")
+    assert response.status_code == 500
+    assert not held("default", f"tx-view-fail:{pk}")
+    assert not Group.objects.filter(name=f"tx-view-fail-{pk}").exists(), "rolled back"
+
+
+def test_backend_outage_in_deferred_release_does_not_break_commit(name, redis_server, caplog):
+    """The backend is down when the transaction commits: COMMIT succeeds, the
+    failure is logged, and the lock's ttl is the bound (nothing false is reported)."""
+    from django.test import override_settings
+
+    alias = "tx-redis"
+    config = {**settings.SETNX_LOCKS, alias: {
+        "BACKEND": "django_setnx.backends.redis.RedisBackend",
+        "LOCATION": redis_server.url, "KEY_PREFIX": "tx",
+        "OPTIONS": {"CONNECTION_KWARGS": {"socket_timeout": 1, "socket_connect_timeout": 1}},
+    }}
+    with override_settings(SETNX_LOCKS=config):
+        @locked(name, ttl=30, backend=alias)
+        def guarded():
+            return 1
+
+        from django_setnx.signals import lock_lost
+
+        lost = []
+        lock_lost.connect(lambda lock, **kw: lost.append(lock.name), weak=False,
+                          dispatch_uid="test-tx-outage")
+        try:
+            with transaction.atomic():
+                guarded()
+                redis_server.stop()
+        finally:
+            lock_lost.disconnect(dispatch_uid="test-tx-outage")
+        assert "Could not release lock" in caplog.text
+        assert lost == [name], "whether it is still held is unknown: lost to its holder"
+        with pytest.raises(LockBackendError):
+            locks[alias].get(name)
+
+
+# -- Celery: an ExclusiveTask run inside a transaction ------------------------------
+
+
+@pytest.fixture(scope="module")
+def eager_app():
+    from celery import Celery
+
+    app = Celery("setnx_tx_eager", set_as_current=False)
+    app.conf.update(task_always_eager=True, task_eager_propagates=True,
+                    broker_url="memory://", result_backend="cache+memory://")
+    app.finalize()
+    return app
+
+
+@pytest.mark.parametrize("how", ["delay", "direct call"])
+def test_exclusive_task_inside_atomic_releases_after_commit(alias, name, eager_app, how):
+    """An eager (or directly called) ExclusiveTask inside atomic(): its run lock is
+    held until COMMIT; after a rollback it is free at once."""
+    from django_setnx.contrib.celery import ExclusiveTask
+
+    @eager_app.task(base=ExclusiveTask, shared=False, name=f"tx.{uuid.uuid4().hex}",
+                    lock_name=name + ":{n}", lock_backend=alias)
+    def job(n):
+        return n
+
+    def run(n):
+        return job.delay(n).get() if how == "delay" else job(n)
+
+    with transaction.atomic():
+        assert run(1) == 1
+        assert held(alias, f"{name}:1"), "released before the transaction committed"
+    assert not held(alias, f"{name}:1")
+
+    with pytest.raises(ZeroDivisionError):
+        with transaction.atomic():
+            run(2)
+            1 / 0
+    assert not held(alias, f"{name}:2")

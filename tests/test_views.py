@@ -1,0 +1,413 @@
+"""``@locked`` on views the way Django projects write them: class-based views through
+``method_decorator``, Django REST framework views, streaming responses, content
+negotiation of the 409, ``Retry-After``, and the methods that are not locked.
+
+Every view is served by Django's test client through the URLconf below, with and
+without another holder of the lock.
+"""
+
+import asyncio
+import json
+import time
+
+import pytest
+from django.http import FileResponse, HttpResponse, StreamingHttpResponse
+from django.test import AsyncClient, Client
+from django.urls import path
+from django.utils.decorators import method_decorator
+from django.views import View
+from django.views.decorators.cache import never_cache
+from rest_framework.decorators import api_view, renderer_classes
+from rest_framework.renderers import JSONRenderer
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from django_setnx import lock, locked, locks
+
+pytestmark = [pytest.mark.autocommit, pytest.mark.urls("tests.test_views")]
+
+BACKEND = "locmem"  # one process: the client and the views share it
+
+
+def held(name):
+    info = locks[BACKEND].get(name)
+    return info is not None and info.is_held
+
+
+# -- class-based views ----------------------------------------------------------------
+
+SEEN = {}
+
+
+@method_decorator(locked("cbv:{request.path}", backend=BACKEND), name="dispatch")
+class DispatchLocked(View):
+    def get(self, request, slug):
+        SEEN["dispatch"] = held(f"cbv:{request.path}")
+        return HttpResponse(f"got {slug}")
+
+
+class HandlerLocked(View):
+    @method_decorator(locked("cbv-get:{slug}", backend=BACKEND))
+    def get(self, request, slug):
+        SEEN["get"] = held(f"cbv-get:{slug}")
+        return HttpResponse(f"got {slug}")
+
+
+@method_decorator(locked("acbv:{request.path}", backend=BACKEND), name="dispatch")
+class AsyncDispatchLocked(View):
+    """An async class-based view locked on ``dispatch``, which is sync and returns
+    the handler's coroutine: the lock must be held while that coroutine runs."""
+
+    running = 0
+    most = 0
+
+    async def post(self, request):
+        cls = type(self)
+        cls.running += 1
+        cls.most = max(cls.most, cls.running)
+        SEEN["async_dispatch"] = await locks[BACKEND].aget(f"acbv:{request.path}")
+        await asyncio.sleep(0.05)
+        cls.running -= 1
+        return HttpResponse("paid")
+
+
+@method_decorator([locked("list:{slug}", backend=BACKEND), never_cache], name="dispatch")
+class ListDecorated(View):
+    """Django's documented list form, with @locked not last."""
+
+    def get(self, request, slug):
+        SEEN["list"] = held(f"list:{slug}")
+        return HttpResponse("ok")
+
+
+class ListOnHandler(View):
+    @method_decorator([locked("list-get:{slug}", backend=BACKEND), never_cache])
+    def get(self, request, slug):
+        SEEN["list_get"] = held(f"list-get:{slug}")
+        return HttpResponse("ok")
+
+
+class AsyncHandlerLocked(View):
+    @method_decorator(locked("cbv-post:{slug}", backend=BACKEND, retry_after=7))
+    async def post(self, request, slug):
+        return HttpResponse("posted")
+
+
+# -- Django REST framework --------------------------------------------------------------
+
+
+class ApiLocked(APIView):
+    renderer_classes = [JSONRenderer]
+
+    @locked("api:{pk}", backend=BACKEND)
+    def post(self, request, pk):
+        SEEN["api_owner"] = locks[BACKEND].get(f"api:{pk}").owner
+        return Response({"ok": pk})
+
+
+@api_view(["POST"])
+@renderer_classes([JSONRenderer])
+@locked("api-fn:{pk}", backend=BACKEND)
+def api_function(request, pk):
+    SEEN["api_fn_owner"] = locks[BACKEND].get(f"api-fn:{pk}").owner
+    return Response({"ok": pk})
+
+
+# -- streaming, negotiation, methods ----------------------------------------------------
+
+
+@locked("stream:{n}", backend=BACKEND)
+def streaming(request, n):
+    def chunks():
+        for i in range(int(n)):
+            SEEN.setdefault("stream", []).append(held(f"stream:{n}"))
+            yield f"{i},"
+    return StreamingHttpResponse(chunks())
+
+
+@locked("async-stream:{n}", backend=BACKEND)
+async def async_streaming(request, n):
+    async def chunks():
+        for i in range(int(n)):
+            SEEN.setdefault("async_stream", []).append(held(f"async-stream:{n}"))
+            await asyncio.sleep(0)
+            yield f"{i},"
+    return StreamingHttpResponse(chunks())
+
+
+@locked("file:{n}", backend=BACKEND)
+def file_download(request, n, tmp=None):
+    import io
+
+    return FileResponse(io.BytesIO(b"x" * 10_000), filename="x.bin")
+
+
+@locked("etag", backend=BACKEND)
+def etag_stream(request):
+    response = StreamingHttpResponse(iter([b"a", b"b"]))
+    response["ETag"] = '"v1"'
+    return response
+
+
+@locked("plain:{n}", backend=BACKEND)
+def plain(request, n):
+    SEEN["plain"] = held(f"plain:{n}")
+    return HttpResponse("ok")
+
+
+@locked("skip:{n}", backend=BACKEND, on_contention="skip")
+def skipping(request, n):
+    return HttpResponse("ran")
+
+
+@locked("fixed:{n}", backend=BACKEND, ttl=30, retry_after=5)
+def fixed_retry(request, n):
+    return HttpResponse("ok")
+
+
+urlpatterns = [
+    path("cbv/<slug:slug>/", DispatchLocked.as_view()),
+    path("cbv-get/<slug:slug>/", HandlerLocked.as_view()),
+    path("cbv-async/<slug:slug>/", AsyncHandlerLocked.as_view()),
+    path("acbv/", AsyncDispatchLocked.as_view()),
+    path("list/<slug:slug>/", ListDecorated.as_view()),
+    path("list-get/<slug:slug>/", ListOnHandler.as_view()),
+    path("api/<int:pk>/", ApiLocked.as_view()),
+    path("api-fn/<int:pk>/", api_function),
+    path("stream/<int:n>/", streaming),
+    path("async-stream/<int:n>/", async_streaming),
+    path("file/<int:n>/", file_download),
+    path("plain/<int:n>/", plain),
+    path("etag/", etag_stream),
+    path("skip/<int:n>/", skipping),
+    path("fixed/<int:n>/", fixed_retry),
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    SEEN.clear()
+    yield
+    locks[BACKEND].clear(include_held=True)
+
+
+def test_method_decorator_on_dispatch():
+    client = Client()
+    response = client.get("/cbv/a/")
+    assert response.status_code == 200 and response.content == b"got a"
+    assert SEEN["dispatch"] is True
+    assert not held("cbv:/cbv/a/")
+    with lock("cbv:/cbv/a/", ttl=30, backend=BACKEND):
+        response = client.get("/cbv/a/")
+    assert response.status_code == 409 and int(response["Retry-After"]) >= 1
+
+
+def test_method_decorator_on_a_handler_method():
+    client = Client()
+    assert client.get("/cbv-get/b/").status_code == 200
+    assert SEEN["get"] is True
+    with lock("cbv-get:b", ttl=30, backend=BACKEND):
+        assert client.get("/cbv-get/b/").status_code == 409
+
+
+def test_method_decorator_on_an_async_handler():
+    client = AsyncClient()
+
+    async def post():
+        return await client.post("/cbv-async/c/")
+
+    assert asyncio.run(post()).status_code == 200
+    with lock("cbv-post:c", ttl=30, backend=BACKEND):
+        response = asyncio.run(post())
+    assert response.status_code == 409 and response["Retry-After"] == "7"
+
+
+def test_drf_api_view_answers_409_and_records_the_request():
+    client = Client()
+    response = client.post("/api/5/")
+    assert response.status_code == 200 and response.json() == {"ok": 5}
+    assert SEEN["api_owner"]["guards"].startswith("POST /api/5/ (")
+    with lock("api:5", ttl=30, backend=BACKEND):
+        response = client.post("/api/5/", HTTP_ACCEPT="application/json")
+    assert response.status_code == 409
+    body = response.json()
+    assert body["retry_after"] >= 1 and "busy" in body["detail"]
+    assert response["Retry-After"] == str(body["retry_after"])
+
+
+def test_drf_function_view():
+    client = Client()
+    assert client.post("/api-fn/6/").status_code == 200
+    assert SEEN["api_fn_owner"]["guards"].startswith("POST /api-fn/6/ (")
+    with lock("api-fn:6", ttl=30, backend=BACKEND):
+        response = client.post("/api-fn/6/")
+    assert response.status_code == 409
+    assert response["Content-Type"] == "application/json", "an API view answers JSON by default"
+
+
+def test_streaming_response_is_streamed_under_the_lock():
+    client = Client()
+    response = client.get("/stream/4/")
+    assert response.status_code == 200
+    assert held("stream:4"), "the lock is held until the body has been sent"
+    assert b"".join(response.streaming_content) == b"0,1,2,3,"
+    assert SEEN["stream"] == [True, True, True, True]
+    response.close()
+    assert not held("stream:4")
+
+
+def test_streaming_response_closed_early_releases():
+    client = Client()
+    response = client.get("/stream/100/")
+    next(iter(response.streaming_content))
+    assert held("stream:100")
+    response.close()  # the client went away: the server closes the response
+    assert not held("stream:100")
+
+
+def test_async_streaming_response_is_streamed_under_the_lock():
+    async def fetch():
+        response = await AsyncClient().get("/async-stream/3/")
+        body = b"".join([chunk async for chunk in response.streaming_content])
+        return response, body
+
+    response, body = asyncio.run(fetch())
+    assert body == b"0,1,2,"
+    assert SEEN["async_stream"] == [True, True, True]
+    assert not held("async-stream:3")
+
+
+def test_file_response_is_held_until_sent():
+    response = Client().get("/file/1/")
+    assert held("file:1")
+    assert len(b"".join(response.streaming_content)) == 10_000
+    response.close()
+    assert not held("file:1")
+
+
+def test_contention_response_negotiates_json_or_text():
+    client = Client()
+    with lock("plain:1", ttl=30, backend=BACKEND):
+        as_json = client.get("/plain/1/", HTTP_ACCEPT="application/json")
+        as_html = client.get("/plain/1/", HTTP_ACCEPT="text/html,application/xhtml+xml")
+        as_any = client.get("/plain/1/", HTTP_ACCEPT="*/*")
+    assert as_json.status_code == as_html.status_code == as_any.status_code == 409
+    assert as_json["Content-Type"] == "application/json"
+    assert json.loads(as_json.content)["retry_after"] == int(as_json["Retry-After"])
+    assert as_html["Content-Type"].startswith("text/plain")
+    assert as_any["Content-Type"].startswith("text/plain")
+
+
+def test_retry_after_option_and_default():
+    client = Client()
+    with lock("fixed:1", ttl=60, backend=BACKEND):
+        assert client.get("/fixed/1/")["Retry-After"] == "5"
+    with lock("plain:2", ttl=40, backend=BACKEND):
+        assert 38 <= int(client.get("/plain/2/")["Retry-After"]) <= 40
+
+
+def test_head_and_options_are_not_locked():
+    client = Client()
+    with lock("plain:3", ttl=30, backend=BACKEND):
+        assert client.head("/plain/3/").status_code == 200
+        assert client.options("/plain/3/").status_code == 200
+        assert client.get("/plain/3/").status_code == 409
+    assert SEEN["plain"] is True  # the HEAD ran while another holder had the lock
+
+
+def test_unlocked_methods_option():
+    @locked("opt:{request.path}", backend=BACKEND, unlocked_methods=())
+    def view(request):
+        return HttpResponse("ok")
+
+    from django.test import RequestFactory
+
+    request = RequestFactory().head("/x/")
+    with lock("opt:/x/", ttl=30, backend=BACKEND):
+        assert view(request).status_code == 409
+
+
+def test_skip_on_a_view_answers_204():
+    client = Client()
+    assert client.get("/skip/1/").content == b"ran"
+    with lock("skip:1", ttl=30, backend=BACKEND):
+        response = client.get("/skip/1/")
+    assert response.status_code == 204 and response.content == b""
+
+
+def test_bad_retry_after_is_refused_at_decoration():
+    from django.core.exceptions import ImproperlyConfigured
+
+    for bad in (-1, "5", float("inf"), True):
+        with pytest.raises(ImproperlyConfigured, match="retry_after"):
+            locked("x", retry_after=bad)
+
+
+def test_async_view_locked_on_dispatch_holds_the_lock_while_its_handler_runs():
+    AsyncDispatchLocked.running = AsyncDispatchLocked.most = 0
+
+    async def requests():
+        client = AsyncClient()
+        return await asyncio.gather(*(client.post("/acbv/") for _ in range(5)))
+
+    responses = asyncio.run(requests())
+    assert sorted(r.status_code for r in responses) == [200, 409, 409, 409, 409]
+    assert AsyncDispatchLocked.most == 1
+    assert SEEN["async_dispatch"] is not None and SEEN["async_dispatch"].is_held
+    assert not held("acbv:/acbv/")
+
+
+@pytest.mark.parametrize("url, key, lock_name", [("/list/a/", "list", "list:a"),
+                                                 ("/list-get/b/", "list_get", "list-get:b")])
+def test_method_decorator_list_with_locked_not_last(url, key, lock_name):
+    client = Client()
+    response = client.get(url)
+    assert response.status_code == 200 and SEEN[key] is True
+    assert "no-cache" in response["Cache-Control"] or "max-age=0" in response["Cache-Control"]
+    with lock(lock_name, ttl=30, backend=BACKEND):
+        assert client.get(url).status_code == 409
+
+
+def test_a_streaming_response_dropped_unsent_releases():
+    """A middleware that answers 304 instead drops the streaming response unsent:
+    the lock goes with it, not at its ttl."""
+    import gc
+
+    from django.test import RequestFactory
+
+    response = streaming(RequestFactory().get("/stream/5/"), "5")
+    assert held("stream:5")
+    del response
+    gc.collect()
+    assert not held("stream:5")
+
+
+@pytest.mark.urls("tests.test_views")
+def test_conditional_get_304_releases(settings):
+    settings.MIDDLEWARE = [*settings.MIDDLEWARE,
+                           "django.middleware.http.ConditionalGetMiddleware"]
+    import gc
+
+    client = Client()
+    response = client.get("/etag/", HTTP_IF_NONE_MATCH='"v1"')
+    assert response.status_code == 304
+    gc.collect()  # what dropped the streaming response may hold it in a reference cycle
+    assert not held("etag")
+    assert client.get("/etag/").status_code == 200
+
+
+def test_file_response_keeps_its_file_for_sendfile():
+    from django.test import RequestFactory
+
+    response = file_download(RequestFactory().get("/file/2/"), "2")
+    assert response.file_to_stream is not None, "sendfile (wsgi.file_wrapper) still works"
+    assert held("file:2")
+    response.close()
+    assert not held("file:2")
+
+
+def test_unlocked_methods_must_be_a_sequence_of_names():
+    from django.core.exceptions import ImproperlyConfigured
+
+    with pytest.raises(ImproperlyConfigured, match="'OPTIONS'"):
+        locked("x", unlocked_methods="OPTIONS")
