@@ -21,8 +21,9 @@ As on a native changelist:
 - the column headers sort (``o``, in Django's ChangeList syntax: ``o=6.-1`` is
   "acquired, then name descending"; columns are numbered as Django numbers them,
   the action checkbox being column 0, whether or not it is shown);
-- "Show counts" (``ModelAdmin.show_facets`` and ``_facets``, Django 5.0 and
-  later) puts the number of locks next to each filter choice.
+- "Show counts" (``ModelAdmin.show_facets`` and ``_facets``) puts the number of
+  locks next to each filter choice. Django 4.2's admin has no facets: there the
+  page offers its counts on request, as ``ShowFacets.ALLOW`` (5.0's default) does.
 
 Times are shown in the current time zone with ``USE_TZ = True`` and in UTC
 otherwise (the backends' clocks are epoch milliseconds), always with the zone's
@@ -69,8 +70,8 @@ from .validation import validate_name
 
 try:  # Django 5.0+: "Show counts" next to the filter choices.
     from django.contrib.admin.options import IS_FACETS_VAR, ShowFacets
-except ImportError:  # Django 4.2: no facets, so no counts.
-    IS_FACETS_VAR = ShowFacets = None
+except ImportError:  # Django 4.2: no facets; the Locks page offers counts on request.
+    IS_FACETS_VAR, ShowFacets = "_facets", None
 
 PAGE_VAR = "p"
 SEARCH_VAR = "q"
@@ -276,8 +277,10 @@ class LockRecordAdmin(admin.ModelAdmin):
 
     def _facets(self, request):
         """``(show counts now, can the user toggle them)`` by ``show_facets``."""
+        if ShowFacets is None:  # Django 4.2: as ShowFacets.ALLOW
+            return IS_FACETS_VAR in request.GET, True
         mode = getattr(self, "show_facets", None)
-        if ShowFacets is None or mode is None:
+        if mode is None:
             return False, False
         shown = mode is ShowFacets.ALWAYS or (
             mode is ShowFacets.ALLOW and IS_FACETS_VAR in request.GET)

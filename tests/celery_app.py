@@ -162,7 +162,8 @@ def _register(alias):
 
     # Enqueue-once tasks that return their key: canvases (chains, groups, chords).
     for policy in ("raise", "drop"):
-        def once_value(self, key):
+        def once_value(self, key, pause=0):
+            time.sleep(pause)  # still running while a duplicate is enqueued
             return key
 
         app.task(name=f"setnx_tests.once_value_{policy}.{alias}", once_policy=policy,

@@ -895,7 +895,9 @@ def test_duplicate_members_of_a_group_and_a_chord(workers, worker_alias, policy)
     w1, _ = workers
     once_value = celery_task(f"once_value_{policy}", worker_alias)
     key = uuid.uuid4().hex
-    members = [once_value.si(key).set(queue=w1.queue) for _ in range(2)]
+    # The first member runs for a while: the second is enqueued while it holds its
+    # once lock, however slowly the canvas is sent.
+    members = [once_value.si(key, 1.0).set(queue=w1.queue) for _ in range(2)]
     result = group(members).apply_async()
     wait_until(result.ready, 30, "the group", workers)
     values = [get(r, workers) for r in result.results]
@@ -908,7 +910,7 @@ def test_duplicate_members_of_a_group_and_a_chord(workers, worker_alias, policy)
                "the first member's once lock to be released", workers)
 
     key = uuid.uuid4().hex
-    members = [once_value.si(key).set(queue=w1.queue) for _ in range(2)]
+    members = [once_value.si(key, 1.0).set(queue=w1.queue) for _ in range(2)]
     body = app.tasks["setnx_tests.collect"].s().set(queue=w1.queue)
     result = chord(members)(body)
     value = get(result, workers, timeout=40)

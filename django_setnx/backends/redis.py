@@ -97,6 +97,7 @@ import json
 import math
 import numbers
 import os
+import random
 import re
 import secrets
 import threading
@@ -242,8 +243,10 @@ end
 #: afterwards (it could before: then the lock sits unused until its ttl ends, as
 #: with a holder that crashed).
 WAITER_MS = 3000
-#: Longest single wait of a queued waiter before it retries (and re-registers).
+#: Longest single wait of a queued waiter before it retries (and re-registers),
+#: drawn between WAIT_JITTER and 1 times this.
 WAIT_BLOCK = 1.5
+WAIT_JITTER = 0.6
 #: A lock handed to a waiter is first written for this long only (a *claim*): the
 #: waiter confirms it with its next ACQUIRE, which writes its whole ttl. A waiter that
 #: died while queued (SIGKILL, a gunicorn worker timeout) never confirms, so it holds
@@ -632,8 +635,10 @@ def name_from_lock_key(prefix, key):
 
 def _block_timeout(conn, max_wait, retry_after):
     """Seconds one BLPOP of a waiter may block (None: do not block at all): up to
-    WAIT_BLOCK, the holder's expiry and ``max_wait``, below the socket timeout."""
-    timeout = min(WAIT_BLOCK, conn.max_block)
+    WAIT_BLOCK, the holder's expiry and ``max_wait``, below the socket timeout. The
+    WAIT_BLOCK share is jittered, so that waiters that queued up together do not all
+    retry (and renew their place) in the same millisecond."""
+    timeout = min(WAIT_BLOCK * random.uniform(WAIT_JITTER, 1.0), conn.max_block)
     if retry_after is not None:
         timeout = min(timeout, max(retry_after, 0) + 0.001)
     if max_wait is not None:
@@ -754,10 +759,13 @@ class _AsyncConnection:
     its coroutines (see redis_asyncio.InboxWaits)."""
 
     def __init__(self, client, socket_timeout, key_prefix):
-        from .redis_asyncio import InboxWaits
+        from .redis_asyncio import IN_FLIGHT, BoundedScript, InboxWaits
 
         self.client = client
         _bind_scripts(self, client, ASYNC_SCRIPTS)
+        slots = asyncio.Semaphore(IN_FLIGHT)
+        for attribute in ASYNC_SCRIPTS:
+            setattr(self, attribute, BoundedScript(getattr(self, attribute), slots))
         self.max_block = _max_block(socket_timeout)
         self.waits = InboxWaits(client, f"{key_prefix}:waits:{secrets.token_hex(8)}",
                                 self.max_block)

@@ -35,6 +35,11 @@ USER_CONNECTION_KWARGS = frozenset({
 
 #: "No limit" for redis.asyncio's ConnectionPool (it reads None as 100).
 UNBOUNDED = 2**31
+#: At most this many lock commands of one event loop are in flight at once, each on
+#: a connection of its own; more wait for a slot. A burst of a thousand coroutines
+#: acquiring at once then opens this many connections, not a thousand (Redis runs
+#: commands one at a time: more in flight would only queue on the server).
+IN_FLIGHT = 32
 
 #: redis-py's sync connection classes and their asyncio twins.
 ASYNC_CONNECTION_CLASSES = {
@@ -61,14 +66,28 @@ def async_client_from(sync_client, connect_check):
     kwargs["retry"] = Retry(NoBackoff(), 0)
     if connect_check is not None:
         kwargs["redis_connect_func"] = connect_check.on_connect
-    # Unbounded: a burst of coroutines (a thousand acquiring at once) opens what it
-    # needs rather than failing with "Too many connections" (the sync pool's limit,
-    # 100 by default, suits threads, not coroutines); the connections are reused
-    # afterwards. (A BlockingConnectionPool would queue them, at ~20% of the cost of
-    # every command.) Waiting coroutines share one connection (InboxWaits).
+    # The pool itself is unbounded and the commands are bounded instead (IN_FLIGHT,
+    # see BoundedScript): a burst never fails with "Too many connections" and never
+    # opens a connection per coroutine. (A BlockingConnectionPool would bound it too,
+    # at ~20% of the cost of every command.) Waiting coroutines share one connection
+    # (InboxWaits).
     async_pool = redis_asyncio.ConnectionPool(
         connection_class=connection_class, max_connections=UNBOUNDED, **kwargs)
     return redis_asyncio.Redis(connection_pool=async_pool)
+
+
+class BoundedScript:
+    """A registered asyncio script whose calls take one of ``slots`` (an
+    ``asyncio.Semaphore`` of IN_FLIGHT shared by an event loop's scripts) while they
+    run."""
+
+    def __init__(self, script, slots):
+        self.script = script
+        self.slots = slots
+
+    async def __call__(self, keys, args=()):
+        async with self.slots:
+            return await self.script(keys=keys, args=args)
 
 
 class AsyncEvictionCheck:
