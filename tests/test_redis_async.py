@@ -162,6 +162,34 @@ def test_the_waits_connection_killed_by_the_server_wakes_its_waiters(name):
     admin.close()
 
 
+def test_idle_connections_dropped_by_the_server_are_replaced(name):
+    """The server closes the loop's idle connections (CLIENT KILL, as its
+    ``timeout`` or a restart would): the next calls reconnect instead of failing,
+    and a script flushed meanwhile (SCRIPT FLUSH) is loaded again."""
+    backend = locks["redis"]
+    admin = redis.Redis.from_url(settings.SETNX_LOCKS["redis"]["LOCATION"])
+
+    async def main():
+        lk = lock(name, ttl=30, backend="redis")
+        assert await lk.aacquire(blocking=False)
+        await lk.arelease()
+        # Our loop's connection last ran a script (so did any other idle client of
+        # the lock scripts: killing those too changes nothing here).
+        killed = [c for c in admin.client_list() if c["cmd"] == "evalsha"]
+        assert killed
+        for client in killed:
+            admin.client_kill_filter(_id=client["id"])
+        admin.script_flush()
+        for _ in range(3):
+            assert await lk.aacquire(blocking=False)
+            assert (await lk.ainfo()).fencing_token == lk.fencing_token
+            await lk.arelease()
+        await backend.aclose()
+
+    run(main())
+    admin.close()
+
+
 def test_a_cancelled_waiter_leaves_nothing_queued(name):
     backend = locks["redis"]
     client = backend.connection.client

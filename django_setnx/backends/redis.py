@@ -762,10 +762,9 @@ class _AsyncConnection:
         from .redis_asyncio import IN_FLIGHT, BoundedScript, InboxWaits
 
         self.client = client
-        _bind_scripts(self, client, ASYNC_SCRIPTS)
         slots = asyncio.Semaphore(IN_FLIGHT)
-        for attribute in ASYNC_SCRIPTS:
-            setattr(self, attribute, BoundedScript(getattr(self, attribute), slots))
+        for attribute, source in ASYNC_SCRIPTS.items():
+            setattr(self, attribute, BoundedScript(client, source, slots))
         self.max_block = _max_block(socket_timeout)
         self.waits = InboxWaits(client, f"{key_prefix}:waits:{secrets.token_hex(8)}",
                                 self.max_block)

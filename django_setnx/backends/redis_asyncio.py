@@ -16,6 +16,9 @@ methods fall back to running the sync ones in threads.
 """
 
 import asyncio
+import hashlib
+import inspect
+import select
 
 import redis
 from redis import asyncio as redis_asyncio
@@ -40,6 +43,14 @@ UNBOUNDED = 2**31
 #: acquiring at once then opens this many connections, not a thousand (Redis runs
 #: commands one at a time: more in flight would only queue on the server).
 IN_FLIGHT = 32
+
+#: What ``ConnectionPool.get_connection`` is called with: redis-py < 5.3 requires a
+#: command name, later versions deprecate it (with a warning on every call).
+_COMMAND_NAME = inspect.signature(async_connection.ConnectionPool.get_connection).parameters.get(
+    "command_name")
+GET_CONNECTION_ARGS = (
+    ("EVALSHA",) if _COMMAND_NAME is not None and _COMMAND_NAME.default is inspect.Parameter.empty
+    else ())
 
 #: redis-py's sync connection classes and their asyncio twins.
 ASYNC_CONNECTION_CLASSES = {
@@ -77,17 +88,71 @@ def async_client_from(sync_client, connect_check):
 
 
 class BoundedScript:
-    """A registered asyncio script whose calls take one of ``slots`` (an
-    ``asyncio.Semaphore`` of IN_FLIGHT shared by an event loop's scripts) while they
-    run."""
+    """A script of an event loop's client, called with ``EVALSHA`` on a connection of
+    the client's pool, taking one of ``slots`` (an ``asyncio.Semaphore`` of IN_FLIGHT
+    shared by the loop's scripts) while it runs.
 
-    def __init__(self, script, slots):
-        self.script = script
+    The command goes straight to the connection (``send_command`` and
+    ``read_response``, what ``Redis.execute_command`` does underneath, without its
+    retry wrapper, which our client disables anyway, and its per-command hooks): a
+    round trip through ``redis.asyncio`` costs more than one through the sync client,
+    and this keeps the difference to the event loop's own share. A connection the
+    server dropped while it was idle is replaced before anything is sent on it
+    (``_closed_by_server``). A script missing on
+    the server (a restart, ``SCRIPT FLUSH``) is loaded and run again, as redis-py's
+    ``Script`` does. A connection whose reply was not read in full (an error other
+    than Redis' own, a cancellation) is disconnected before it goes back to the pool,
+    so no reply can reach the next command.
+    """
+
+    def __init__(self, client, source, slots):
+        self.pool = client.connection_pool
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
         self.slots = slots
 
     async def __call__(self, keys, args=()):
         async with self.slots:
-            return await self.script(keys=keys, args=args)
+            connection = await self.pool.get_connection(*GET_CONNECTION_ARGS)
+            try:
+                if _closed_by_server(connection):
+                    await connection.disconnect()
+                    await connection.connect()
+                try:
+                    return await self._run(connection, keys, args)
+                except redis.exceptions.NoScriptError:
+                    await connection.send_command("SCRIPT", "LOAD", self.source)
+                    await connection.read_response()
+                    return await self._run(connection, keys, args)
+            except redis.exceptions.ResponseError:
+                raise  # Redis answered: the connection is in step
+            except BaseException:
+                await connection.disconnect()
+                raise
+            finally:
+                await self.pool.release(connection)
+
+    async def _run(self, connection, keys, args):
+        await connection.send_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        return await connection.read_response()
+
+
+def _closed_by_server(connection):
+    """Whether the server closed (or wrote to) this idle connection since it was last
+    used, by the kernel's account. The pool checks that too, through the asyncio
+    stream, but the stream learns of it only when the event loop next polls: a
+    connection that the server dropped a moment ago (``CLIENT KILL``, its
+    ``timeout``, a restart) would be handed out, and the command sent on it would
+    fail. One ``select`` with no timeout (the sync client's pool does the same)."""
+    writer = getattr(connection, "_writer", None)
+    sock = writer.transport.get_extra_info("socket") if writer is not None else None
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock.fileno()], [], [], 0)
+    except (OSError, ValueError):  # closed under us: let the command find out
+        return False
+    return bool(readable)
 
 
 class AsyncEvictionCheck:
