@@ -1101,6 +1101,8 @@ class RedisBackend(BaseLockBackend):
         # redis-py lets some socket errors through unwrapped, hence the builtins.
         self._network_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                                 ConnectionError, TimeoutError)
+        #: token -> (ttl_ms, owner_json) of a queued caller's attempt (see wait).
+        self._queued = {}
         self._conn = None
         self._conn_lock = threading.Lock()
         self._watch = None  # the _SharedPoolWatch of OPTIONS["CACHE"]'s pool, once connected
@@ -1520,12 +1522,17 @@ class RedisBackend(BaseLockBackend):
                 self._abandon_quietly(name, token)
                 raise
         if won:
+            self._queued.pop(token, None)
             return AcquireResult.won(value)
+        if wait != 0:
+            # Queued: wait() sends this very attempt again right behind its BLPOP.
+            self._queued[token] = (ttl_ms, _owner_json(owner))
         return AcquireResult.lost(retry_after=value / 1000)
 
     def stop_waiting(self, name, token):
         """Withdraw ``token`` from the queue. Returns ``AcquireResult.won(fencing)`` if
         a release handed it the lock meanwhile (the caller holds it), else None."""
+        self._queued.pop(token, None)
         with self._errors_as("stop waiting for", name):
             granted, fencing = self.connection.stop_waiting(
                 keys=[*self._keys(name), self._inbox_key(name, token)],
@@ -1726,28 +1733,60 @@ class RedisBackend(BaseLockBackend):
 
     def wait(self, name, *, token, attempt, max_wait, retry_after):
         """Block on ``token``'s inbox until a release hands it the lock, the holder's
-        expiry, ``max_wait`` or ``WAIT_BLOCK``. Returns None: the caller retries at
-        once, which keeps it queued, and confirms a lock handed to it (a claim, see
-        _GRANT) or takes over one whose claim lapsed. Also None when the connection
-        broke while blocked: the retry reconnects and finds out (if a release handed
-        us the lock, even one whose signal this BLPOP popped before the reply was
-        lost, ACQUIRE sees our token; if the server is down, it raises
+        expiry, ``max_wait`` or ``WAIT_BLOCK``.
+
+        The caller's next attempt is pipelined right behind the ``BLPOP`` on the same
+        connection: Redis runs it the moment the ``BLPOP`` returns, before this
+        process has even woken up, so a handoff costs one wake-up, not a wake-up and
+        a round trip. That attempt confirms a lock handed to us (a claim, see _GRANT),
+        takes over one whose claim lapsed, or queues us again. Returns
+        ``AcquireResult.won(fencing)`` when it won; else None (the caller retries).
+        Also None when the connection broke while blocked: the retry reconnects and
+        finds out (an attempt that ran before the reply was lost left our token on
+        the lock, which ACQUIRE recognises; if the server is down, it raises
         LockBackendError)."""
         with self._errors_as("wait for", name):
             conn = self.connection
             timeout = _block_timeout(conn, max_wait, retry_after)
             if timeout is None:
                 return None
-            inbox = self._inbox_key(name, token)
             started = time.monotonic()
             try:
-                reply = conn.client.blpop([inbox], timeout=timeout)
-                if reply is not None and _is_claim_notice(reply[1]):
+                message, result = self._block_then_retry(conn, name, token, timeout, max_wait)
+                if result is None and message is not None and _is_claim_notice(message):
                     # Handed to the waiter ahead of us: wait out its claim (a handoff
                     # to us, or a release, still wakes us at once).
-                    timeout = _claim_timeout(conn, _left(max_wait, started))
+                    left = _left(max_wait, started)
+                    timeout = _claim_timeout(conn, left)
                     if timeout is not None:
-                        conn.client.blpop([inbox], timeout=timeout)
+                        _, result = self._block_then_retry(conn, name, token, timeout, left)
             except self._network_errors:
                 return None
-        return None
+        if result is not None:
+            self._queued.pop(token, None)
+        return result
+
+    def _block_then_retry(self, conn, name, token, timeout, max_wait):
+        """``BLPOP`` our inbox for up to ``timeout`` s with our next ACQUIRE pipelined
+        behind it. Returns ``(message or None, AcquireResult.won(...) or None)``."""
+        queued = self._queued.get(token)
+        inbox = self._inbox_key(name, token)
+        if queued is None:  # not queued by acquire() (a direct call): only block
+            reply = conn.client.blpop([inbox], timeout=timeout)
+            return (reply[1] if reply else None), None
+        ttl_ms, owner_json = queued
+        keys = self._keys(name)
+        wait_ms = -1 if max_wait is None else int(min(max(max_wait, 0), WAITER_MS / 1000) * 1000)
+        args = [token, ttl_ms, owner_json, self.retention_ms, wait_ms]
+        with conn.client.pipeline(transaction=False) as pipe:
+            pipe.blpop([inbox], timeout=timeout)
+            pipe.execute_command("EVALSHA", conn.acquire.sha, len(keys), *keys, *args)
+            reply, attempt = pipe.execute(raise_on_error=False)
+        if isinstance(reply, Exception):
+            raise reply
+        if isinstance(attempt, redis.exceptions.NoScriptError):
+            attempt = conn.acquire(keys=keys, args=args)  # loads the script, runs it
+        elif isinstance(attempt, Exception):
+            raise attempt
+        won, value = attempt
+        return (reply[1] if reply else None), (AcquireResult.won(value) if won else None)
