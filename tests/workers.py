@@ -109,3 +109,25 @@ def fencing_tokens(env, alias, name, count, answer):
         tokens.append(lk.fencing_token)
         lk.release()
     answer.put(tokens)
+
+
+def release_at(env, alias, name, token, when):
+    """Release ``name`` (held under ``token`` by the parent) at time.time() ``when``."""
+    _setup(env)
+    from django_setnx import locks
+
+    time.sleep(max(when - time.time(), 0))
+    if not locks[alias].release(name, token):
+        os._exit(2)
+    os._exit(0)
+
+
+def queue_and_hang(env, alias, name, ready):
+    """Queue up for ``name`` (ttl 30 s) and wait, until killed."""
+    _setup(env)
+    from django_setnx import lock
+
+    lk = lock(name, ttl=30, backend=alias)
+    ready.set()
+    lk.acquire(timeout=120)
+    os._exit(3)  # handed the lock before the kill: the test reports it

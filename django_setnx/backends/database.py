@@ -46,16 +46,27 @@ not an outage.
 Fairness. A caller that was refused and will retry asks for the place *next in
 line*, kept in three columns of the lock row (``next_token``, ``next_since``,
 ``next_seen``): it gets it if nobody has it, if its holder stopped asking for
-``NEXT_LAPSE_MS``, or if it has been waiting longer than its holder. While a live
-waiter is next in line, only that waiter may take the lock over: a release leaves
-the row behind with an empty token (no lock, hidden from ``get``, ``list``, the
-admin and ``clearlocks``) instead of deleting it, so a client that releases and
-loops straight back to acquire cannot take the lock again ahead of the waiters. The
-waiter next in line polls every few milliseconds (``HEAD_POLL``), the others back
-off (up to ``WAITER_MAX_BACKOFF``); each waiter takes the place over from a later
-one at its next attempt, so the longest-waiting caller gets the lock within about
-one ``WAITER_MAX_BACKOFF`` of becoming the longest-waiting. Mutual exclusion never
-depends on this: it is only about who wins next.
+``NEXT_LAPSE_MS`` (PG_NEXT_LAPSE_MS on PostgreSQL), or if it has been waiting longer
+than its holder. While a live waiter is next in line, only that waiter may take the
+lock over: a release leaves the row behind with an empty token (no lock, hidden from
+``get``, ``list``, the admin and ``clearlocks``) instead of deleting it, so a client
+that releases and loops straight back to acquire cannot take the lock again ahead of
+the waiters. That reservation is a *claim* of CLAIM_MS: a waiter that died while
+next in line holds the others up for that long, not until its place lapses. Each
+waiter takes the place over from a later one at its next attempt. Mutual exclusion
+never depends on this: it is only about who wins next.
+
+Waiting (see db_wakeups). A release wakes the waiters of its own process at once. On
+PostgreSQL (psycopg >= 3.2) it also sends NOTIFY when it leaves the lock to a waiter
+next in line (in the same statement), and so does a waiter that takes the lock over
+from a queue (the others then compete for the place next in line at once); each
+process LISTENs on one connection of its own, and its waiters otherwise retry only
+at the holder's expiry or every PG_SAFETY_POLL (about one statement a second per
+waiter behind a long hold). Elsewhere (MySQL/MariaDB, SQLite, psycopg 2) the waiter
+next in line polls from HEAD_POLL, backing off to HEAD_POLL_MAX, and the others back
+off to WAITER_MAX_BACKOFF (at most about 20 statements a second each), never past
+the holder's expiry. Async waits await a future or ``asyncio.sleep``: a coroutine
+holds a thread only while one of its statements runs.
 
 SQLite has a single writer. The backend switches an SQLite database to WAL mode
 (``OPTIONS["SQLITE_WAL"]``, default True; the mode is stored in the database file),
@@ -80,6 +91,7 @@ import threading
 import time
 import weakref
 
+from asgiref.sync import sync_to_async
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
@@ -89,6 +101,7 @@ from ..models import LockRecord
 from .base import (
     STALE, STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo,
 )
+from .db_wakeups import PostgresListener, Wakeups, channel_name
 
 logger = logging.getLogger("django_setnx")
 
@@ -121,18 +134,31 @@ PURGE_EVERY = 60.0
 BATCH_SIZE = 500
 
 #: A waiter next in line that has not asked for this long (ms, database clock) has
-#: given up or died: it loses its place. A live one renews it every NEXT_RENEW.
+#: given up or died: it loses its place. A live one renews it every NEXT_RENEW
+#: seconds. On PostgreSQL, whose waiters are woken by NOTIFY and otherwise poll only
+#: every PG_SAFETY_POLL, both are longer.
 NEXT_LAPSE_MS = 1000
 NEXT_RENEW = 0.25
-#: The waiter next in line retries after HEAD_POLL seconds, doubling up to
-#: HEAD_POLL_MAX: only that one caller per lock polls this fast (the others back
-#: off, up to WAITER_MAX_BACKOFF), so a release is taken up within milliseconds at
-#: a bounded cost to the database (at most 1 / HEAD_POLL_MAX queries a second while
-#: a long hold lasts).
+PG_NEXT_LAPSE_MS = 8000
+PG_NEXT_RENEW = 1.0
+#: A release that leaves the lock to the waiter next in line gives it this long (ms)
+#: to take it (a *claim*, as on Redis): a live waiter is woken at once (PostgreSQL)
+#: or polls well within it, and a dead one holds the others up for this long only.
+CLAIM_MS = 500
+#: Without wake-ups (MySQL/MariaDB, SQLite, or PostgreSQL while its listener is
+#: down) the waiter next in line retries after HEAD_POLL seconds, doubling up to
+#: HEAD_POLL_MAX: a short critical section's release is taken up within a
+#: millisecond or two, and behind a long one the waiter costs at most about
+#: 1 / HEAD_POLL_MAX attempts a second (two statements each, plus a renewal of its
+#: place every NEXT_RENEW: about 18 statements a second). The others back off up to
+#: WAITER_MAX_BACKOFF (three statements an attempt: about 12 a second).
 HEAD_POLL = 0.0005
-HEAD_POLL_MAX = 0.008
-#: The other waiters' longest backoff (seconds), below the base class' MAX_BACKOFF.
-WAITER_MAX_BACKOFF = 0.1
+HEAD_POLL_MAX = 0.125
+WAITER_MAX_BACKOFF = 0.25
+#: PostgreSQL with its listener up: a waiter retries when NOTIFY wakes it, at the
+#: holder's expiry, or after this many seconds (jittered down by up to a sixth), a
+#: safety net: about one statement a second per waiter behind a long hold.
+PG_SAFETY_POLL = 3.5
 
 #: Default of ``OPTIONS["OPERATION_TIMEOUT"]`` (seconds): how long the lock
 #: connection waits to connect, for a row or table lock, and for a silent network,
@@ -192,6 +218,8 @@ class _Dialect:
         now = NOW_MS[vendor]
         lock = quote(LOCK_TABLE)
         self.now = now
+        lapse = self.next_lapse_ms = PG_NEXT_LAPSE_MS if vendor == "postgresql" else NEXT_LAPSE_MS
+        self.next_renew = PG_NEXT_RENEW if vendor == "postgresql" else NEXT_RENEW
         self.lock_table = lock
         # Milliseconds until the row's expiry, never negative. Tested first, so that
         # a row with an absurd (hand-written) expiry cannot overflow the subtraction.
@@ -214,25 +242,35 @@ class _Dialect:
             f"({{t}}.expires_at <= {{x}}.acquired_at OR {{t}}.expires_at > {MAX_PLAUSIBLE_MS} "
             f"OR {{t}}.acquired_at < 0 OR {{t}}.acquired_at > {MAX_PLAUSIBLE_MS}) "
             "AND ({t}.next_token = '' OR {t}.next_token = {x}.token "
-            f"OR {{t}}.next_seen <= {{x}}.acquired_at - {NEXT_LAPSE_MS})"
+            f"OR {{t}}.next_seen <= {{x}}.acquired_at - {lapse})"
         )
         self.release = (
             f"DELETE FROM {lock} WHERE name = %s AND token = %s "
-            f"AND (next_token = '' OR next_seen <= {now} - {NEXT_LAPSE_MS})"
+            f"AND (next_token = '' OR next_seen <= {now} - {lapse})"
         )
         # A waiter is next in line: leave it the lock (expired, empty token) instead
-        # of deleting the row, so nobody else can take it before that waiter does.
+        # of deleting the row, so nobody else can take it before that waiter does,
+        # for CLAIM_MS at most (its place then lapses, see CLAIM_MS).
+        claim_end = f"{now} - {lapse} + {CLAIM_MS}"
         self.release_to_next = (
-            f"UPDATE {lock} SET token = '', owner = '{{}}', expires_at = {now} "
+            f"UPDATE {lock} SET token = '', owner = '{{}}', expires_at = {now}, "
+            f"next_seen = CASE WHEN next_seen < {claim_end} THEN next_seen ELSE {claim_end} END "
             f"WHERE name = %s AND token = %s"
         )
+        if vendor == "postgresql":
+            # ... and wake the waiters of every process (see db_wakeups), in the same
+            # statement. Params: name, token, channel. One row if released.
+            self.release_to_next = (
+                f"WITH released AS ({self.release_to_next} RETURNING name) "
+                f"SELECT pg_notify(%s, name) FROM released"
+            )
         # A refused caller that will retry: take the place next in line if it is
         # free, lapsed, already ours, or held by a caller who started waiting later.
         # Params: token, since, name, token, token, since.
         self.queue = (
             f"UPDATE {lock} SET next_token = %s, next_since = %s, next_seen = {now} "
             f"WHERE name = %s AND token <> %s AND (next_token = '' OR next_token = %s "
-            f"OR next_seen <= {now} - {NEXT_LAPSE_MS} OR next_since > %s)"
+            f"OR next_seen <= {now} - {lapse} OR next_since > %s)"
         )
         self.unqueue = (
             f"UPDATE {lock} SET next_token = '', next_since = 0, next_seen = 0 "
@@ -241,7 +279,7 @@ class _Dialect:
         # A row released to a waiter that then withdrew or lapsed is no lock: drop it.
         self.drop_placeholder = f"DELETE FROM {lock} WHERE name = %s AND token = '' AND next_token = ''"
         self.purge_placeholders = (
-            f"DELETE FROM {lock} WHERE token = '' AND next_seen <= {now} - {NEXT_LAPSE_MS}"
+            f"DELETE FROM {lock} WHERE token = '' AND next_seen <= {now} - {lapse}"
         )
         self.extend = f"UPDATE {lock} SET expires_at = {now} + %s WHERE name = %s AND token = %s"
         self.owns = f"SELECT 1 FROM {lock} WHERE name = %s AND token = %s AND expires_at > {now}"
@@ -255,11 +293,38 @@ class _Dialect:
         self.returning = vendor in ("postgresql", "sqlite") or is_mariadb
 
         # Who holds the row, for a refused attempt: its remaining ms, token and
-        # fencing token (the holder may be this very caller, see ``acquire``).
+        # fencing token (the holder may be this very caller, see ``acquire``), and
+        # the ms until anyone but the waiter next in line may take it: the holder's
+        # expiry, or after it (or after a release to that waiter) the end of that
+        # waiter's place.
+        until_free = (
+            f"CASE WHEN l.expires_at > {now} THEN l.expires_at - {now} "
+            f"WHEN l.next_token <> '' AND l.next_seen > {now} - {lapse} "
+            f"THEN l.next_seen + {lapse} - {now} ELSE 0 END"
+        )
         self.holder = (
-            f"SELECT {remaining.format(t='l', now=now)}, l.token, l.fencing "
+            f"SELECT {remaining.format(t='l', now=now)}, l.token, l.fencing, {until_free} "
             f"FROM {lock} l WHERE l.name = %s"
         )
+        self.queue_and_holder = None
+        if vendor == "postgresql":
+            # A refused caller that will retry, in one statement: queue (as above)
+            # and read the holder as it was when the statement began, or nothing if
+            # the row is gone (released since the refused attempt: retry at once; a
+            # waiter that learnt this only from the failed queue statement would
+            # sleep until its next poll). Params: the queue's, then token, since,
+            # name. Returns the holder's columns (NULLs: no row), 1 if queued, else
+            # 0, and whether the place was free as the statement began: free but
+            # not queued means the row changed under the statement (deleted by a
+            # release, or taken): retry at once.
+            self.queue_and_holder = (
+                f"WITH queued AS ({self.queue} RETURNING 1) "
+                f"SELECT {remaining.format(t='l', now=now)}, l.token, l.fencing, {until_free}, "
+                f"(SELECT count(*) FROM queued), "
+                f"(l.next_token = '' OR l.next_token = %s OR l.next_seen <= {now} - {lapse} "
+                f"OR l.next_since > %s) "
+                f"FROM (SELECT 1) AS one LEFT JOIN {lock} l ON l.name = %s"
+            )
         if vendor == "postgresql":
             # One statement: insert, or take over an expired row, with the next
             # fencing token, which it returns; a refused attempt returns no row.
@@ -306,7 +371,7 @@ class _Dialect:
                 f"(expires_at <= VALUES(acquired_at) OR expires_at > {MAX_PLAUSIBLE_MS} "
                 f"OR acquired_at < 0 OR acquired_at > {MAX_PLAUSIBLE_MS}) "
                 "AND (next_token = '' OR next_token = VALUES(token) "
-                f"OR next_seen <= VALUES(acquired_at) - {NEXT_LAPSE_MS})"
+                f"OR next_seen <= VALUES(acquired_at) - {lapse})"
             )
             self.acquire = f"""
                 INSERT INTO {lock} (name, token, owner, acquired_at, expires_at, fencing,
@@ -351,6 +416,9 @@ class DatabaseBackend(BaseLockBackend):
     #: Waiters poll: the longest-waiting one must come back soon enough to claim the
     #: place next in line (see "Fairness" above) before a newer one does.
     max_backoff = WAITER_MAX_BACKOFF
+    #: A release wakes the waiters of this process, and on PostgreSQL of every
+    #: process (see wait and db_wakeups).
+    wakes_waiters = True
 
     def __init__(self, alias, params):
         super().__init__(alias, params)
@@ -359,6 +427,10 @@ class DatabaseBackend(BaseLockBackend):
             raise ImproperlyConfigured(" ".join(problems))
         # token -> _Waiter, for the refused callers of this process that will retry.
         self._waiting = {}
+        self._wakeups = Wakeups()  # their wake-ups, by lock name (see db_wakeups)
+        self._listener = None  # the PostgreSQL LISTEN thread, once a waiter needed it
+        self._wrapper_class = None  # the driver's connection class, and
+        self._channel = None  # the NOTIFY channel: both known at the first connection
         self.database = self.options.get("DATABASE", "default")
         self.sqlite_wal = bool(self.options.get("SQLITE_WAL", True))
         self.operation_timeout = float(
@@ -413,10 +485,20 @@ class DatabaseBackend(BaseLockBackend):
         self._wrappers = weakref.WeakSet()
         # Another thread of the parent may have held it at the fork: it stays held.
         self._wrappers_lock = threading.Lock()
-        # The waiting threads were the parent's.
+        # The waiting threads were the parent's, and so is the listener (its
+        # connection was among the wrappers above).
         self._waiting = {}
+        self._wakeups = Wakeups()
+        self._listener = None
 
     def _new_wrapper(self):
+        """This thread's lock connection (not connected yet)."""
+        wrapper = self._private_wrapper()
+        self._local.wrapper = wrapper
+        self._local.used_at = time.monotonic()
+        return wrapper
+
+    def _private_wrapper(self):
         from django.db import connections
         from django.utils.connection import ConnectionDoesNotExist
 
@@ -434,8 +516,6 @@ class DatabaseBackend(BaseLockBackend):
         options.pop("pool", None)
         options.update(_timeout_options(base, self.operation_timeout))
         wrapper = base.__class__(settings_dict, alias=self.database)
-        self._local.wrapper = wrapper
-        self._local.used_at = time.monotonic()
         with self._wrappers_lock:
             self._wrappers.add(wrapper)
         return wrapper
@@ -461,6 +541,8 @@ class DatabaseBackend(BaseLockBackend):
         try:
             wrapper.ensure_connection()
             if self._dialect is None:
+                self._wrapper_class = type(wrapper.connection)
+                self._channel = channel_name(wrapper.settings_dict.get("NAME"), LOCK_TABLE)
                 self._dialect = _Dialect(
                     wrapper.vendor, wrapper.ops.quote_name, getattr(wrapper, "mysql_is_mariadb", False)
                 )
@@ -589,6 +671,9 @@ class DatabaseBackend(BaseLockBackend):
                 f"than that.")
 
     def close(self):
+        listener, self._listener = self._listener, None
+        if listener is not None and listener.pid == os.getpid():
+            listener.close()
         with self._wrappers_lock:
             wrappers = list(self._wrappers)
         for wrapper in wrappers:
@@ -609,6 +694,7 @@ class DatabaseBackend(BaseLockBackend):
         """
         ttl_ms = self.check_ttl(ttl)
         owner_json = json.dumps(owner, sort_keys=True)
+        attempted_at = time.monotonic()  # a wake-up after this may concern us (see wait)
 
         def work(cursor, sql, raw):
             if sql.vendor == "mysql":
@@ -623,15 +709,33 @@ class DatabaseBackend(BaseLockBackend):
                 fencing = row and row[0]
             if fencing:
                 result = AcquireResult.won(fencing)
+            elif wait != 0 and sql.queue_and_holder is not None:
+                # Refused, will retry (PostgreSQL): queue and read the holder at once.
+                waiter = self._waiter(token, attempted_at)
+                cursor.execute(sql.queue_and_holder, (*self._queue_params(name, token, waiter),
+                                                      token, waiter.since_ms, name))
+                *holder, queued, place_was_free = cursor.fetchone()
+                self._queued(waiter, queued == 1)
+                if queued != 1 and place_was_free:
+                    return AcquireResult.lost(retry_after=0.0)  # changed under us: look again
+                return self._refused(token, holder if holder[1] is not None else None,
+                                     queued == 1)
             else:
                 # Refused (the rare path): who holds it, and for how long.
                 self._execute(cursor, sql.holder, (name,))
-                result = _holder_result(token, cursor.fetchone())
+                holder = cursor.fetchone()
+                holder_live = bool(holder and holder[0])
+                result = _holder_result(token, holder)
             if result.acquired:
-                # Taking the row cleared the place next in line if it was ours.
-                self._waiting.pop(token, None)
+                # Taking the row cleared the place next in line if it was ours. The
+                # other waiters, if any, lost a race for that place to us: wake them
+                # so that one takes it now, not at its next poll.
+                if self._waiting.pop(token, None) is not None:
+                    self._notify(cursor, sql, name)
             elif wait != 0:
-                self._queue(cursor, sql, name, token)
+                head = self._queue(cursor, sql, name, token, attempted_at)
+                if head and not holder_live:
+                    result = AcquireResult.lost(retry_after=0.0)  # see _refused
             self._purge_if_due(cursor, sql)
             return result
 
@@ -652,19 +756,46 @@ class DatabaseBackend(BaseLockBackend):
         except Exception:  # noqa: BLE001 - housekeeping never fails an acquire
             logger.warning("Could not purge stale locks of %r", self.alias, exc_info=True)
 
-    def _queue(self, cursor, sql, name, token):
-        """Ask for (or renew) the place next in line; remember whether we have it."""
+    def _queue(self, cursor, sql, name, token, attempted_at):
+        """Ask for (or renew) the place next in line; remember whether we have it.
+        Returns True if the statement gave (or renewed) it."""
+        waiter = self._waiter(token, attempted_at)
+        if waiter.head and time.monotonic() - waiter.renewed < sql.next_renew:
+            return False  # ours, and renewed recently enough not to lapse
+        cursor.execute(sql.queue, self._queue_params(name, token, waiter))
+        return self._queued(waiter, cursor.rowcount == 1)
+
+    def _waiter(self, token, attempted_at):
         waiter = self._waiting.get(token)
         if waiter is None:
             waiter = self._waiting[token] = _Waiter()
-        elif waiter.head and time.monotonic() - waiter.renewed < NEXT_RENEW:
-            return  # ours, and renewed recently enough not to lapse
-        cursor.execute(sql.queue, (token, waiter.since_ms, name, token, token, waiter.since_ms))
-        head = cursor.rowcount == 1
+        waiter.attempted_at = attempted_at
+        return waiter
+
+    @staticmethod
+    def _queue_params(name, token, waiter):
+        return (token, waiter.since_ms, name, token, token, waiter.since_ms)
+
+    @staticmethod
+    def _queued(waiter, head):
         if head and not waiter.head:
             waiter.polls = 0
         waiter.head = head
         waiter.renewed = time.monotonic()
+        return head
+
+    def _refused(self, token, holder, head):
+        """The result of a refused attempt that queued (``head``: it is next in
+        line), from the holder as :func:`_holder_result` reads it."""
+        result = _holder_result(token, holder)
+        if result.acquired:  # an earlier attempt of ours took it (see acquire)
+            self._waiting.pop(token, None)
+        elif holder is None or (head and not holder[0]):
+            # Gone since the refused attempt, or next in line for a lock nobody
+            # holds (released to a waiter whose place we just took, or expired):
+            # ours at the next attempt.
+            result = AcquireResult.lost(retry_after=0.0)
+        return result
 
     def stop_waiting(self, name, token):
         """Give up the place next in line, if this caller had asked for it. Returns
@@ -677,19 +808,103 @@ class DatabaseBackend(BaseLockBackend):
             if cursor.rowcount:
                 # Released to us and we leave: the row is no lock any more.
                 cursor.execute(sql.drop_placeholder, (name,))
+                if cursor.rowcount:
+                    self._notify(cursor, sql, name)
 
         self._run("stop waiting", work)
         return None
 
     def retry_delay(self, token, attempt, max_wait, retry_after):
         """Briefly (HEAD_POLL, doubling to HEAD_POLL_MAX) for the caller next in
-        line; the usual capped, jittered backoff for the others."""
+        line; the usual capped, jittered backoff for the others. Never past the
+        holder's expiry (``retry_after``)."""
         waiter = self._waiting.get(token)
         if waiter is None or not waiter.head:
             return self.backoff(attempt, max_wait, retry_after)
         delay = min(HEAD_POLL * (2 ** min(waiter.polls, 8)), HEAD_POLL_MAX)
         waiter.polls += 1
+        if retry_after is not None:
+            delay = min(delay, max(retry_after, 0) + 0.001)
         return max(delay if max_wait is None else min(delay, max_wait), 0)
+
+    # -- waiting ------------------------------------------------------------------
+
+    def wait(self, name, *, token, attempt, max_wait, retry_after):
+        """Block until a wake-up for ``name`` (a release in this process; on
+        PostgreSQL, a NOTIFY from any process: see db_wakeups), the next poll
+        (:meth:`retry_delay`, or PG_SAFETY_POLL while the PostgreSQL listener is
+        up), the holder's expiry or ``max_wait``. Returns None: the caller retries."""
+        since, delay = self._wait_plan(token, attempt, max_wait, retry_after,
+                                       self._listener_ready())
+        if delay > 0:
+            self._wakeups.wait(name, delay, since)
+        return None
+
+    async def await_release(self, name, *, token, attempt, max_wait, retry_after):
+        """Async twin of :meth:`wait`: the wait is an awaited future, no thread is
+        held (starting the PostgreSQL listener, once per process, takes one)."""
+        ready = self._listener_ready(start=False)
+        if ready is None and self._listens():
+            ready = await sync_to_async(self._listener_ready, thread_sensitive=False)()
+        since, delay = self._wait_plan(token, attempt, max_wait, retry_after, ready)
+        if delay > 0:
+            await self._wakeups.await_wakeup(name, delay, since)
+        return None
+
+    def _wait_plan(self, token, attempt, max_wait, retry_after, listener_ready_at):
+        """``(since, seconds)``: a wake-up after ``since`` (when the caller's refused
+        attempt started) ends the wait, which lasts at most ``seconds``."""
+        waiter = self._waiting.get(token)
+        since = waiter.attempted_at if waiter is not None else time.monotonic()
+        if listener_ready_at is None:
+            return since, self.retry_delay(token, attempt, max_wait, retry_after)
+        if listener_ready_at > since:
+            # The LISTEN began after that attempt: a NOTIFY in between was missed.
+            return since, 0.0
+        delay = PG_SAFETY_POLL * random.uniform(5 / 6, 1.0)
+        if retry_after is not None:
+            delay = min(delay, max(retry_after, 0) + 0.001)
+        if max_wait is not None:
+            delay = min(delay, max_wait)
+        return since, max(delay, 0.0)
+
+    def _listener_ready(self, start=True):
+        """The monotonic time since which this process LISTENs for this backend's
+        NOTIFY (PostgreSQL with psycopg >= 3.2), else None: the waiters poll. With
+        ``start=False``, returns None without starting a listener that is not up."""
+        listener = self._listener
+        if listener is None or listener.pid != os.getpid():
+            if not start or not self._listens():
+                return None
+            with self._wrappers_lock:
+                if self._listener is None or self._listener.pid != os.getpid():
+                    self._listener = PostgresListener(
+                        self.alias, self._channel, self._wakeups, self._listen_connection)
+                listener = self._listener
+        if start and listener.ready_at is None:
+            listener.ensure_running(self.operation_timeout)
+        return listener.ready_at
+
+    def _listens(self):
+        """Whether this backend's waiters are woken by NOTIFY (PostgreSQL, psycopg >=
+        3.2): known once a connection was made."""
+        return (self._dialect is not None and self._dialect.vendor == "postgresql"
+                and _can_listen(self._wrapper_class))
+
+    def _listen_connection(self):
+        """A new autocommit psycopg connection for the listener, made like ours (its
+        wrapper is registered, so close() and a fork handle it too)."""
+        wrapper = self._private_wrapper()
+        wrapper.ensure_connection()
+        return wrapper.connection
+
+    def _notify(self, cursor, sql, name):
+        """Wake the waiters of ``name``: this process' at once, and on PostgreSQL every
+        process' (NOTIFY, delivered when the statement's transaction commits: at
+        once, in autocommit)."""
+        if sql.vendor == "postgresql":
+            cursor.execute("SELECT pg_notify(%s, %s)", (self._channel, name))
+        self._wakeups.wake(name)
 
     # -- token-checked single statements -------------------------------------------
 
@@ -699,9 +914,16 @@ class DatabaseBackend(BaseLockBackend):
         def work(cursor, sql, raw, retried=False):
             self._execute(cursor, sql.release, (name, token))
             if cursor.rowcount == 1:
+                if self._wakeups.has_waiters(name):  # of this process, not next in line
+                    self._wakeups.wake(name)
                 return True
-            self._execute(cursor, sql.release_to_next, (name, token))
+            if sql.vendor == "postgresql":  # the statement NOTIFYs every process
+                self._execute(cursor, sql.release_to_next, (name, token, self._channel))
+            else:
+                self._execute(cursor, sql.release_to_next, (name, token))
             if cursor.rowcount == 1:
+                if self._wakeups.has_waiters(name):
+                    self._wakeups.wake(name)
                 return True
             # Nothing of ours is left. On a retry that is no proof the lock was lost:
             # the first attempt may have deleted the row and lost only its answer
@@ -866,7 +1088,7 @@ class DatabaseBackend(BaseLockBackend):
 class _Waiter:
     """A refused caller of this process that will retry."""
 
-    __slots__ = ("since_ms", "head", "renewed", "polls")
+    __slots__ = ("since_ms", "head", "renewed", "polls", "attempted_at")
 
     def __init__(self):
         # When it started waiting, by this app server's clock: only compared with
@@ -875,6 +1097,15 @@ class _Waiter:
         self.head = False  # it has the place next in line
         self.renewed = 0.0  # monotonic time of its last queue statement
         self.polls = 0  # retries since it became next in line
+        self.attempted_at = time.monotonic()  # when its last refused attempt began
+
+
+def _can_listen(connection_class):
+    """Whether connections of ``connection_class`` can wait for notifications with a
+    timeout: psycopg >= 3.2. With psycopg 2 (or an older psycopg 3) the waiters
+    poll, at the same bounded rate as on the other databases."""
+    notifies = getattr(connection_class, "notifies", None)
+    return callable(notifies) and "timeout" in inspect.signature(notifies).parameters
 
 
 def _remaining(ms):
@@ -902,15 +1133,16 @@ def row_info(alias, row):
 
 def _holder_result(token, holder):
     """The result of an attempt that did not take the row, from its holder
-    ``(remaining_ms, token, fencing)`` (None: no row seen). ``won`` with the
-    recorded fencing token if the unexpired row already carries ``token`` (an
-    earlier attempt of this acquire took it), else ``lost``."""
+    ``(remaining_ms, token, fencing, until_free_ms)`` (None: no row seen). ``won``
+    with the recorded fencing token if the unexpired row already carries ``token``
+    (an earlier attempt of this acquire took it), else ``lost``, to retry after
+    ``until_free_ms``."""
     if holder is None:
         return AcquireResult.lost()
-    remaining_ms, holder_token, fencing = holder
+    remaining_ms, holder_token, fencing, until_free_ms = holder
     if holder_token == token and remaining_ms and fencing is not None:
         return AcquireResult.won(fencing)
-    return AcquireResult.lost(retry_after=_remaining(remaining_ms))
+    return AcquireResult.lost(retry_after=_remaining(until_free_ms))
 
 
 def _plausible_ms(value):

@@ -1,0 +1,218 @@
+"""Waiting on the database backend: bounded statements behind a long hold, wake-ups
+on PostgreSQL (LISTEN/NOTIFY) from other processes, a dead waiter next in line
+costing a claim, a listener the server dropped, and async waits without threads.
+Real servers and real processes (spawn, SIGKILL)."""
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+from django.conf import settings
+from django.db import connections
+
+from django_setnx import lock, locks
+from django_setnx.backends import database
+from tests import workers
+
+DB_ALIASES = [a for a in ("default", "postgres", "mysql") if a in settings.CONTRACT_ALIASES]
+PG = [a for a in DB_ALIASES if a == "postgres"]
+SERVER_COUNTED = [a for a in DB_ALIASES if a in ("postgres", "mysql")]
+
+pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
+
+
+def _statements(backend_alias):
+    """The server's count of statements run so far (every session): PostgreSQL's
+    committed transactions of the test database (each autocommit statement is one),
+    MySQL's ``Questions``."""
+    database_alias = settings.SETNX_LOCKS[backend_alias]["OPTIONS"]["DATABASE"]
+    with connections[database_alias].cursor() as cursor:
+        if connections[database_alias].vendor == "postgresql":
+            time.sleep(1.1)  # the statistics reach pg_stat_database within a second
+            cursor.execute("SELECT xact_commit FROM pg_stat_database "
+                           "WHERE datname = current_database()")
+        else:
+            cursor.execute("SHOW GLOBAL STATUS LIKE 'Questions'")
+            return int(cursor.fetchone()[1])
+        return int(cursor.fetchone()[0])
+
+
+@pytest.mark.parametrize("backend_alias", SERVER_COUNTED)
+def test_a_waiter_behind_a_long_hold_sends_few_statements(backend_alias, name):
+    """Three waiters behind a holder with 60 s left, for 6 s: on PostgreSQL about one
+    statement a second each (woken by NOTIFY, else a slow safety poll); on MySQL at
+    most 20 (a poll that backs off to HEAD_POLL_MAX). Counted by the server."""
+    holder = lock(name, ttl=60, backend=backend_alias)
+    assert holder.acquire(blocking=False)
+    stop = time.monotonic() + 8
+
+    def wait():
+        lk = lock(name, ttl=30, backend=backend_alias)
+        assert not lk.acquire(timeout=max(stop - time.monotonic(), 0.1))
+
+    threads = [threading.Thread(target=wait) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.5)  # past the first, fast retries
+    before, started = _statements(backend_alias), time.monotonic()
+    time.sleep(4)
+    per_waiter_per_s = (_statements(backend_alias) - before) / (time.monotonic() - started) / 3
+    for thread in threads:
+        thread.join()
+    holder.release()
+    limit = 1.5 if backend_alias == "postgres" else 20  # the counts include the counting
+    assert per_waiter_per_s <= limit, per_waiter_per_s
+
+
+@pytest.mark.parametrize("backend_alias", PG)
+def test_a_release_in_another_process_wakes_a_postgres_waiter_at_once(backend_alias, name, spawn,
+                                                                     monkeypatch):
+    """The waiter polls only every 30 s here (PG_SAFETY_POLL): it gets the lock
+    within a second of another process' release only because NOTIFY woke it."""
+    monkeypatch.setattr(database, "PG_SAFETY_POLL", 30.0)
+    backend = locks[backend_alias]
+    holder = lock(name, ttl=60, backend=backend_alias)
+    assert holder.acquire(blocking=False)
+    release_at = time.time() + 2.0
+    child = spawn(workers.release_at, workers.child_environment(), backend_alias, name, holder._token,
+                  release_at)
+    waiter = lock(name, ttl=30, backend=backend_alias)
+    assert waiter.acquire(timeout=20)
+    got_it = time.time()
+    child.join(20)
+    assert child.exitcode == 0
+    assert got_it - release_at < 1.0, got_it - release_at
+    assert backend._listener is not None and backend._listener.ready_at is not None
+    waiter.release()
+
+
+@pytest.mark.parametrize("backend_alias", DB_ALIASES)
+def test_a_killed_waiter_next_in_line_costs_the_others_a_claim(backend_alias, name, spawn):
+    """A waiter next in line (ttl 30 s) is SIGKILLed; the holder releases (to it):
+    a live waiter behind it holds the lock within about CLAIM_MS, not after the
+    dead one's place lapses (8 s on PostgreSQL) or its ttl."""
+    holder = lock(name, ttl=60, backend=backend_alias)
+    assert holder.acquire(blocking=False)
+    ready = spawn.ctx.Event()
+    child = spawn(workers.queue_and_hang, workers.child_environment(), backend_alias, name, ready)
+    assert ready.wait(30)
+    time.sleep(1.0)  # queued, next in line
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    got = []
+    live = lock(name, ttl=30, backend=backend_alias)
+    thread = threading.Thread(target=lambda: got.append((live.acquire(timeout=20), time.monotonic())))
+    thread.start()
+    time.sleep(0.5)  # the live one waits behind the dead one
+    released_at = time.monotonic()
+    holder.release()
+    thread.join(30)
+    (acquired, at), = got
+    assert acquired
+    assert at - released_at < 1.5, at - released_at
+    live.release()
+
+
+@pytest.mark.parametrize("backend_alias", PG)
+def test_a_listener_the_server_dropped_never_strands_its_waiters(backend_alias, name, monkeypatch):
+    """pg_terminate_backend on the LISTEN connection: the waiters are woken, poll
+    until it is back, and get the lock when it is released."""
+    monkeypatch.setattr(database, "PG_SAFETY_POLL", 30.0)
+    backend = locks[backend_alias]
+    holder = lock(name, ttl=60, backend=backend_alias)
+    assert holder.acquire(blocking=False)
+    got = []
+    waiter = lock(name, ttl=30, backend=backend_alias)
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=20)))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while backend._listener is None or backend._listener.ready_at is None:
+        assert time.monotonic() < deadline, "no listener started"
+        time.sleep(0.05)
+    database_alias = settings.SETNX_LOCKS[backend_alias]["OPTIONS"]["DATABASE"]
+    with connections[database_alias].cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                       "WHERE datname = current_database() AND query LIKE 'LISTEN%%'")
+        assert cursor.fetchall(), "the LISTEN session was not found"
+    time.sleep(1.5)
+    released_at = time.monotonic()
+    holder.release()
+    thread.join(25)
+    assert got == [True]
+    assert time.monotonic() - released_at < 5
+    waiter.release()
+
+
+def _wait_in_forked_child(backend_alias, name, result):
+    from django_setnx import lock as child_lock
+
+    lk = child_lock(name, ttl=30, backend=backend_alias)
+    result.put(lk.acquire(timeout=20))
+    lk.release()
+
+
+@pytest.mark.parametrize("backend_alias", PG)
+def test_a_forked_child_listens_on_its_own_connection(backend_alias, name, monkeypatch):
+    """The parent's listener runs; a forked child waits on a lock the parent then
+    releases: the child is woken by its own listener (the parent's thread does not
+    exist in it, and its connection is never used), and the parent's keeps working."""
+    monkeypatch.setattr(database, "PG_SAFETY_POLL", 30.0)
+    backend = locks[backend_alias]
+    first = lock(name, ttl=30, backend=backend_alias)
+    assert first.acquire(blocking=False)
+    waiter = lock(name, ttl=30, backend=backend_alias)
+    waiter_thread = threading.Thread(target=lambda: waiter.acquire(timeout=20))
+    waiter_thread.start()
+    while backend._listener is None or backend._listener.ready_at is None:
+        time.sleep(0.05)
+    first.release()
+    waiter_thread.join(10)
+    assert waiter.fencing_token is not None  # the parent's listener woke it
+    ctx = multiprocessing.get_context("fork")
+    result = ctx.Queue()
+    child = ctx.Process(target=_wait_in_forked_child, args=(backend_alias, name, result))
+    child.start()
+    time.sleep(1.5)  # the child queued behind the parent's hold
+    released_at = time.monotonic()
+    waiter.release()
+    assert result.get(timeout=20) is True
+    assert time.monotonic() - released_at < 2.0
+    child.join(10)
+    assert child.exitcode == 0
+    # The parent's listener still works.
+    again = lock(name, ttl=30, backend=backend_alias)
+    assert again.acquire(timeout=5)
+    again.release()
+
+
+@pytest.mark.parametrize("backend_alias", DB_ALIASES)
+def test_async_waiters_hold_no_thread_while_they_wait(backend_alias, name):
+    """200 coroutines wait on a held lock: the threads in use stay those of the
+    executor (statements only) and, on PostgreSQL, the listener; each gets the lock."""
+
+    async def main():
+        holder = lock(name, ttl=60, backend=backend_alias)
+        assert await holder.aacquire(blocking=False)
+        got = []
+
+        async def waiter(i):
+            lk = lock(name, ttl=30, backend=backend_alias)
+            assert await lk.aacquire(timeout=60)
+            got.append(i)
+            await lk.arelease()
+
+        baseline = threading.active_count()
+        tasks = [asyncio.create_task(waiter(i)) for i in range(200)]
+        await asyncio.sleep(3)
+        # asyncio's default executor has at most min(32, cpus + 4) threads; a thread
+        # per waiter would be 200.
+        assert threading.active_count() <= baseline + min(32, (os.cpu_count() or 1) + 4) + 1
+        await holder.arelease()
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        assert sorted(got) == list(range(200))
+
+    asyncio.run(main())
