@@ -341,6 +341,14 @@ class _Dialect:
                 WHERE {self.may_take.format(t="l", x="EXCLUDED")}
                 RETURNING l.fencing
             """
+            # The same for a caller that queued: if it takes the lock, the other
+            # waiters lost the race for the place next in line to it; NOTIFY them in
+            # the same statement, so that one of them takes that place now, not at
+            # its next poll. Params: the acquire's, then channel, name.
+            self.acquire_queued = (
+                f"WITH taken AS ({self.acquire}) "
+                f"SELECT fencing, pg_notify(%s, %s) FROM taken"
+            )
         elif vendor == "sqlite":
             # One statement (an upsert is atomic: no transaction needed). The µs clock
             # is bound (see NOW_US). A refused upsert returns no row.
@@ -700,6 +708,14 @@ class DatabaseBackend(BaseLockBackend):
             if sql.vendor == "mysql":
                 cursor.execute(sql.acquire, (name, token, owner_json, ttl_ms))
                 fencing = cursor.lastrowid  # see the statement
+            elif sql.vendor == "postgresql" and token in self._waiting:
+                self._execute(cursor, sql.acquire_queued,
+                              (name, token, owner_json, ttl_ms, self._channel, name))
+                row = cursor.fetchone()
+                fencing = row and row[0]
+                if fencing:  # the statement woke the other processes' waiters
+                    self._waiting.pop(token, None)
+                    self._wakeups.wake(name)
             else:
                 params = (name, token, owner_json, ttl_ms)
                 if sql.vendor == "sqlite":
@@ -716,10 +732,12 @@ class DatabaseBackend(BaseLockBackend):
                                                       token, waiter.since_ms, name))
                 *holder, queued, place_was_free = cursor.fetchone()
                 self._queued(waiter, queued == 1)
-                if queued != 1 and place_was_free:
-                    return AcquireResult.lost(retry_after=0.0)  # changed under us: look again
-                return self._refused(token, holder if holder[1] is not None else None,
-                                     queued == 1)
+                result = self._refused(token, holder if holder[1] is not None else None,
+                                       queued == 1)
+                if not result.acquired and queued != 1 and place_was_free:
+                    result = AcquireResult.lost(retry_after=0.0)  # changed under us: look again
+                self._purge_if_due(cursor, sql)
+                return result
             else:
                 # Refused (the rare path): who holds it, and for how long.
                 self._execute(cursor, sql.holder, (name,))
@@ -808,8 +826,9 @@ class DatabaseBackend(BaseLockBackend):
             if cursor.rowcount:
                 # Released to us and we leave: the row is no lock any more.
                 cursor.execute(sql.drop_placeholder, (name,))
-                if cursor.rowcount:
-                    self._notify(cursor, sql, name)
+                # Either way the place next in line is free: the other waiters (who
+                # may wait for a wake-up, not a poll) compete for it now.
+                self._notify(cursor, sql, name)
 
         self._run("stop waiting", work)
         return None
