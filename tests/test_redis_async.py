@@ -102,10 +102,12 @@ def test_a_thousand_waiting_coroutines_hold_no_thread_and_one_connection(name):
         blocked = [c for c in clients if c["cmd"] == "blpop"]
         assert len(blocked) == 1, blocked
         # The burst of 1,000 acquires went through IN_FLIGHT connections, not 1,000
-        # (this test's server is shared: count only this loop's client's pool).
+        # (this test's server is shared: count only this loop's client's pool). Besides
+        # the scripts' IN_FLIGHT: the waiters' one BLPOP, the poke that widens it
+        # (InboxWaits._poke, which may run alongside), and CLIENT LIST above.
         pool = client.connection_pool
         opened = len(pool._available_connections) + len(pool._in_use_connections)
-        assert opened <= IN_FLIGHT + 2, opened
+        assert opened <= IN_FLIGHT + 3, opened
         unrelated = lock(f"{name}:other", ttl=30, backend="redis")
         assert await unrelated.aacquire(blocking=False)
         await unrelated.arelease()
