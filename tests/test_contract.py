@@ -370,6 +370,21 @@ def test_pages_of_locks(alias, name):
         lk.release()
 
 
+def test_a_glob_prefix_with_sql_wildcards_is_taken_literally(alias, name):
+    """``%``, ``_`` and ``!`` in a glob's literal prefix are the characters themselves
+    on every backend (the database narrows with LIKE, escaped, then SUBSTR)."""
+    backend = locks[alias]
+    held = [lock(f"{name}!%_:{i}", ttl=30, backend=alias) for i in range(2)]
+    decoys = [lock(f"{name}!ab:0", ttl=30, backend=alias), lock(f"{name}x%_:0", ttl=30, backend=alias)]
+    for lk in held + decoys:
+        assert lk.acquire()
+    expected = [f"{name}!%_:0", f"{name}!%_:1"]
+    assert [i.name for i in backend.page(name_glob=f"{name}!%_:*").infos] == expected
+    assert sorted(i.name for i in backend.list(name_glob=f"{name}!%_:*")) == expected
+    for lk in held + decoys:
+        lk.release()
+
+
 # -- signals ---------------------------------------------------------------------------
 
 

@@ -159,6 +159,8 @@ class LockInfo:
 def _whole(value, maximum):
     """A whole number from 0 to ``maximum`` from an int, a whole Real, or the text or
     bytes of a whole number; None for anything else."""
+    if type(value) is int:  # the common case, first: every listing reads a few per row
+        return value if 0 <= value <= maximum else None
     if isinstance(value, (bytes, str)):
         if isinstance(value, bytes):
             value = value.decode("ascii", "replace")

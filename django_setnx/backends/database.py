@@ -751,9 +751,9 @@ class DatabaseBackend(BaseLockBackend):
         """``(where, params)`` of the lock rows in ``state`` (None: any) whose name
         may match ``glob`` (a compiled Glob, or None): it narrows them to the names
         that start with its literal prefix (or to its one name), tested with SUBSTR
-        and ``=``: exact on every database, where LIKE would be case-insensitive on
-        MySQL and SQLite and would read ``%`` and ``_`` in names as wildcards. The
-        caller still matches each name against the glob."""
+        and ``=``: exact on every database, where LIKE alone would be
+        case-insensitive on SQLite. The caller still matches each name against the
+        glob."""
         where, params = "l.token <> ''", []
         if state is not None:
             where += f" AND {'' if state == STALE else 'NOT '}{sql.stale.format(t='l')}"
@@ -762,8 +762,12 @@ class DatabaseBackend(BaseLockBackend):
             params.append(glob.literal_prefix)
         elif glob is not None and glob.literal_prefix:
             prefix = glob.literal_prefix
-            where += f" AND SUBSTR(l.name, 1, {len(prefix)}) = {sql.placeholder}"
-            params.append(prefix)
+            # LIKE only narrows (an index can serve it: Django's ``_like`` index on
+            # PostgreSQL, the binary column on MySQL); SUBSTR decides, exactly.
+            like = "".join("!" + ch if ch in "!%_" else ch for ch in prefix) + "%"
+            where += (f" AND l.name LIKE {sql.placeholder} ESCAPE '!'"
+                      f" AND SUBSTR(l.name, 1, {len(prefix)}) = {sql.placeholder}")
+            params += [like, prefix]
         return where, params
 
     def _scan(self, *, state=None, glob=None, after=""):
@@ -792,11 +796,12 @@ class DatabaseBackend(BaseLockBackend):
     # -- removing -----------------------------------------------------------------
 
     def page(self, *, state=None, name_glob=None, ordering=(), offset=0, limit=100):
-        """Sorted in SQL (``ORDER BY`` the fields, then the name in code point order,
-        ``COLLATE "C"`` on PostgreSQL; the column's collation is binary on SQLite and
-        MySQL/MariaDB), counted with ``COUNT``, sliced with ``LIMIT/OFFSET``: never
-        partial. With a glob, the rows with its literal prefix are read in order and
-        matched here."""
+        """Sorted in SQL, counted with ``COUNT``, sliced with ``LIMIT/OFFSET``: never
+        partial. The default order follows the name's index (on PostgreSQL, the
+        database's collation); a page sorted by columns sorts names in code point
+        order, as every backend does (``COLLATE "C"`` on PostgreSQL; the column's
+        collation is binary on SQLite and MySQL/MariaDB). With a glob, the rows with
+        its literal prefix are read in order and matched here."""
         if state is not None and state not in STATES:
             raise ValueError(f"state must be one of {STATES}, got {state!r}.")
         order = check_ordering(ordering)
@@ -831,6 +836,10 @@ class DatabaseBackend(BaseLockBackend):
     def _order_by(sql, ordering):
         """ORDER BY of ``complete_ordering(ordering)``, as paging.sort_key() sorts (the
         backend is the same for every row: left out)."""
+        if not ordering:
+            # The default order: by name in the database's own order, as the primary
+            # key's index has it (COLLATE "C" would sort every matching row first).
+            return "l.name ASC"
         name = 'l.name COLLATE "C"' if sql.vendor == "postgresql" else "l.name"
         columns = {
             "name": name,

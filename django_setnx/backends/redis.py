@@ -111,7 +111,7 @@ from ..globs import compile_glob, redis_match
 from ..globs import escape as _escape_glob
 from ..validation import ttl_to_ms
 from . import paging, redis_scripts
-from .base import STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo, built_once
+from .base import HELD, STALE, STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo, built_once
 from .paging import LockPage, check_ordering, check_window
 from .redis_eviction import ALLOW_EVICTION_OPTION, eviction_refusal, read_eviction_settings
 from .redis_eviction import _EvictionCheck, _EvictionRisk, _pool_label, _watch_shared_pool
@@ -982,10 +982,12 @@ class RedisBackend(BaseLockBackend):
             return [conn.client]
         return [conn.client.get_redis_connection(node) for node in get_primaries()]
 
-    def _scan_all(self, action, glob, suffix="lock", type_=None):
+    def _scan_all(self, action, glob, suffix="lock", type_=None, with_names=True):
         """Yield ``(client, keys, names)`` per SCAN call on every server (see
         _scan_clients), maybe empty: the ``P:{N}:<suffix>`` keys of the names ``glob``
         matches (every one when ``glob`` is None), of any type unless ``type_``.
+        ``names`` is None when not ``with_names`` and there is no glob (a listing
+        that decodes only the names it shows).
 
         ``SCAN MATCH`` only narrows the scan to the glob's literal prefix, escaped
         (redis_match: a superset of its matches); Glob.match decides, in Python.
@@ -1000,6 +1002,9 @@ class RedisBackend(BaseLockBackend):
                     return client.scan(cursor, match=match, count=SCAN_COUNT, _type=type_)
 
             for keys in scan_batches(scan):
+                if not (with_names or glob):
+                    yield client, keys, None
+                    continue
                 found = [(key, _lenient_text(key)[head:tail] if suffix != "lock"
                           else self._name_from_key(key)) for key in keys]
                 if glob is not None:
@@ -1020,38 +1025,76 @@ class RedisBackend(BaseLockBackend):
         return self._iter_infos(state, glob)
 
     def page(self, *, state=None, name_glob=None, ordering=(), offset=0, limit=100):
-        """In the default order and with no state filter, the names come from SCAN
-        alone (nothing is read for the locks a page skips) and only the page's
-        records are read. When SCAN finds at most paging.SORT_LIMIT lock keys within
-        SORT_SCAN_CALLS calls, they are sorted and counted; beyond, pages follow
-        SCAN order (stable while Redis does not resize its key table), sorted
-        within a page, with no total. Any other listing is the default one (the
-        records of :meth:`list`)."""
+        """In the default order, the names come from SCAN (key names only; with a
+        state, one script call per SCAN batch keeps the keys in that state), and only
+        the page's records are read: nothing is read for the locks a page skips. When
+        SCAN finds at most paging.SORT_LIMIT lock keys within SORT_SCAN_CALLS calls,
+        the matches are sorted by name and counted; beyond, pages follow SCAN order
+        (stable while Redis does not resize its key table), sorted within a page,
+        with no total. A page sorted by a column is the default one (the records of
+        :meth:`list`)."""
         ordering = check_ordering(ordering)
-        if state is not None or ordering:
+        if ordering:
             return super().page(state=state, name_glob=name_glob, ordering=ordering,
                                 offset=offset, limit=limit)
+        if state is not None and state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, got {state!r}.")
         offset, limit = check_window(offset, limit)
         glob = compile_glob(name_glob) if name_glob else None
-        batches = (names for _client, _keys, names in self._scan_all("list", glob))
-        first, complete = [], True
-        for calls, names in enumerate(batches, 1):
+        batches = ((len(keys), self._in_state(client, keys, state))
+                   for client, keys, _ in self._scan_all("list", glob, with_names=False))
+        first, examined, complete = [], 0, True
+        for calls, (count, names) in enumerate(batches, 1):
             first.extend(names)
-            if len(first) > paging.SORT_LIMIT or calls >= SORT_SCAN_CALLS:
+            examined += count
+            if examined > paging.SORT_LIMIT or calls >= SORT_SCAN_CALLS:
                 complete = False
                 break
         if complete:
-            names = sorted(set(first))
+            names = sorted({self._name_from_key(key) for key in first})
             total = sorted_count = len(names)
             names = names[offset : offset + limit]
         else:
-            rest = itertools.chain(first, itertools.chain.from_iterable(batches))
+            rest = itertools.chain(first, itertools.chain.from_iterable(
+                names for _count, names in batches))
+            names, seen, total, sorted_count = [], 0, None, 0
+            for name in rest:
+                if seen >= offset + limit:
+                    break
+                if seen >= offset:
+                    names.append(name)
+                seen += 1  # noqa: SIM113 - also the total when the SCAN ends here
+            else:
+                total = seen
             # SCAN may return a key twice while Redis rehashes.
-            names = list(dict.fromkeys(itertools.islice(rest, offset, offset + limit)))
-            total, sorted_count = None, 0
+            names = [self._name_from_key(key) for key in dict.fromkeys(names)]
         infos = [info for info in map(self.get, names) if info is not None]
         infos.sort(key=lambda info: info.name)
         return LockPage(infos, total, sorted_count)
+
+    def _in_state(self, client, keys, state):
+        """The lock ``keys`` (on the server of ``client``) whose record is in
+        ``state`` (all of them for None), by Redis' clock."""
+        if state is None or not keys:
+            return keys
+        with self._errors_as("list"):
+            if getattr(self.connection.client, "get_primaries", None) is None:
+                script = client.register_script(redis_scripts.FILTER_BY_STATE)
+                kept = set(script(keys=keys, args=["1" if state == HELD else "0"]))
+                return [key for key in keys if key in kept]
+            # A Cluster node: a script cannot take keys of several slots.
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hget(key, "expires")
+            pipe.time()
+            *expiries, (seconds, micros) = pipe.execute(raise_on_error=False)
+        now = int(seconds) * 1000 + int(micros) // 1000
+        # The rule of every listing (LockInfo.from_record) on ``expires``: the scripts
+        # judge a Redis lock held by it alone.
+        return [key for key, expires in zip(keys, expiries)
+                if (state == STALE if isinstance(expires, Exception) else LockInfo.from_record(
+                    "", self.alias, now, owner="{}", acquired=None, expires=expires,
+                    fencing=0, raw=None).state == state)]
 
     def _iter_infos(self, state, glob):
         for client, keys, names in self._scan_all("list", glob):

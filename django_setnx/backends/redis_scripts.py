@@ -443,3 +443,26 @@ if not dry_run then
 end
 return 1
 """
+
+
+# KEYS: the lock keys of one SCAN batch (on one server; on a Cluster, where one script
+# cannot take keys of several slots, the backend asks key by key instead).
+# ARGV: '1' for held, '0' for stale. Returns the keys in that state, by Redis' clock,
+# as every script judges a lock (by ``expires`` alone) and LockInfo.from_record shows
+# it: held while ``expires`` is a plausible time ahead; a key of another type is stale.
+FILTER_BY_STATE = _NOW + _WHOLE + """
+local want_held = ARGV[1] == '1'
+local out = {}
+for _, key in ipairs(KEYS) do
+  local expires = redis.pcall('HGET', key, 'expires')
+  if type(expires) == 'table' then
+    expires = nil  -- not a hash: unreadable, stale
+  else
+    expires = whole(expires)
+  end
+  if (expires ~= nil and expires > now and expires <= %d) == want_held then
+    out[#out + 1] = key
+  end
+end
+return out
+""" % MAX_PLAUSIBLE_MS
