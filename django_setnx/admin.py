@@ -48,7 +48,6 @@ from django.utils import timezone
 from django.utils.translation import gettext as _
 from django.utils.translation import gettext_lazy, ngettext
 
-from . import admin_views
 from .admin_views import (
     PER_PAGE,
     LockPage,
@@ -56,9 +55,9 @@ from .admin_views import (
     format_duration,
     owner_fields,
     release_if_unchanged,
-    source_for,
     state_counts,
 )
+from .backends import paging
 from .backends.base import HELD, STALE, STATES
 from .conf import MAX_NAME_LENGTH
 from .exceptions import LockBackendError
@@ -221,15 +220,25 @@ class LockRecordAdmin(admin.ModelAdmin):
     def _aliases(self):
         return list(locks)
 
-    def _sources(self, aliases):
-        """``[source]`` for ``aliases``; aliases that cannot be loaded go to ``errors``."""
-        sources, errors = [], {}
+    def _backends(self, aliases):
+        """``([(alias, backend)], errors)`` for ``aliases``; aliases that cannot be
+        loaded go to ``errors``."""
+        backends, errors = [], {}
         for alias in aliases:
             try:
-                sources.append(source_for(alias, locks[alias]))
+                backends.append((alias, locks[alias]))
             except Exception as exc:  # noqa: BLE001 - ImproperlyConfigured, ImportError
                 errors[alias] = str(exc)
-        return sources, errors
+        return backends, errors
+
+    def _confirmation(self, request, template, **context):
+        """An "Are you sure?" page (``locks/<template>``), whose cancel link goes back
+        to the list as it was."""
+        context = self._context(
+            request, title=_("Are you sure?"), subtitle=None,
+            cancel_url=self._preserved(request, self._url("changelist")), **context)
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, f"admin/django_setnx/locks/{template}", context)
 
     def _preserved(self, request, url):
         """``url`` carrying the list's query string: merged into it when ``url`` is
@@ -343,9 +352,9 @@ class LockRecordAdmin(admin.ModelAdmin):
                     notes.append(_("No lock name is longer than %(limit)s characters: "
                                    "nothing contains these %(length)s.")
                                  % {"limit": MAX_NAME_LENGTH, "length": len(query)})
-        sources, load_errors = self._sources(aliases)
-        selected = [src for src in sources
-                    if backend_filter in (None, src.alias) and not matches_nothing]
+        backends, load_errors = self._backends(aliases)
+        selected = [(alias, backend) for alias, backend in backends
+                    if backend_filter in (None, alias) and not matches_nothing]
         page = LockPage(selected, state=state, glob=glob, number=number,
                         ordering=[(SORTABLE[n], descending) for n, descending in columns])
         errors = {**{alias: error for alias, error in load_errors.items()
@@ -361,7 +370,7 @@ class LockRecordAdmin(admin.ModelAdmin):
                 "the others; the rest follow, unsorted, after them. Filter or search to "
                 "narrow the list for a complete order.",
                 len(page.partially_sorted),
-            ) % {"aliases": ", ".join(page.partially_sorted), "limit": admin_views.SORT_LIMIT})
+            ) % {"aliases": ", ".join(page.partially_sorted), "limit": paging.SORT_LIMIT})
 
         def query_string(**changes):
             new = {**params, **changes}
@@ -371,8 +380,8 @@ class LockRecordAdmin(admin.ModelAdmin):
         if show_counts:
             # Each filter's counts apply the other filter and the search, as
             # Django's facets do; a backend that failed is not asked again.
-            counts = state_counts([src for src in sources
-                                   if src.alias not in errors and not matches_nothing], glob)
+            counts = state_counts([(alias, backend) for alias, backend in backends
+                                   if alias not in errors and not matches_nothing], glob)
 
         def with_count(display, count):
             return display if count is None else f"{display} ({count})"
@@ -387,24 +396,20 @@ class LockRecordAdmin(admin.ModelAdmin):
                       for alias in ([backend_filter] if backend_filter else aliases)]
             return None if None in wanted else sum(wanted)
 
-        backend_choices = [
-            {"display": _("All"), "selected": backend_filter is None,
-             "query_string": query_string(**{BACKEND_VAR: None, PAGE_VAR: None})},
-        ] + [
-            {"display": with_count(alias, backend_count(alias) if show_counts else None),
-             "selected": backend_filter == alias,
-             "query_string": query_string(**{BACKEND_VAR: alias, PAGE_VAR: None})}
-            for alias in aliases
-        ]
-        state_choices = [
-            {"display": _("All"), "selected": state is None,
-             "query_string": query_string(**{STATE_VAR: None, PAGE_VAR: None})},
-        ] + [
-            {"display": with_count(label, state_count(value) if show_counts else None),
-             "selected": state == value,
-             "query_string": query_string(**{STATE_VAR: value, PAGE_VAR: None})}
-            for value, label in ((HELD, _("Held")), (STALE, _("Stale")))
-        ]
+        def choices(var, selected, options, count):
+            """A filter's links: "All", then each ``(value, label)`` of ``options``,
+            with ``count(value)`` when counts are shown."""
+            return [{"display": _("All"), "selected": selected is None,
+                     "query_string": query_string(**{var: None, PAGE_VAR: None})}] + [
+                {"display": with_count(label, count(value) if show_counts else None),
+                 "selected": selected == value,
+                 "query_string": query_string(**{var: value, PAGE_VAR: None})}
+                for value, label in options]
+
+        backend_choices = choices(BACKEND_VAR, backend_filter,
+                                  [(alias, alias) for alias in aliases], backend_count)
+        state_choices = choices(STATE_VAR, state, ((HELD, _("Held")), (STALE, _("Stale"))),
+                                state_count)
 
         page_links = []
         if page.num_pages is not None and page.num_pages > 1:
@@ -541,52 +546,35 @@ class LockRecordAdmin(admin.ModelAdmin):
                 row = self._row(info)
                 row["confirm_value"] = json.dumps([alias, name, info.fencing_token])
                 found.append(row)
-        context = self._context(
-            request,
-            title=_("Are you sure?"),
-            subtitle=None,
-            found=found,
-            gone=gone,
-            errors=errors,
-            lock_var=LOCK_VAR,
-            release_url=self._preserved(request, self._url("release")),
-            cancel_url=self._preserved(request, self._url("changelist")),
-        )
-        request.current_app = self.admin_site.name
-        return TemplateResponse(
-            request, "admin/django_setnx/locks/release_confirmation.html", context)
+        return self._confirmation(
+            request, "release_confirmation.html", found=found, gone=gone, errors=errors,
+            lock_var=LOCK_VAR, release_url=self._preserved(request, self._url("release")))
 
     def _do_release(self, request):
         try:
             selection = self._parse_all(request.POST.getlist(LOCK_VAR), with_token=True)
         except BadSelection as exc:
             return HttpResponseBadRequest(f"Invalid lock selection: {exc}", content_type="text/plain")
-        sources, load_errors = self._sources(sorted({alias for alias, _n, _t in selection}))
-        sources = {src.alias: src for src in sources}
+        backends, load_errors = self._backends(sorted({alias for alias, _n, _t in selection}))
+        backends = dict(backends)
         released, changed, gone = [], [], []
         for alias, name, token in selection:
-            if alias not in sources:
+            if alias not in backends:
                 messages.error(request, _("Lock backend %(alias)r cannot be loaded: %(error)s")
                                % {"alias": alias, "error": load_errors.get(alias, "")})
                 continue
             try:
-                outcome = release_if_unchanged(sources[alias], name, token)
+                outcome = release_if_unchanged(backends[alias], name, token)
             except LockBackendError as exc:
                 messages.error(request, str(exc))
                 continue
-            if outcome.status in (ReleaseOutcome.RELEASED, ReleaseOutcome.RACED):
+            if outcome.status == ReleaseOutcome.RELEASED:
                 self.log_force_release(request, alias, outcome.info)
                 lock_force_released.send(
                     sender=type(locks[alias]), backend=alias, name=name, info=outcome.info,
                     user=request.user,
                 )
                 released.append(f"{alias}: {name}")
-                if outcome.status == ReleaseOutcome.RACED:
-                    messages.warning(request, _(
-                        "Lock %(name)r on %(alias)r was re-acquired (fencing token "
-                        "%(token)s) just as it was released; the new holder's lock was "
-                        "removed.") % {"name": name, "alias": alias,
-                                       "token": outcome.info.fencing_token})
             elif outcome.status == ReleaseOutcome.CHANGED:
                 changed.append(
                     _("%(alias)s: %(name)s (fencing token now %(token)s)")
@@ -639,28 +627,19 @@ class LockRecordAdmin(admin.ModelAdmin):
         if request.method == "POST" and data.get("post") == "yes":
             return self._do_clear(request, selected)
 
-        sources, load_errors = self._sources(selected)
+        loaded, load_errors = self._backends(selected)
         backends = []
-        for src in sources:
+        for each, backend in loaded:
             try:
-                count = src.count(STALE, None)
-                backends.append({"alias": src.alias, "count": count})
+                count = backend.page(state=STALE, limit=0).total
+                backends.append({"alias": each, "count": count})
             except LockBackendError as exc:
-                backends.append({"alias": src.alias, "error": str(exc)})
+                backends.append({"alias": each, "error": str(exc)})
         for bad, error in load_errors.items():
             backends.append({"alias": bad, "error": error})
-        context = self._context(
-            request,
-            title=_("Are you sure?"),
-            subtitle=None,
-            backends=backends,
-            backend_filter=alias,
-            clear_url=self._preserved(request, self._url("clear")),
-            cancel_url=self._preserved(request, self._url("changelist")),
-        )
-        request.current_app = self.admin_site.name
-        return TemplateResponse(
-            request, "admin/django_setnx/locks/clear_confirmation.html", context)
+        return self._confirmation(
+            request, "clear_confirmation.html", backends=backends, backend_filter=alias,
+            clear_url=self._preserved(request, self._url("clear")))
 
     def _do_clear(self, request, selected):
         content_type = ContentType.objects.get_for_model(LockRecord)

@@ -402,6 +402,35 @@ def locked(name, ttl=None, *, timeout=0, backend=DEFAULT_LOCK_ALIAS, on_contenti
     return decorator
 
 
+class _Running:
+    """Around the protected call (``with`` or ``async with``): marks the lock as
+    entered by this thread or task (re-entry is refused, see _enter), and if the call
+    raises, releases the lock without masking the error, even if it was lost
+    meanwhile. A normal exit leaves the release to the wrapper: a streaming response
+    holds the lock on."""
+
+    __slots__ = ("lk", "entered")
+
+    def __init__(self, lk):
+        self.lk = lk
+
+    def __enter__(self):
+        self.entered = _enter(self.lk)
+
+    def __exit__(self, exc_type, exc, traceback):
+        _leave(self.entered)
+        if exc is not None:
+            self.lk.release_at_exit(exc)
+
+    async def __aenter__(self):
+        self.entered = _enter(self.lk)
+
+    async def __aexit__(self, exc_type, exc, traceback):
+        _leave(self.entered)
+        if exc is not None:
+            await self.lk.arelease_at_exit(exc)
+
+
 def _function_wrapper(func, begin, contended):
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
@@ -411,15 +440,8 @@ def _function_wrapper(func, begin, contended):
             return func(*args, **kwargs)
         if not lk.acquire():
             return contended(lk, request, args, kwargs)
-        entered = _enter(lk)
-        try:
+        with _Running(lk):
             result = func(*args, **kwargs)
-        except BaseException as exc:
-            _leave(entered)
-            # Releases without masking ``exc`` even if the lock was lost meanwhile.
-            lk.release_at_exit(exc)
-            raise
-        _leave(entered)
         if http_request is not None and getattr(result, "streaming", False):
             return _hold_while_streaming(result, lk)
         lk.release_at_exit()  # LockNotOwned here: the call was not exclusive; say so.
@@ -440,16 +462,10 @@ def _coroutine_wrapper(func, begin, contended, returns_awaitable=False):
         if not await lk.aacquire():
             result = contended(lk, request, args, kwargs)
             return await result if inspect.isawaitable(result) else result
-        entered = _enter(lk)
-        try:
+        async with _Running(lk):
             result = func(*args, **kwargs)
             if inspect.isawaitable(result):
                 result = await result
-        except BaseException as exc:
-            _leave(entered)
-            await lk.arelease_at_exit(exc)
-            raise
-        _leave(entered)
         if http_request is not None and getattr(result, "streaming", False):
             return _hold_while_streaming(result, lk)
         await lk.arelease_at_exit()
@@ -469,16 +485,10 @@ def _generator_wrapper(func, begin, contended):
             if result is not None:
                 yield from result
             return None
-        entered = _enter(lk)
-        try:
+        with _Running(lk):
             # ``yield from`` passes send(), throw() and close() through to func's
             # generator; close() raises GeneratorExit here and the lock is released.
             result = yield from func(*args, **kwargs)
-        except BaseException as exc:
-            _leave(entered)
-            lk.release_at_exit(exc)
-            raise
-        _leave(entered)
         lk.release_at_exit()
         return result
 
@@ -501,15 +511,9 @@ def _async_generator_wrapper(func, begin, contended):
                 async for item in result:
                     yield item
             return
-        entered = _enter(lk)
-        try:
+        async with _Running(lk):
             async for item in _delegate(func(*args, **kwargs)):
                 yield item
-        except BaseException as exc:
-            _leave(entered)
-            await lk.arelease_at_exit(exc)
-            raise
-        _leave(entered)
         await lk.arelease_at_exit()
 
     return wrapper

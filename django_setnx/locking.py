@@ -152,74 +152,82 @@ class Lock:
         :func:`lock` apply. Returns True when acquired, False on timeout or
         non-blocking contention. Raises LockBackendError if the backend is down.
         """
-        token, owner, deadline = self._prepare_acquire(blocking, timeout)
-        attempt = 0
-        max_wait = _remaining(deadline)
-        queued = False  # a refused caller that will retry is queued by the backend
-        calls = _CallClock()
+        token, owner, steps, calls = self._begin_acquire(blocking, timeout)
         try:
-            while True:
-                calls.tick()
-                result = self.backend.acquire(self.name, token, self.ttl, owner, max_wait)
-                if result.acquired:
-                    break
-                queued = max_wait != 0
-                self._contended(result, attempt > 0)
-                max_wait = _remaining(deadline)
-                if max_wait is not None and max_wait <= 0:
-                    calls.tick()
-                    result = self._stop_waiting(token) if queued else None
-                    if result is None:
-                        return False
-                    break  # handed to us just before we gave up: ours after all
-                calls.tick()
-                result = self.backend.wait(self.name, token=token, attempt=attempt,
-                                           max_wait=max_wait, retry_after=result.retry_after)
-                if result is not None:  # a release handed the lock to us
-                    break
-                attempt += 1
+            step, arg = next(steps)
+            while step is not None:
+                if step is _ACQUIRE:
+                    result = self.backend.acquire(self.name, token, self.ttl, owner, arg)
+                elif step is _WAIT:
+                    result = self.backend.wait(self.name, token=token, **arg)
+                else:
+                    result = self._stop_waiting(token)
+                step, arg = steps.send(result)
         except BaseException:
-            if queued:  # interrupted while queued: leave nothing held or queued behind
+            if calls.queued:  # interrupted while queued: leave nothing held or queued behind
                 self._abandon(token)
             raise
-        self._acquired(token, result, calls.earliest_write())
-        return True
+        return self._won(token, arg, calls)
 
     async def aacquire(self, blocking=None, timeout=_UNSET):
         """Async twin of :meth:`acquire`; waiting does not block the event loop."""
-        token, owner, deadline = self._prepare_acquire(blocking, timeout)
-        attempt = 0
-        max_wait = _remaining(deadline)
-        queued = False
-        calls = _CallClock()
+        token, owner, steps, calls = self._begin_acquire(blocking, timeout)
         try:
-            while True:
-                calls.tick()
-                result = await self.backend.aacquire(self.name, token, self.ttl, owner, max_wait)
-                if result.acquired:
-                    break
-                queued = max_wait != 0
-                self._contended(result, attempt > 0)
-                max_wait = _remaining(deadline)
-                if max_wait is not None and max_wait <= 0:
-                    calls.tick()
-                    result = await self._astop_waiting(token) if queued else None
-                    if result is None:
-                        return False
-                    break
-                calls.tick()
-                result = await self.backend.await_release(
-                    self.name, token=token, attempt=attempt, max_wait=max_wait,
-                    retry_after=result.retry_after)
-                if result is not None:
-                    break
-                attempt += 1
+            step, arg = next(steps)
+            while step is not None:
+                if step is _WAIT:
+                    result = await self.backend.await_release(self.name, token=token, **arg)
+                elif step is _ACQUIRE:
+                    result = await self.backend.aacquire(self.name, token, self.ttl, owner, arg)
+                else:
+                    result = await self._astop_waiting(token)
+                step, arg = steps.send(result)
         except BaseException:  # includes asyncio.CancelledError
-            if queued:
+            if calls.queued:
                 await sync_to_async(self._abandon, thread_sensitive=False)(token)
             raise
+        return self._won(token, arg, calls)
+
+    def _begin_acquire(self, blocking, timeout):
+        """``(token, owner, steps, calls)`` of a new acquire: see _acquire_steps."""
+        token, owner, deadline = self._prepare_acquire(blocking, timeout)
+        calls = _CallClock()
+        return token, owner, self._acquire_steps(calls, deadline), calls
+
+    def _won(self, token, result, calls):
+        """The end of an acquire: ``result`` is the winning AcquireResult, or None."""
+        if result is None:
+            return False
         self._acquired(token, result, calls.earliest_write())
         return True
+
+    def _acquire_steps(self, calls, deadline):
+        """The attempts of one acquire, for :meth:`acquire` and :meth:`aacquire`
+        alike (they differ only in how they make a call): a generator that yields
+        each backend call to make, ``(_ACQUIRE, max_wait)``, ``(_WAIT, kwargs of
+        wait())`` or ``(_STOP_WAITING, None)``, and is sent its result; it ends with
+        ``(None, the winning AcquireResult or None on timeout)``."""
+        attempt = 0
+        max_wait = _remaining(deadline)
+        while True:
+            calls.tick()
+            result = yield _ACQUIRE, max_wait
+            if result.acquired:
+                yield None, result
+            # A refused caller that will retry is queued by the backend.
+            calls.queued = max_wait != 0
+            self._contended(result, attempt > 0)
+            max_wait = _remaining(deadline)
+            if max_wait is not None and max_wait <= 0:
+                calls.tick()
+                # Handed to us just before we gave up: ours after all.
+                yield None, (yield _STOP_WAITING, None) if calls.queued else None
+            calls.tick()
+            handed = yield _WAIT, {"attempt": attempt, "max_wait": max_wait,
+                                   "retry_after": result.retry_after}
+            if handed is not None:  # a release handed the lock to us
+                yield None, handed
+            attempt += 1
 
     def adopt(self, token):
         """Take over an acquisition made elsewhere under ``token``: for integrations
@@ -466,35 +474,38 @@ class Lock:
         (its block was not exclusive): LockNotOwned is raised, but never at the price
         of masking the exception ``exc`` already in flight.
         """
-        if self._borrowed:
-            self._return_borrowed()
-            return
-        if self.release_on_commit and release_after_commit(self, self.using):
-            return
-        if exc is None:
-            self.release()
+        if self._released_elsewhere():
             return
         try:
             self.release()
         except (LockNotOwned, LockBackendError):
-            logger.warning("Could not release lock %r while handling %r", self.name, exc,
-                           exc_info=True)
+            self._failed_at_exit(exc)
 
     async def arelease_at_exit(self, exc=None):
         """Async twin of :meth:`release_at_exit`."""
-        if self._borrowed:
-            self._return_borrowed()
-            return
-        if self.release_on_commit and release_after_commit(self, self.using):
-            return
-        if exc is None:
-            await self.arelease()
+        if self._released_elsewhere():
             return
         try:
             await self.arelease()
         except (LockNotOwned, LockBackendError):
-            logger.warning("Could not release lock %r while handling %r", self.name, exc,
-                           exc_info=True)
+            self._failed_at_exit(exc)
+
+    def _released_elsewhere(self):
+        """Whether release_at_exit leaves the release to someone else: a borrowed lock
+        goes back to its lender, and with ``release_on_commit`` an open transaction
+        releases it after its commit (or at once after a rollback)."""
+        if self._borrowed:
+            self._return_borrowed()
+            return True
+        return self.release_on_commit and release_after_commit(self, self.using)
+
+    def _failed_at_exit(self, exc):
+        """A release at exit failed (the error being handled): re-raise it, unless the
+        block is already raising ``exc``, which it must not mask."""
+        if exc is None:
+            raise
+        logger.warning("Could not release lock %r while handling %r", self.name, exc,
+                       exc_info=True)
 
 
 def _remaining(deadline):
@@ -502,8 +513,13 @@ def _remaining(deadline):
     return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
+#: The backend calls Lock._acquire_steps asks for.
+_ACQUIRE, _WAIT, _STOP_WAITING = "acquire", "wait", "stop_waiting"
+
+
 class _CallClock:
-    """When each backend call of one acquire() started (monotonic seconds).
+    """When each backend call of one acquire() started (monotonic seconds), and
+    whether the caller is queued by the backend (``queued``).
 
     A lock won at a call's first attempt was written during that call; one handed
     over by a release (the backend's waiter queue) may have been written as early as
@@ -511,10 +527,11 @@ class _CallClock:
     the two: a safe lower bound for when the record's ttl started.
     """
 
-    __slots__ = ("current", "previous")
+    __slots__ = ("current", "previous", "queued")
 
     def __init__(self):
         self.current = self.previous = None
+        self.queued = False
 
     def tick(self):
         self.previous, self.current = self.current, time.monotonic()

@@ -32,8 +32,9 @@ from django.test import Client, override_settings
 from django.urls import reverse
 from django.utils import timezone, translation
 
-from django_setnx import admin_views, lock, locks
-from django_setnx.admin_views import source_for
+from django_setnx import lock, locks
+from django_setnx.backends import paging
+from django_setnx.backends.database import DatabaseBackend
 from django_setnx.backends.base import STALE
 from django_setnx.globs import search_to_glob
 from django_setnx.models import LockRecord
@@ -878,7 +879,7 @@ def test_sorting_beyond_the_budget_is_partial_and_says_so(alias, other, viewer, 
     Redlock) is sorted only partly, and the page says so: that many of its locks
     are merged into the order, the others follow on the next pages; every lock is
     listed once. The database always sorts in SQL, completely."""
-    monkeypatch.setattr(admin_views, "SORT_LIMIT", 10)
+    monkeypatch.setattr(paging, "SORT_LIMIT", 10)
     tag = uuid.uuid4().hex[:6]
     names = [f"{tag}:{i:03d}" for i in range(110)]
     for n in names:
@@ -893,7 +894,7 @@ def test_sorting_beyond_the_budget_is_partial_and_says_so(alias, other, viewer, 
     assert sorted(shown) == sorted(names + mine)
     assert [p.context["page"].has_next for p in pages] == [True, False]
     content = pages[0].content.decode()
-    partial = not isinstance(source_for(alias, locks[alias]), admin_views.DatabaseSource)
+    partial = not isinstance(locks[alias], DatabaseBackend)
     if not partial:
         assert shown == sorted(names + mine, reverse=True)
         assert "partly sorted" not in content
@@ -958,14 +959,14 @@ def test_filter_counts(alias, other, viewer):
 def test_costly_counts_are_left_out(alias, viewer, monkeypatch):
     """Past the budgets, a streamed backend's count is not shown (the page does not
     wait for it); the database's COUNT always is."""
-    monkeypatch.setattr(admin_views, "COUNT_BUDGET", 2)
-    monkeypatch.setattr(admin_views, "SORT_LIMIT", 2)
+    monkeypatch.setattr(paging, "COUNT_BUDGET", 2)
+    monkeypatch.setattr(paging, "SORT_LIMIT", 2)
     tag = uuid.uuid4().hex[:6]
     for i in range(6):
         hold(alias, f"{tag}:{i}")
     response = logged_in(viewer).get(list_url(_facets="True", q=tag, backend=alias))
     assert response.status_code == 200
-    if isinstance(source_for(alias, locks[alias]), admin_views.DatabaseSource):
+    if isinstance(locks[alias], DatabaseBackend):
         # COUNT in SQL: always shown.
         assert choice_labels(response, "state") == ["All", "Held (6)", "Stale (0)"]
     else:
@@ -1070,3 +1071,47 @@ def test_an_unreadable_record_is_listed_and_can_be_force_released(unreadable_ali
     assert locks[alias].get(name) is None
     assert LogEntry.objects.get().object_repr == f"{alias}: {name}"
     assert [sent["name"] for sent in force_released] == [name]
+
+
+# -- any backend: the admin knows none of them ------------------------------------------------
+
+
+@transactional
+def test_a_third_party_backend_appears_with_no_admin_code(viewer, releaser, force_released):
+    """A backend written against the base class alone (tests/dictbackend.py): the
+    admin lists it, sorts it with the others, counts it and force-releases its
+    locks, through BaseLockBackend.page(), get() and delete(fencing_token=)."""
+    configured = {**settings.SETNX_LOCKS,
+                  "third": {"BACKEND": "tests.dictbackend.DictBackend"}}
+    with override_settings(SETNX_LOCKS=configured):
+        tag = uuid.uuid4().hex[:6]
+        held = [hold("third", f"{tag}:b{i}") for i in range(3)]
+        make_stale("third", f"{tag}:a-stale")
+        hold("default", f"{tag}:c-default")
+        client = logged_in(viewer)
+        response = client.get(list_url(q=f"{tag}:*", backend="third", _facets="True"))
+        assert listed_names(response) == [f"{tag}:a-stale", *(f"{tag}:b{i}" for i in range(3))]
+        assert choice_labels(response, "state") == ["All", "Held (3)", "Stale (1)"]
+        response = client.get(list_url(q=f"{tag}:*", o="-1"))
+        assert listed_names(response) == [f"{tag}:c-default", *(f"{tag}:b{i}" for i in (2, 1, 0)),
+                                          f"{tag}:a-stale"]
+        response = client.get(list_url(q=f"{tag}:*", state="stale", backend="third"))
+        assert listed_names(response) == [f"{tag}:a-stale"]
+
+        name = f"{tag}:b1"
+        token = locks["third"].get(name).fencing_token
+        # A stale fencing token releases nothing ...
+        client = logged_in(releaser)
+        response = client.post(reverse(RELEASE_URL), {
+            "lock": confirm_value("third", name, token - 1), "post": "yes"}, follow=True)
+        assert locks["third"].get(name).fencing_token == token
+        assert force_released == []
+        # ... the one shown does.
+        response = client.post(reverse(RELEASE_URL), {
+            "lock": confirm_value("third", name, token), "post": "yes"}, follow=True)
+        assert "Force-released 1 lock" in response.content.decode()
+        assert locks["third"].get(name) is None
+        assert [(s["backend"], s["name"]) for s in force_released] == [("third", name)]
+        assert LogEntry.objects.get().object_repr == f"third: {name}"
+        for lk in held[::2]:
+            lk.release()

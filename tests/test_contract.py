@@ -314,6 +314,77 @@ def test_list_get_delete_clear(alias, name):
     other.release()
 
 
+def test_delete_checks_the_fencing_token(alias, name):
+    """delete(name, fencing_token=...) removes the very acquisition it names, never a
+    later one: what the admin's force-release and the dead-owner cleanups rely on."""
+    backend = locks[alias]
+    first = lock(name, ttl=30, backend=alias)
+    assert first.acquire()
+    shown = backend.get(name).fencing_token
+    assert backend.delete(name, fencing_token=shown - 1) is None
+    assert backend.delete(name, fencing_token=0) is None  # 0: only an unreadable record
+    assert first.owned()
+    removed = backend.delete(name, fencing_token=shown)
+    assert removed.name == name and removed.fencing_token == shown
+    assert backend.get(name) is None
+    second = lock(name, ttl=30, backend=alias)
+    assert second.acquire()
+    # The first holder's token no longer names the lock: the new holder keeps it.
+    assert backend.delete(name, fencing_token=shown) is None
+    assert second.owned()
+    second.release()
+    assert backend.delete(name, fencing_token=shown) is None
+
+
+def test_pages_of_locks(alias, name):
+    """page(): filtered, ordered and counted the same way on every backend."""
+    backend = locks[alias]
+    held = [lock(f"{name}:h{i}", ttl=30, backend=alias) for i in range(4)]
+    for lk in held:
+        assert lk.acquire()
+    stale = lock(f"{name}:s", ttl=0.05, backend=alias)
+    assert stale.acquire()
+    wait_until_expired(stale)
+    mine = f"{name}:*"
+
+    page = backend.page(name_glob=mine, limit=2)
+    assert [i.name for i in page.infos] == [f"{name}:h0", f"{name}:h1"]
+    assert page.total == 5 and not page.partial
+    page = backend.page(name_glob=mine, offset=4, limit=2)
+    assert [i.name for i in page.infos] == [f"{name}:s"] and page.total == 5
+    assert backend.page(name_glob=mine, state="stale").total == 1
+    assert backend.page(name_glob=mine, state="held", limit=0).total == 4
+    page = backend.page(name_glob=mine, ordering=[("name", True)], limit=3)
+    assert [i.name for i in page.infos] == [f"{name}:s", f"{name}:h3", f"{name}:h2"]
+    page = backend.page(name_glob=mine, ordering=[("state", True)], limit=1)
+    assert [i.name for i in page.infos] == [f"{name}:s"]
+    page = backend.page(name_glob=mine, ordering=[("fencing_token", True)], limit=5)
+    tokens = [i.fencing_token for i in page.infos]
+    assert tokens == sorted(tokens, reverse=True)
+    for kwargs, message in [({"ordering": [("owner", False)]}, "'owner'"),
+                            ({"limit": -1}, "-1"), ({"offset": 1.5}, "1.5"),
+                            ({"state": "expired"}, "'expired'")]:
+        with pytest.raises(ValueError, match=message):
+            backend.page(**kwargs)
+    for lk in held:
+        lk.release()
+
+
+def test_a_glob_prefix_with_sql_wildcards_is_taken_literally(alias, name):
+    """``%``, ``_`` and ``!`` in a glob's literal prefix are the characters themselves
+    on every backend (the database narrows with LIKE, escaped, then SUBSTR)."""
+    backend = locks[alias]
+    held = [lock(f"{name}!%_:{i}", ttl=30, backend=alias) for i in range(2)]
+    decoys = [lock(f"{name}!ab:0", ttl=30, backend=alias), lock(f"{name}x%_:0", ttl=30, backend=alias)]
+    for lk in held + decoys:
+        assert lk.acquire()
+    expected = [f"{name}!%_:0", f"{name}!%_:1"]
+    assert [i.name for i in backend.page(name_glob=f"{name}!%_:*").infos] == expected
+    assert sorted(i.name for i in backend.list(name_glob=f"{name}!%_:*")) == expected
+    for lk in held + decoys:
+        lk.release()
+
+
 # -- signals ---------------------------------------------------------------------------
 
 

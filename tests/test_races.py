@@ -114,7 +114,7 @@ def test_a_killed_waiter_holds_the_next_caller_up_for_a_claim_not_its_ttl(
     timeout does); the holder releases while its place is live, so the lock is
     handed to the dead waiter. It only gets a claim (CLAIM_MS) that it never
     confirms: the next caller gets the lock about CLAIM_MS later, not 30 s later."""
-    from django_setnx.backends.redis import CLAIM_MS
+    from django_setnx.backends.redis_scripts import CLAIM_MS
 
     holder = lock(name, ttl=60, backend="redis")
     assert holder.acquire(blocking=False)
@@ -153,7 +153,7 @@ def test_a_killed_waiter_holds_the_next_caller_up_for_a_claim_not_its_ttl(
 def test_a_killed_waiter_whose_place_lapsed_is_skipped(name, spawn, env):
     """Once the dead waiter's place lapsed (WAITER_MS after its last attempt), a
     release skips it: the lock is free at once."""
-    from django_setnx.backends.redis import WAITER_MS
+    from django_setnx.backends.redis_scripts import WAITER_MS
 
     holder = lock(name, ttl=60, backend="redis")
     assert holder.acquire(blocking=False)

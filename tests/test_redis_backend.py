@@ -691,7 +691,7 @@ def test_a_handoff_confirmed_too_late_is_never_reported_as_held(make_backend):
     """The waiter a lock was handed to confirms after its claim (CLAIM_MS) ran out:
     if someone took the lock meanwhile, it is refused; if nobody did, it takes the
     lock over afresh (a new fencing token, its whole ttl), never the lapsed record."""
-    from django_setnx.backends.redis import CLAIM_MS
+    from django_setnx.backends.redis_scripts import CLAIM_MS
 
     backend = make_backend()
     for someone_else_took_it in (True, False):

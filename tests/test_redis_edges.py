@@ -35,7 +35,8 @@ from redis.retry import Retry
 
 from django_setnx import lock, locks
 from django_setnx.backends import redis as redis_backend
-from django_setnx.backends.redis import (
+from django_setnx.backends.redis import RedisBackend, lock_keys
+from django_setnx.backends.redis_scripts import (
     ACQUIRE,
     CLEAR,
     DELETE,
@@ -43,8 +44,6 @@ from django_setnx.backends.redis import (
     MAX_SCRIPT_MS,
     RELEASE,
     STOP_WAITING,
-    RedisBackend,
-    lock_keys,
 )
 from django_setnx.exceptions import LockBackendError
 from tests.servers import RedisServer, ReplyDroppingProxy

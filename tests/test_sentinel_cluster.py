@@ -24,7 +24,8 @@ from redis.cluster import key_slot
 
 from django_setnx import lock, locks
 from django_setnx.backends.clients import parse_sentinel_url
-from django_setnx.backends.redis import RELEASE, WAIT_BLOCK
+from django_setnx.backends.redis import WAIT_BLOCK
+from django_setnx.backends.redis_scripts import RELEASE
 from django_setnx.exceptions import LockBackendError
 from tests.servers import RedisSentinelSet, RedisServer, ReplyDroppingProxy, free_cluster_port
 

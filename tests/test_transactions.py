@@ -18,7 +18,7 @@ import pytest
 from django.conf import settings
 from django.db import connections, transaction
 from django.http import HttpResponse
-from django.test import Client, RequestFactory
+from django.test import Client
 from django.urls import path
 
 from django_setnx import lock, locked, locks

@@ -8,7 +8,6 @@ without another holder of the lock.
 
 import asyncio
 import json
-import time
 
 import django
 import pytest

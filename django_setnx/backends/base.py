@@ -13,9 +13,12 @@ server ever compares its own clock with another's.
 import asyncio
 import contextlib
 import datetime
+import json
+import numbers
 import random
+import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
@@ -24,6 +27,7 @@ from ..conf import DEFAULT_MAX_TTL, DEFAULT_TTL
 from ..exceptions import LockBackendError
 from ..globs import compile_glob
 from ..validation import MAX_TTL_LIMIT, ttl_to_ms, validate_ttl
+from .paging import LockPage, check_ordering, check_window, page_of_stream  # noqa: F401
 
 HELD = "held"
 STALE = "stale"
@@ -35,6 +39,14 @@ MAX_BACKOFF = 0.25
 #: First backoff step; doubled per failed attempt up to MAX_BACKOFF.
 BASE_BACKOFF = 0.002
 
+
+#: Record times outside 1970..9999 were not written by any backend of this package:
+#: such a record is unreadable.
+MAX_PLAUSIBLE_MS = 253402300799999
+#: Fencing tokens are JSON-safe integers: below 2**53.
+MAX_FENCING_TOKEN = 2**53 - 1
+
+_WHOLE_NUMBER = re.compile(r"-?[0-9]+")
 
 _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.timezone.utc)
 _MIN_DATETIME = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
@@ -102,6 +114,34 @@ class LockInfo:
                    owner={"unreadable": repr(raw)[:500]},
                    acquired_at_ms=int(now_ms), expires_at_ms=int(now_ms), now_ms=int(now_ms))
 
+    @classmethod
+    def from_record(cls, name, backend, now_ms, *, owner, acquired, expires, fencing, raw,
+                    strict_owner=False):
+        """The info of a stored record, whatever wrote it: how every backend reads one.
+
+        ``acquired``, ``expires`` (epoch ms) and ``fencing`` may be ints, or the text
+        or bytes of a whole number (as Redis stores them), None when missing;
+        ``owner`` a dict, or its JSON text or bytes. A record whose times are not
+        plausible (1970..9999) or whose fencing token is not a JSON-safe whole number
+        is :meth:`unreadable` (``raw`` is what it shows), and so is one whose owner is
+        not a JSON object with ``strict_owner`` (Redis); otherwise such an owner is
+        kept, as text, under ``"unreadable"``. An unreadable record is stale, unless
+        its ``expires`` is plausible and ahead and its ``acquired`` is missing or
+        plausible: then the backends' acquire treats it as held, and so is it shown.
+        """
+        now_ms = int(now_ms)
+        acquired_ms, expires_ms = _whole(acquired, MAX_PLAUSIBLE_MS), _whole(expires, MAX_PLAUSIBLE_MS)
+        fencing = _whole(fencing, MAX_FENCING_TOKEN)
+        owner, owner_readable = _owner(owner)
+        if None in (acquired_ms, expires_ms, fencing) or (strict_owner and not owner_readable):
+            info = cls.unreadable(name, backend, now_ms, raw)
+            if (expires_ms is not None and expires_ms > now_ms
+                    and (acquired is None or acquired_ms is not None)):
+                info = replace(info, expires_at_ms=expires_ms)
+            return info
+        return cls(name=name, backend=backend, fencing_token=fencing, owner=owner,
+                   acquired_at_ms=acquired_ms, expires_at_ms=expires_ms, now_ms=now_ms)
+
     def as_dict(self):
         """A JSON-serialisable dict (what ``listlocks --json`` prints)."""
         return {
@@ -114,6 +154,39 @@ class LockInfo:
             "expires_at": self.expires_at.isoformat(),
             "expires_in": round(self.expires_in, 3),
         }
+
+
+def _whole(value, maximum):
+    """A whole number from 0 to ``maximum`` from an int, a whole Real, or the text or
+    bytes of a whole number; None for anything else."""
+    if type(value) is int:  # the common case, first: every listing reads a few per row
+        return value if 0 <= value <= maximum else None
+    if isinstance(value, (bytes, str)):
+        if isinstance(value, bytes):
+            value = value.decode("ascii", "replace")
+        value = int(value) if _WHOLE_NUMBER.fullmatch(value) else None
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            value = int(value) if value == int(value) else None
+        except (OverflowError, ValueError):  # inf, nan
+            value = None
+    else:
+        value = None
+    return value if value is not None and 0 <= value <= maximum else None
+
+
+def _owner(owner):
+    """``(owner dict, readable)`` of a record's owner; one that is not a JSON object
+    (written by hand or corrupted) is kept, as text, under ``"unreadable"``."""
+    if isinstance(owner, dict):
+        return dict(owner), True
+    try:
+        parsed = json.loads(owner) if owner else {}
+    except (TypeError, ValueError, RecursionError):  # RecursionError: absurdly nested
+        parsed = None
+    if isinstance(parsed, dict):
+        return parsed, True
+    return {"unreadable": repr(owner)[:500]}, False
 
 
 @dataclass(frozen=True)
@@ -138,9 +211,16 @@ class AcquireResult:
         return cls(False, retry_after=retry_after)
 
 
-def glob_matcher(pattern):
-    """Return ``match(name) -> bool`` for a name glob (see :mod:`django_setnx.globs`)."""
-    return compile_glob(pattern).match
+def built_once(owner, attribute, guard, build):
+    """``owner.<attribute>``, set to ``build()`` by the first thread that finds it None
+    (the others wait on ``guard`` and take the same): a backend's lazily created
+    clients. Callers test the attribute first, so the common case costs nothing."""
+    with guard:
+        value = getattr(owner, attribute)
+        if value is None:
+            value = build()
+            setattr(owner, attribute, value)
+    return value
 
 
 @dataclass
@@ -253,10 +333,32 @@ class BaseLockBackend:
         """
         raise NotImplementedError
 
-    def delete(self, name):
-        """Force-release ``name`` whoever holds it. Returns the removed
-        :class:`LockInfo`, or None if there was no record."""
+    def delete(self, name, fencing_token=None):
+        """Force-release ``name`` whoever holds it; a queued waiter gets it next.
+
+        With ``fencing_token``, only if the record still carries that fencing token
+        (``0``: a record that cannot be read, see :meth:`LockInfo.unreadable`), in one
+        atomic step, so a lock that changed hands is never removed. Returns the
+        removed :class:`LockInfo`, or None if nothing was removed (no record, or
+        another fencing token).
+        """
         raise NotImplementedError
+
+    def page(self, *, state=None, name_glob=None, ordering=(), offset=0, limit=100):
+        """Return a :class:`~django_setnx.backends.paging.LockPage`: the matching
+        locks ``offset`` to ``offset + limit`` in ``ordering`` (``(field,
+        descending)`` pairs of :data:`~django_setnx.backends.paging.SORT_FIELDS`, then
+        by name), with their total when counting is cheap. ``limit=0`` only counts.
+
+        The default reads :meth:`list` (see
+        :func:`~django_setnx.backends.paging.page_of_stream`); backends that can sort
+        or count on the server override it. Raises ValueError for an unknown state,
+        field or a malformed glob before anything is read.
+        """
+        ordering = check_ordering(ordering)
+        offset, limit = check_window(offset, limit)
+        return page_of_stream(self.list(state=state, name_glob=name_glob), ordering,
+                              offset, limit)
 
     def clear(self, *, include_held=False, name_glob=None, older_than=None, dry_run=False,
               progress=None):
@@ -360,8 +462,11 @@ class BaseLockBackend:
     async def aget(self, name):
         return await sync_to_async(self.get, thread_sensitive=False)(name)
 
-    async def adelete(self, name):
-        return await sync_to_async(self.delete, thread_sensitive=False)(name)
+    async def adelete(self, name, fencing_token=None):
+        return await sync_to_async(self.delete, thread_sensitive=False)(name, fencing_token)
+
+    async def apage(self, **kwargs):
+        return await sync_to_async(self.page, thread_sensitive=False)(**kwargs)
 
     async def aclear(self, **kwargs):
         return await sync_to_async(self.clear, thread_sensitive=False)(**kwargs)

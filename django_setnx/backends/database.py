@@ -97,31 +97,12 @@ from django.core.exceptions import ImproperlyConfigured
 
 from ..exceptions import LockBackendError
 from ..globs import compile_glob
-from ..models import LockRecord
-from .base import (
-    STALE, STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo,
-)
+from .base import STALE, STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo
+from .paging import LockPage, check_ordering, check_window, complete_ordering
+from .db_sql import LOCK_TABLE, Dialect
 from .db_wakeups import PostgresListener, Wakeups, channel_name
 
 logger = logging.getLogger("django_setnx")
-
-LOCK_TABLE = LockRecord._meta.db_table
-
-#: The database's clock as integer milliseconds since the Unix epoch. Each is
-#: constant within one statement and independent of the session's time zone.
-NOW_MS = {
-    "postgresql": "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000)::bigint",
-    "mysql": "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)",
-    "sqlite": "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
-}
-
-#: The database's clock in µs since the epoch, for fencing tokens. SQLite's clock
-#: has only millisecond resolution: there the app server's clock is bound instead
-#: (the database file is on that machine, see ``_sqlite_now_us``).
-NOW_US = {
-    "postgresql": "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000000)::bigint",
-    "mysql": "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))",
-}
 
 #: Default of ``OPTIONS["STALE_RETENTION"]`` (seconds): a row that expired this long
 #: ago without a release is purged (see ``_purge_if_due``), as the Redis backend's
@@ -133,18 +114,6 @@ PURGE_EVERY = 60.0
 #: How many rows list() and clear() read per round trip.
 BATCH_SIZE = 500
 
-#: A waiter next in line that has not asked for this long (ms, database clock) has
-#: given up or died: it loses its place. A live one renews it every NEXT_RENEW
-#: seconds. On PostgreSQL, whose waiters are woken by NOTIFY and otherwise poll only
-#: every PG_SAFETY_POLL, both are longer.
-NEXT_LAPSE_MS = 1000
-NEXT_RENEW = 0.25
-PG_NEXT_LAPSE_MS = 8000
-PG_NEXT_RENEW = 1.0
-#: A release that leaves the lock to the waiter next in line gives it this long (ms)
-#: to take it (a *claim*, as on Redis): a live waiter is woken at once (PostgreSQL)
-#: or polls well within it, and a dead one holds the others up for this long only.
-CLAIM_MS = 500
 #: Without wake-ups (MySQL/MariaDB, SQLite, or PostgreSQL while its listener is
 #: down) the waiter next in line retries after HEAD_POLL seconds, doubling up to
 #: HEAD_POLL_MAX: a short critical section's release is taken up within a
@@ -181,10 +150,6 @@ CONTENTION_RETRIES = 8
 CONTENTION_BACKOFF = 0.002
 CONTENTION_MAX_BACKOFF = 0.1
 
-#: Lock rows hold times near "now": anything outside 1970..9999 was not written by
-#: this backend, and is listed as unreadable (stale) so that clearlocks removes it.
-MAX_PLAUSIBLE_MS = 253402300799999
-
 #: Errors of MySQL/MariaDB that mean the transaction was rolled back because of a
 #: concurrent one: deadlock, lock wait timeout. Retried.
 MYSQL_CONTENTION = frozenset({1213, 1205})
@@ -203,216 +168,6 @@ SQLITE_BUSY_CODES = frozenset({5, 6})
 
 _CONTENTION = "contention"
 _DISCONNECTED = "disconnected"
-
-_INFO_COLUMNS = "l.name, l.owner, l.acquired_at, l.expires_at, l.fencing, {now}"
-
-
-class _Dialect:
-    """The SQL of one vendor, with ``%s`` placeholders (``?`` on SQLite)."""
-
-    def __init__(self, vendor, quote, is_mariadb):
-        if vendor not in NOW_MS:
-            raise LockBackendError("?", f"database vendor {vendor!r} is not supported")
-        self.vendor = vendor
-        self.is_mariadb = is_mariadb
-        now = NOW_MS[vendor]
-        lock = quote(LOCK_TABLE)
-        self.now = now
-        lapse = self.next_lapse_ms = PG_NEXT_LAPSE_MS if vendor == "postgresql" else NEXT_LAPSE_MS
-        self.next_renew = PG_NEXT_RENEW if vendor == "postgresql" else NEXT_RENEW
-        self.lock_table = lock
-        # Milliseconds until the row's expiry, never negative. Tested first, so that
-        # a row with an absurd (hand-written) expiry cannot overflow the subtraction.
-        remaining = "CASE WHEN {t}.expires_at > {now} THEN {t}.expires_at - {now} ELSE 0 END"
-        # A stale row: expired, or with times that this backend never writes (see
-        # MAX_PLAUSIBLE_MS; on SQLite a text value also compares above it), so that
-        # clearlocks removes an unreadable row instead of showing it as held forever.
-        # {t} is the table reference.
-        self.stale = (
-            f"({{t}}.expires_at <= {now} OR {{t}}.expires_at > {MAX_PLAUSIBLE_MS} "
-            f"OR {{t}}.acquired_at < 0 OR {{t}}.acquired_at > {MAX_PLAUSIBLE_MS})"
-        )
-        # Who may take over an expired (or released-to-the-next-waiter) row: anyone
-        # when no live waiter is next in line, else only that waiter. {t} is the
-        # row's table reference, {x} the new values' ("excluded" row).
-        # A row whose expiry this backend could not have written (see
-        # MAX_PLAUSIBLE_MS: a hand-written year 33715, say) is listed as stale, so it
-        # must not block an acquire either.
-        self.may_take = (
-            f"({{t}}.expires_at <= {{x}}.acquired_at OR {{t}}.expires_at > {MAX_PLAUSIBLE_MS} "
-            f"OR {{t}}.acquired_at < 0 OR {{t}}.acquired_at > {MAX_PLAUSIBLE_MS}) "
-            "AND ({t}.next_token = '' OR {t}.next_token = {x}.token "
-            f"OR {{t}}.next_seen <= {{x}}.acquired_at - {lapse})"
-        )
-        self.release = (
-            f"DELETE FROM {lock} WHERE name = %s AND token = %s "
-            f"AND (next_token = '' OR next_seen <= {now} - {lapse})"
-        )
-        # A waiter is next in line: leave it the lock (expired, empty token) instead
-        # of deleting the row, so nobody else can take it before that waiter does,
-        # for CLAIM_MS at most (its place then lapses, see CLAIM_MS).
-        claim_end = f"{now} - {lapse} + {CLAIM_MS}"
-        self.release_to_next = (
-            f"UPDATE {lock} SET token = '', owner = '{{}}', expires_at = {now}, "
-            f"next_seen = CASE WHEN next_seen < {claim_end} THEN next_seen ELSE {claim_end} END "
-            f"WHERE name = %s AND token = %s"
-        )
-        if vendor == "postgresql":
-            # ... and wake the waiters of every process (see db_wakeups), in the same
-            # statement. Params: name, token, channel. One row if released.
-            self.release_to_next = (
-                f"WITH released AS ({self.release_to_next} RETURNING name) "
-                f"SELECT pg_notify(%s, name) FROM released"
-            )
-        # A refused caller that will retry: take the place next in line if it is
-        # free, lapsed, already ours, or held by a caller who started waiting later.
-        # Params: token, since, name, token, token, since.
-        self.queue = (
-            f"UPDATE {lock} SET next_token = %s, next_since = %s, next_seen = {now} "
-            f"WHERE name = %s AND token <> %s AND (next_token = '' OR next_token = %s "
-            f"OR next_seen <= {now} - {lapse} OR next_since > %s)"
-        )
-        self.unqueue = (
-            f"UPDATE {lock} SET next_token = '', next_since = 0, next_seen = 0 "
-            f"WHERE name = %s AND next_token = %s"
-        )
-        # A row released to a waiter that then withdrew or lapsed is no lock: drop it.
-        self.drop_placeholder = f"DELETE FROM {lock} WHERE name = %s AND token = '' AND next_token = ''"
-        self.purge_placeholders = (
-            f"DELETE FROM {lock} WHERE token = '' AND next_seen <= {now} - {lapse}"
-        )
-        self.extend = f"UPDATE {lock} SET expires_at = {now} + %s WHERE name = %s AND token = %s"
-        self.owns = f"SELECT 1 FROM {lock} WHERE name = %s AND token = %s AND expires_at > {now}"
-        self.info_select = f"SELECT {_INFO_COLUMNS.format(now=now)}, l.name, l.token FROM {lock} l"
-        self.get = f"{self.info_select} WHERE l.name = %s AND l.token <> ''"
-        self.delete_owned = f"DELETE FROM {lock} WHERE name = %s AND token = %s"
-        # Rows that expired STALE_RETENTION ago without a release (param: its ms).
-        self.purge_stale = (
-            f"DELETE FROM {lock} WHERE token <> '' AND expires_at <= {now} - %s"
-        )
-        self.returning = vendor in ("postgresql", "sqlite") or is_mariadb
-
-        # Who holds the row, for a refused attempt: its remaining ms, token and
-        # fencing token (the holder may be this very caller, see ``acquire``), and
-        # the ms until anyone but the waiter next in line may take it: the holder's
-        # expiry, or after it (or after a release to that waiter) the end of that
-        # waiter's place.
-        until_free = (
-            f"CASE WHEN l.expires_at > {now} THEN l.expires_at - {now} "
-            f"WHEN l.next_token <> '' AND l.next_seen > {now} - {lapse} "
-            f"THEN l.next_seen + {lapse} - {now} ELSE 0 END"
-        )
-        self.holder = (
-            f"SELECT {remaining.format(t='l', now=now)}, l.token, l.fencing, {until_free} "
-            f"FROM {lock} l WHERE l.name = %s"
-        )
-        self.queue_and_holder = None
-        if vendor == "postgresql":
-            # A refused caller that will retry, in one statement: queue (as above)
-            # and read the holder as it was when the statement began, or nothing if
-            # the row is gone (released since the refused attempt: retry at once; a
-            # waiter that learnt this only from the failed queue statement would
-            # sleep until its next poll). Params: the queue's, then token, since,
-            # name. Returns the holder's columns (NULLs: no row), 1 if queued, else
-            # 0, and whether the place was free as the statement began: free but
-            # not queued means the row changed under the statement (deleted by a
-            # release, or taken): retry at once.
-            self.queue_and_holder = (
-                f"WITH queued AS ({self.queue} RETURNING 1) "
-                f"SELECT {remaining.format(t='l', now=now)}, l.token, l.fencing, {until_free}, "
-                f"(SELECT count(*) FROM queued), "
-                f"(l.next_token = '' OR l.next_token = %s OR l.next_seen <= {now} - {lapse} "
-                f"OR l.next_since > %s) "
-                f"FROM (SELECT 1) AS one LEFT JOIN {lock} l ON l.name = %s"
-            )
-        if vendor == "postgresql":
-            # One statement: insert, or take over an expired row, with the next
-            # fencing token, which it returns; a refused attempt returns no row.
-            us = NOW_US[vendor]
-            self.acquire = f"""
-                INSERT INTO {lock} AS l (name, token, owner, acquired_at, expires_at,
-                                         fencing, next_token, next_since, next_seen)
-                VALUES (%s, %s, %s, {now}, {now} + %s, {us}, '', 0, 0)
-                ON CONFLICT (name) DO UPDATE SET
-                    token = EXCLUDED.token, owner = EXCLUDED.owner,
-                    acquired_at = EXCLUDED.acquired_at, expires_at = EXCLUDED.expires_at,
-                    fencing = GREATEST(l.fencing + 1, EXCLUDED.fencing),
-                    next_token = '', next_since = 0, next_seen = 0
-                WHERE {self.may_take.format(t="l", x="EXCLUDED")}
-                RETURNING l.fencing
-            """
-            # The same for a caller that queued: if it takes the lock, the other
-            # waiters lost the race for the place next in line to it; NOTIFY them in
-            # the same statement, so that one of them takes that place now, not at
-            # its next poll. Params: the acquire's, then channel, name.
-            self.acquire_queued = (
-                f"WITH taken AS ({self.acquire}) "
-                f"SELECT fencing, pg_notify(%s, %s) FROM taken"
-            )
-        elif vendor == "sqlite":
-            # One statement (an upsert is atomic: no transaction needed). The µs clock
-            # is bound (see NOW_US). A refused upsert returns no row.
-            self.acquire = f"""
-                INSERT INTO {lock} (name, token, owner, acquired_at, expires_at, fencing,
-                                    next_token, next_since, next_seen)
-                VALUES (%s, %s, %s, {now}, {now} + %s, MAX(%s, {now} * 1000), '', 0, 0)
-                ON CONFLICT (name) DO UPDATE SET
-                    token = excluded.token, owner = excluded.owner,
-                    acquired_at = excluded.acquired_at, expires_at = excluded.expires_at,
-                    fencing = MAX({lock}.fencing + 1, excluded.fencing),
-                    next_token = '', next_since = 0, next_seen = 0
-                WHERE {self.may_take.format(t=lock, x="excluded")}
-                RETURNING fencing
-            """
-        else:  # MySQL / MariaDB
-            # Every assignment repeats the takeover test, and the columns the test
-            # reads come last: whether MySQL applies the assignments left to right
-            # (each seeing the previous ones, the default) or all at once (MariaDB's
-            # SIMULTANEOUS_ASSIGNMENT), a row is either taken whole or left alone.
-            # The statement's insert id says what happened, with no second statement:
-            # LAST_INSERT_ID(x) makes x the insert id (the table has no
-            # AUTO_INCREMENT column), the last call in the statement winning. A new
-            # row: its fencing token (the µs clock, from VALUES); a row taken over: its
-            # next token; a refused attempt: 0. (The functions of the current time
-            # are evaluated once per statement: {now} is one value throughout.)
-            may_take = (
-                f"(expires_at <= VALUES(acquired_at) OR expires_at > {MAX_PLAUSIBLE_MS} "
-                f"OR acquired_at < 0 OR acquired_at > {MAX_PLAUSIBLE_MS}) "
-                "AND (next_token = '' OR next_token = VALUES(token) "
-                f"OR next_seen <= VALUES(acquired_at) - {lapse})"
-            )
-            self.acquire = f"""
-                INSERT INTO {lock} (name, token, owner, acquired_at, expires_at, fencing,
-                                    next_token, next_since, next_seen)
-                VALUES (%s, %s, %s, {now}, {now} + %s, LAST_INSERT_ID({NOW_US[vendor]}),
-                        '', 0, 0)
-                ON DUPLICATE KEY UPDATE
-                    fencing = IF({may_take},
-                                 LAST_INSERT_ID(GREATEST(fencing + 1, VALUES(fencing))),
-                                 fencing + LAST_INSERT_ID(0)),
-                    token = IF({may_take}, VALUES(token), token),
-                    owner = IF({may_take}, VALUES(owner), owner),
-                    acquired_at = IF({may_take}, VALUES(acquired_at), acquired_at),
-                    next_since = IF({may_take}, 0, next_since),
-                    next_seen = IF({may_take}, 0, next_seen),
-                    next_token = IF({may_take}, '', next_token),
-                    expires_at = IF({may_take}, VALUES(expires_at), expires_at)
-            """
-
-        if vendor == "sqlite":
-            for attr, sql in list(vars(self).items()):
-                if isinstance(sql, str) and "%s" in sql:
-                    setattr(self, attr, sql.replace("%s", "?"))
-        self.placeholder = "?" if vendor == "sqlite" else "%s"
-
-    def begin(self):
-        # IMMEDIATE takes SQLite's write lock up front, so the read-then-write inside
-        # the transaction cannot deadlock with another writer.
-        return "BEGIN IMMEDIATE" if self.vendor == "sqlite" else "START TRANSACTION"
-
-    def placeholders(self, count):
-        return ", ".join([self.placeholder] * count)
-
 
 class DatabaseBackend(BaseLockBackend):
     """Locks in a table of a Django database (``OPTIONS["DATABASE"]``, default ``"default"``)."""
@@ -551,7 +306,7 @@ class DatabaseBackend(BaseLockBackend):
             if self._dialect is None:
                 self._wrapper_class = type(wrapper.connection)
                 self._channel = channel_name(wrapper.settings_dict.get("NAME"), LOCK_TABLE)
-                self._dialect = _Dialect(
+                self._dialect = Dialect(
                     wrapper.vendor, wrapper.ops.quote_name, getattr(wrapper, "mysql_is_mariadb", False)
                 )
                 self._prepared = _uses_prepared_statements(wrapper, self.options)
@@ -975,7 +730,13 @@ class DatabaseBackend(BaseLockBackend):
     # -- reading ------------------------------------------------------------------
 
     def _info(self, row):
-        return row_info(self.alias, row)
+        """The LockInfo of a row ``(name, owner, acquired_at, expires_at, fencing,
+        now_ms, ...)``, tolerant of rows this backend never wrote."""
+        name, owner, acquired, expires, fencing, now = row[:6]
+        return LockInfo.from_record(name, self.alias, now, owner=owner, acquired=acquired,
+                                    expires=expires, fencing=fencing,
+                                    raw={"owner": owner, "acquired_at": acquired,
+                                         "expires_at": expires, "fencing": fencing})
 
     def get(self, name):
         def work(cursor, sql, raw):
@@ -985,30 +746,38 @@ class DatabaseBackend(BaseLockBackend):
 
         return self._run("get", work)
 
-    def _scan(self, *, state=None, glob=None, after=""):
-        """Yield raw rows in name order, BATCH_SIZE per query (keyset pagination).
+    @staticmethod
+    def _where(sql, state, glob):
+        """``(where, params)`` of the lock rows in ``state`` (None: any) whose name
+        may match ``glob`` (a compiled Glob, or None): it narrows them to the names
+        that start with its literal prefix (or to its one name), tested with SUBSTR
+        and ``=``: exact on every database, where LIKE alone would be
+        case-insensitive on SQLite. The caller still matches each name against the
+        glob."""
+        where, params = "l.token <> ''", []
+        if state is not None:
+            where += f" AND {'' if state == STALE else 'NOT '}{sql.stale.format(t='l')}"
+        if glob is not None and glob.is_literal:
+            where += f" AND l.name = {sql.placeholder}"
+            params.append(glob.literal_prefix)
+        elif glob is not None and glob.literal_prefix:
+            prefix = glob.literal_prefix
+            # LIKE only narrows (an index can serve it: Django's ``_like`` index on
+            # PostgreSQL, the binary column on MySQL); SUBSTR decides, exactly.
+            like = "".join("!" + ch if ch in "!%_" else ch for ch in prefix) + "%"
+            where += (f" AND l.name LIKE {sql.placeholder} ESCAPE '!'"
+                      f" AND SUBSTR(l.name, 1, {len(prefix)}) = {sql.placeholder}")
+            params += [like, prefix]
+        return where, params
 
-        ``glob`` (a compiled Glob) narrows the query to names that start with its
-        literal prefix (or to its one name), tested with SUBSTR and ``=``: exact on
-        every database, where LIKE would be case-insensitive on MySQL and SQLite and
-        would read ``%`` and ``_`` in names as wildcards. The caller still matches
-        each name against the glob."""
+    def _scan(self, *, state=None, glob=None, after=""):
+        """Yield raw rows in name order, BATCH_SIZE per query (keyset pagination),
+        of the rows ``_where(state, glob)`` selects."""
         while True:
             def work(cursor, sql, raw, after=after):
-                where = f"l.name > {sql.placeholder} AND l.token <> ''"
-                params = [after]
-                if state is not None:
-                    where += f" AND {'' if state == STALE else 'NOT '}{sql.stale.format(t='l')}"
-                if glob is not None and glob.is_literal:
-                    where += f" AND l.name = {sql.placeholder}"
-                    params.append(glob.literal_prefix)
-                elif glob is not None and glob.literal_prefix:
-                    prefix = glob.literal_prefix
-                    where += f" AND SUBSTR(l.name, 1, {len(prefix)}) = {sql.placeholder}"
-                    params.append(prefix)
-                cursor.execute(
-                    f"{sql.info_select} WHERE {where} ORDER BY l.name LIMIT {BATCH_SIZE}", params
-                )
+                where, params = self._where(sql, state, glob)
+                cursor.execute(f"{sql.info_select} WHERE l.name > {sql.placeholder} AND "
+                               f"{where} ORDER BY l.name LIMIT {BATCH_SIZE}", [after, *params])
                 return cursor.fetchall()
 
             rows = self._run("list", work)
@@ -1026,21 +795,80 @@ class DatabaseBackend(BaseLockBackend):
 
     # -- removing -----------------------------------------------------------------
 
-    def delete(self, name):
+    def page(self, *, state=None, name_glob=None, ordering=(), offset=0, limit=100):
+        """Sorted in SQL, counted with ``COUNT``, sliced with ``LIMIT/OFFSET``: never
+        partial. The default order follows the name's index (on PostgreSQL, the
+        database's collation); a page sorted by columns sorts names in code point
+        order, as every backend does (``COLLATE "C"`` on PostgreSQL; the column's
+        collation is binary on SQLite and MySQL/MariaDB). With a glob, the rows with
+        its literal prefix are read in order and matched here."""
+        if state is not None and state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, got {state!r}.")
+        order = check_ordering(ordering)
+        offset, limit = check_window(offset, limit)
+        glob = compile_glob(name_glob) if name_glob else None
+
         def work(cursor, sql, raw):
+            where, params = self._where(sql, state, glob)
+            select = f"{sql.info_select} WHERE {where} ORDER BY {self._order_by(sql, order)}"
+            if glob is None or glob.is_literal:
+                cursor.execute(f"SELECT COUNT(*) FROM {sql.lock_table} l WHERE {where}", params)
+                total = cursor.fetchone()[0]
+                rows = []
+                if limit and offset < total:
+                    cursor.execute(f"{select} LIMIT {limit} OFFSET {offset}", params)
+                    rows = cursor.fetchall()
+                return rows, total
+            cursor.execute(select, params)
+            rows, total = [], 0
+            while chunk := cursor.fetchmany(BATCH_SIZE):
+                for row in chunk:
+                    if glob.match(row[0]):
+                        if offset <= total < offset + limit:
+                            rows.append(row)
+                        total += 1
+            return rows, total
+
+        rows, total = self._run("list", work)
+        return LockPage([self._info(row) for row in rows], total, total)
+
+    @staticmethod
+    def _order_by(sql, ordering):
+        """ORDER BY of ``complete_ordering(ordering)``, as paging.sort_key() sorts (the
+        backend is the same for every row: left out)."""
+        if not ordering:
+            # The default order: by name in the database's own order, as the primary
+            # key's index has it (COLLATE "C" would sort every matching row first).
+            return "l.name ASC"
+        name = 'l.name COLLATE "C"' if sql.vendor == "postgresql" else "l.name"
+        columns = {
+            "name": name,
+            "state": f"CASE WHEN {sql.stale.format(t='l')} THEN 1 ELSE 0 END",
+            "fencing_token": "l.fencing",
+            "acquired_at": "l.acquired_at",
+            "expires_at": "l.expires_at",
+        }
+        return ", ".join(f"{columns[field]} {'DESC' if descending else 'ASC'}"
+                         for field, descending in complete_ordering(ordering)
+                         if field != "backend")
+
+    def delete(self, name, fencing_token=None):
+        """Force-release ``name`` (with ``fencing_token``: only if its row still
+        carries it), as its holder's release would: a waiter next in line gets it."""
+        def read(cursor, sql, raw):
             cursor.execute(sql.get, (name,))
-            row = cursor.fetchone()
-            if row is None:
-                return None, True
-            cursor.execute(sql.delete_owned, (row[6], row[7]))
-            # rowcount 0: re-acquired between the two statements; look again.
-            return self._info(row), cursor.rowcount == 1
+            return cursor.fetchone()
 
         for _ in range(5):
-            # Not retried after a lost connection: a repeat that finds no row could
-            # not tell whether the first attempt removed it or nobody held the lock.
-            info, done = self._run("delete", work, retry=False)
-            if done:
+            row = self._run("delete", read)
+            if row is None:
+                return None
+            info = self._info(row)
+            if fencing_token is not None and info.fencing_token != fencing_token:
+                return None
+            # Deletes only the row read (its owner token is never reused): False when
+            # it changed hands in between; then look again.
+            if self.release(name, row[7]):
                 return info
         raise LockBackendError(self.alias, f"could not delete lock {name!r}: it keeps changing hands")
 
@@ -1131,25 +959,6 @@ def _remaining(ms):
     return None if ms is None else max(int(ms), 0) / 1000
 
 
-def row_info(alias, row):
-    """The LockInfo of a lock row ``(name, owner, acquired_at, expires_at, fencing,
-    now_ms, ...)`` of backend ``alias``; ``LockInfo.unreadable`` for a row this
-    backend never wrote (times outside MAX_PLAUSIBLE_MS or not numbers): listings
-    never fail on it, and it is stale, so clearlocks removes it. An owner that is
-    not a JSON object is kept as text under ``"unreadable"``."""
-    name, owner, acquired, expires, fencing, now = row[:6]
-    try:
-        acquired_ms, expires_ms = _plausible_ms(acquired), _plausible_ms(expires)
-        fencing = int(fencing)
-    except (TypeError, ValueError, OverflowError):
-        return LockInfo.unreadable(name, alias, now, raw={
-            "owner": owner, "acquired_at": acquired, "expires_at": expires})
-    return LockInfo(
-        name=name, backend=alias, fencing_token=fencing, owner=_owner(owner),
-        acquired_at_ms=acquired_ms, expires_at_ms=expires_ms, now_ms=int(now),
-    )
-
-
 def _holder_result(token, holder):
     """The result of an attempt that did not take the row, from its holder
     ``(remaining_ms, token, fencing, until_free_ms)`` (None: no row seen). ``won``
@@ -1162,26 +971,6 @@ def _holder_result(token, holder):
     if holder_token == token and remaining_ms and fencing is not None:
         return AcquireResult.won(fencing)
     return AcquireResult.lost(retry_after=_remaining(until_free_ms))
-
-
-def _plausible_ms(value):
-    """``value`` as int milliseconds, if it is a time this backend could have
-    written; else TypeError/ValueError."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"not a number of milliseconds: {value!r}")
-    if not 0 <= value <= MAX_PLAUSIBLE_MS:
-        raise ValueError(f"not a plausible time in milliseconds: {value!r}")
-    return int(value)
-
-
-def _owner(owner_json):
-    """The owner dict of a row. A value that is not a JSON object (written by hand or
-    corrupted) is kept, as text, under ``"unreadable"``."""
-    try:
-        owner = json.loads(owner_json) if owner_json else {}
-    except (TypeError, ValueError, RecursionError):  # RecursionError: absurdly nested
-        owner = None
-    return owner if isinstance(owner, dict) else {"unreadable": repr(owner_json)[:500]}
 
 
 # -- options --------------------------------------------------------------------------

@@ -44,15 +44,9 @@ class LocMemBackend(BaseLockBackend):
             self._store = _stores.setdefault(location, _Store())
 
     def _info(self, name, record, now):
-        return LockInfo(
-            name=name,
-            backend=self.alias,
-            fencing_token=record["fencing"],
-            owner=dict(record["owner"]),
-            acquired_at_ms=record["acquired"],
-            expires_at_ms=record["expires"],
-            now_ms=now,
-        )
+        return LockInfo.from_record(name, self.alias, now, owner=record["owner"],
+                                    acquired=record["acquired"], expires=record["expires"],
+                                    fencing=record["fencing"], raw=record)
 
     def acquire(self, name, token, ttl, owner, wait=0.0):
         ttl_ms = self.check_ttl(ttl)
@@ -109,13 +103,17 @@ class LocMemBackend(BaseLockBackend):
             infos = [self._info(n, r, now) for n, r in sorted(self._store.records.items())]
         return self.filter_infos(infos, state=state, name_glob=name_glob)
 
-    def delete(self, name):
+    def delete(self, name, fencing_token=None):
         with self._store.condition:
-            record = self._store.records.pop(name, None)
+            record = self._store.records.get(name)
             if record is None:
                 return None
+            info = self._info(name, record, _now_ms())
+            if fencing_token is not None and info.fencing_token != fencing_token:
+                return None
+            del self._store.records[name]
             self._store.condition.notify_all()
-            return self._info(name, record, _now_ms())
+            return info
 
     def clear(self, *, include_held=False, name_glob=None, older_than=None, dry_run=False,
               progress=None):

@@ -91,19 +91,17 @@ Connections of our own client (``LOCATION``) default to a ``socket_timeout`` of
 """
 
 import asyncio
-import contextlib
 import importlib
+import itertools
 import json
 import math
 import numbers
 import os
 import random
-import re
 import secrets
 import threading
 import time
 import weakref
-from dataclasses import replace
 
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
@@ -112,7 +110,13 @@ from ..exceptions import LockBackendError
 from ..globs import compile_glob, redis_match
 from ..globs import escape as _escape_glob
 from ..validation import ttl_to_ms
-from .base import STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo
+from . import paging, redis_scripts
+from .base import HELD, STALE, STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo, built_once
+from .paging import LockPage, check_ordering, check_window
+from .redis_eviction import ALLOW_EVICTION_OPTION, eviction_refusal, read_eviction_settings
+from .redis_eviction import _EvictionCheck, _EvictionRisk, _pool_label, _watch_shared_pool
+from .redis_eviction import unknown_policy_refusal
+from .redis_scripts import CLAIM_MS, CLAIM_NOTICE, MAX_SCRIPT_MS, WAITER_MS
 
 try:
     import redis
@@ -127,8 +131,6 @@ DEFAULT_WAKE_TTL = 1
 #: increasing across a release if Redis' clock steps back by less than this.
 DEFAULT_FENCING_RETENTION = 60
 DEFAULT_CLIENT_CLASS = "redis.Redis.from_url"
-#: The option that accepts a Redis which may evict lock keys (see eviction_refusal).
-ALLOW_EVICTION_OPTION = "ALLOW_EVICTION"
 OPTION_NAMES = {"CACHE", "CONNECTION_KWARGS", "CLIENT_CLASS", "STALE_RETENTION", "WAKE_TTL",
                 "FENCING_RETENTION", ALLOW_EVICTION_OPTION}
 
@@ -150,429 +152,17 @@ BLOCK_SHARE = 0.8
 #: Shortest BLPOP timeout: Redis' timer resolution is about a millisecond.
 MIN_BLOCK = 0.005
 SCAN_COUNT = 1000
-#: Largest millisecond argument a script accepts (about 31.7 years). Lua prints
-#: numbers with 14 significant digits, so ``now + ttl`` must stay below 10**14 to be
-#: written as a whole number; 10**12 leaves room for centuries of clock.
-MAX_SCRIPT_MS = 10**12 - 1
-
-# Redis' clock, read once per script: ``now`` in ms (expiries) and ``us`` in µs
-# (fencing tokens). TIME's fields are strings; both numbers are exact in Lua's doubles.
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local us = tonumber(t[1]) * 1000000 + tonumber(t[2])
-"""
-
-# Parsing shared by the scripts, each taking only the helpers it calls (defining one
-# costs a little on every call). A bad numeric argument raises a script error before
-# anything is written: a record written before a failing PEXPIRE (a ttl of 1e20, say)
-# would never expire and block its name for good. ms_arg() checks the value (tonumber
-# also reads " 7" or "7e3"; the scripts only ever use the number, so any spelling of
-# a whole number in range is as good as another), which costs less than a pattern.
-#
-# whole() is how every script reads the ``acquired``/``expires`` fields; Python
-# parses them the same way (_whole), so both agree on what is held.
-_WHOLE = """
-local function whole(value)
-  if value and string.match(value, '^%-?%d+$') then
-    return tonumber(value)
-  end
-  return nil
-end
-"""
-_MS_ARG = f"""
-local function ms_arg(i, what, low)
-  local value = tonumber(ARGV[i])
-  if not value or value < low or value > {MAX_SCRIPT_MS} or value % 1 ~= 0 then
-    error({{err = 'ERR django-setnx: ' .. what .. ' (ARGV[' .. i .. ']) must be a whole ' ..
-      'number of ms from ' .. low .. ' to {MAX_SCRIPT_MS}, got ' .. (ARGV[i] or '')}})
-  end
-  return value
-end
-"""
-_FLAG_ARG = """
-local function flag_arg(i, what)
-  if ARGV[i] ~= '0' and ARGV[i] ~= '1' then
-    error({err = 'ERR django-setnx: ' .. what .. ' (ARGV[' .. i .. ']) must be 0 or 1, ' ..
-      'got ' .. (ARGV[i] or '')})
-  end
-  return ARGV[i] == '1'
-end
-"""
-
-# Fencing tokens: a hybrid clock. A new token is Redis' clock in µs, or the last
-# token of the name plus one if that is larger (two acquisitions within one µs, or a
-# clock that stepped back). ``last`` is kept only while the name has a key: the lock
-# record while it exists, then ``P:{N}:fence`` for FENCING_RETENTION after a release
-# or a removal (retire()). So nothing per name outlives its last use by more than
-# that, and tokens keep increasing as long as Redis' clock does not step back by more
-# than FENCING_RETENTION (see the module docstring).
-_FENCING = """
-local function mint(last)
-  last = tonumber(last)
-  if last and last >= us then
-    return last + 1
-  end
-  return us
-end
-local function retire(fencing, fence_ms)
-  redis.call('DEL', KEYS[1])
-  if tonumber(fencing) then
-    redis.call('SET', KEYS[2], fencing, 'PX', fence_ms)
-  end
-end
-"""
-
-
-# Of a record's fencing token and an optional larger one from the caller (Redlock:
-# the largest of its masters'), the one to remember when the record goes.
-_LAST = """
-local function last_of(fencing, floor)
-  fencing, floor = tonumber(fencing), tonumber(floor)
-  if floor and (not fencing or floor > fencing) then
-    return floor
-  end
-  return fencing
-end
-"""
-
-
-#: Longest a waiter stays queued without retrying. A live waiter re-registers on
-#: every refused attempt, at least every ``WAIT_BLOCK`` seconds, so it never lapses;
-#: a waiter that died lapses within this, and a release never hands the lock to it
-#: afterwards (it could before: then the lock sits unused until its ttl ends, as
-#: with a holder that crashed).
-WAITER_MS = 3000
+#: A listing by name (``page()``) sorts the names SCAN finds when it finds at most
+#: paging.SORT_LIMIT lock keys within this many SCAN calls (a bound on the keys Redis
+#: walks, whatever MATCH filters out: about SORT_SCAN_CALLS * SCAN_COUNT).
+SORT_SCAN_CALLS = 25
 #: Longest single wait of a queued waiter before it retries (and re-registers),
 #: drawn between WAIT_JITTER and 1 times this.
 WAIT_BLOCK = 1.5
 WAIT_JITTER = 0.6
-#: A lock handed to a waiter is first written for this long only (a *claim*): the
-#: waiter confirms it with its next ACQUIRE, which writes its whole ttl. A waiter that
-#: died while queued (SIGKILL, a gunicorn worker timeout) never confirms, so it holds
-#: the others up for this long, not for the ttl it asked for.
-CLAIM_MS = 500
 #: How long past a claim's end the next waiter in line waits before it retries, so
 #: that its retry finds an unconfirmed claim expired (Redis' timer is ~1 ms coarse).
 CLAIM_MARGIN = 0.02
-#: The message that tells the next waiter in line a lock was handed to the waiter
-#: ahead of it (see _GRANT): retry once that claim may have lapsed.
-CLAIM_NOTICE = b"claim"
-
-# Handing a free lock to the longest-waiting live waiter, shared by every script
-# that frees a held lock (release, force-release, clear, a waiter giving up).
-#
-# KEYS[1..4]: lock, fence, waiters, requests. The waiters sorted set holds the tokens
-# of refused callers that will retry, scored by when they were first refused (FIFO);
-# the requests hash maps each to "<deadline_ms> <ttl_ms> <owner_json>". The lock
-# record says ``queued`` once a caller queued up, so the common release of a lock
-# nobody waited for skips this. The winner is told through its own inbox list,
-# P:{N}:inbox:<token>, which it BLPOPs: the fencing token arrives there, so the
-# waiter returns holding the lock without another round trip. The inbox key is built
-# here rather than passed in KEYS because only the script knows which waiter wins;
-# it shares the {N} hash tag, so it lives in the same Cluster slot as the declared
-# keys.
-#
-# grant(last, retention_ms, signal_ms) hands the lock to the next live waiter, with a
-# token minted after ``last`` (the token of the record it replaces); returns true if
-# it did, false (nothing written) if nobody is waiting.
-#
-# The waiter gets a *claim*: the record expires after CLAIM_MS (or its ttl, if
-# shorter) and keeps the ttl it asked for in ``claim``; its next ACQUIRE (or
-# STOP_WAITING) under its token confirms it, writing now + ttl. A waiter that died
-# while queued never confirms, so the lock is free again after CLAIM_MS; the next
-# waiter in line is told so (CLAIM_NOTICE in its inbox) and retries right then.
-_GRANT = f"""
-local function notify(waiter, message, signal_ms)
-  local inbox = string.sub(KEYS[1], 1, -5) .. 'inbox:' .. waiter
-  redis.call('RPUSH', inbox, message)
-  redis.call('PEXPIRE', inbox, signal_ms)
-end
-local function grant(last, retention_ms, signal_ms)
-  while true do
-    local head = redis.call('ZPOPMIN', KEYS[3])
-    if #head == 0 then
-      return false
-    end
-    local waiter = head[1]
-    local request = redis.call('HGET', KEYS[4], waiter)
-    redis.call('HDEL', KEYS[4], waiter)
-    if request then
-      local deadline, ttl, owner = string.match(request, '^(%d+) (%d+) (.*)$')
-      if deadline and tonumber(deadline) >= now then
-        ttl = tonumber(ttl)
-        local claim = math.min(ttl, {CLAIM_MS})
-        local fencing = mint(last)
-        redis.call('DEL', KEYS[1])
-        redis.call('HSET', KEYS[1], 'token', waiter, 'fencing', fencing, 'owner', owner,
-                   'acquired', now, 'expires', now + claim, 'claim', ttl)
-        local next_in_line = redis.call('ZRANGE', KEYS[3], 0, 0)
-        if next_in_line[1] then
-          redis.call('HSET', KEYS[1], 'queued', 1)  -- the next release hands it on
-          notify(next_in_line[1], '{CLAIM_NOTICE.decode()}', signal_ms)
-        end
-        redis.call('PEXPIRE', KEYS[1], claim + retention_ms)
-        notify(waiter, fencing, signal_ms)
-        return true
-      end
-    end
-    -- A lapsed waiter (gave up or died): skip it.
-  end
-end
-"""
-
-# KEYS: lock, fence, waiters, requests.
-# ARGV: token, ttl_ms, owner_json, retention_ms, wait_ms (-1: the caller waits
-#       indefinitely, 0: it will not retry, n: it retries for n ms).
-# Returns {1, fencing} when written, {0, ms until the holder's expiry} when not.
-ACQUIRE = _WHOLE + _MS_ARG + """
-local ttl = ms_arg(2, 'ttl_ms', 1)
-local retention = ms_arg(4, 'retention_ms', 0)
-local wait = ms_arg(5, 'wait_ms', -1)
-""" + _NOW + _FENCING + f"""
-local held = redis.pcall('HMGET', KEYS[1], 'token', 'expires', 'fencing', 'queued', 'claim')
-if held.err then
-  -- Not a hash (written by hand): an unreadable record, taken over like a stale one.
-  redis.call('DEL', KEYS[1])
-  held = {{}}
-end
-local expires = whole(held[2])
-if held[1] == ARGV[1] and expires and expires > now then
-  -- Already ours under this token: handed to us by a release (a claim, confirmed
-  -- here with our whole ttl), or the same caller trying again after an error. Ours
-  -- but expired (a claim confirmed too late) is taken over below like any stale
-  -- record, with a new fencing token: never reported as held since.
-  if held[5] then
-    redis.call('HSET', KEYS[1], 'expires', now + ttl)
-    redis.call('HDEL', KEYS[1], 'claim')
-    redis.call('PEXPIRE', KEYS[1], ttl + retention)
-  end
-  return {{1, tonumber(held[3])}}
-end
-if expires and expires > now then
-  -- Held. A caller that will retry queues up (keeping its place on a re-try).
-  if wait ~= 0 then
-    if wait < 0 or wait > {WAITER_MS} then wait = {WAITER_MS} end
-    redis.call('ZADD', KEYS[3], 'NX', now, ARGV[1])
-    redis.call('HSET', KEYS[4], ARGV[1], (now + wait) .. ' ' .. ttl .. ' ' .. ARGV[3])
-    redis.call('PEXPIRE', KEYS[3], {WAITER_MS})
-    redis.call('PEXPIRE', KEYS[4], {WAITER_MS})
-    if not held[4] then
-      redis.call('HSET', KEYS[1], 'queued', 1)
-    end
-  end
-  return {{0, expires - now}}
-end
--- Absent, stale (a holder that never released) or unreadable: take it over in this
--- same atomic step. Releases hand the lock straight to waiters, so a free lock with
--- waiters only follows an expiry; the first to retry wins it, queued or not.
-local last = held[3]
-local queued = false
-if held[1] then
-  if held[4] then
-    redis.call('ZREM', KEYS[3], ARGV[1])
-    redis.call('HDEL', KEYS[4], ARGV[1])
-    queued = redis.call('EXISTS', KEYS[3]) == 1
-  end
-  redis.call('DEL', KEYS[1])  -- no field of the old record survives
-else
-  last = redis.call('GET', KEYS[2])
-end
-local fencing = mint(last)
-redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fencing', fencing, 'owner', ARGV[3],
-           'acquired', now, 'expires', now + ttl)
-if queued then
-  redis.call('HSET', KEYS[1], 'queued', 1)
-end
-redis.call('PEXPIRE', KEYS[1], ttl + retention)
-return {{1, fencing}}
-"""
-
-# KEYS: lock, fence, waiters, requests. ARGV: token, retention_ms, signal_ms, fence_ms,
-# and optionally the holder's fencing token if it may be larger than this record's
-# (Redlock: the largest of its masters' tokens), remembered instead.
-# Returns 1 if released (or handed to a waiter), 0 if not ours. An expired record
-# still carrying our token is ours: nobody else held it since.
-RELEASE = _MS_ARG + _LAST + """
-local retention = ms_arg(2, 'retention_ms', 0)
-local signal = ms_arg(3, 'signal_ms', 1)
-local fence = ms_arg(4, 'fence_ms', 1)
-local held = redis.pcall('HMGET', KEYS[1], 'token', 'fencing', 'queued')
-if held.err or held[1] ~= ARGV[1] then
-  return 0
-end
-local last = last_of(held[2], ARGV[5])
-if not held[3] then
-  -- Nobody queued while it was held: the common, uncontended release.
-  redis.call('DEL', KEYS[1])
-  if last then
-    redis.call('SET', KEYS[2], last, 'PX', fence)
-  end
-  return 1
-end
-""" + _NOW + _FENCING + _GRANT + """
-if not grant(last, retention, signal) then
-  retire(last, fence)
-end
-return 1
-"""
-
-# KEYS: lock, fence, waiters, requests, inbox. ARGV: token, retention_ms, signal_ms,
-# fence_ms. A queued caller gives up: withdraw it. If a release handed it the lock
-# meanwhile, returns {1, fencing} (it holds the lock: the caller keeps it); else
-# {0, 0}. A handed lock that already expired unused is passed on instead.
-STOP_WAITING = _WHOLE + _MS_ARG + """
-local retention = ms_arg(2, 'retention_ms', 0)
-local signal = ms_arg(3, 'signal_ms', 1)
-local fence = ms_arg(4, 'fence_ms', 1)
-""" + _NOW + _FENCING + _GRANT + """
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[1])
-redis.call('DEL', KEYS[5])
-local held = redis.call('HMGET', KEYS[1], 'token', 'expires', 'fencing', 'claim')
-if held[1] ~= ARGV[1] then
-  return {0, 0}
-end
-local expires = whole(held[2])
-if expires and expires > now then
-  local ttl = whole(held[4])
-  if ttl then  -- a claim: the caller keeps the lock, so confirm it with its ttl
-    redis.call('HSET', KEYS[1], 'expires', now + ttl)
-    redis.call('HDEL', KEYS[1], 'claim')
-    redis.call('PEXPIRE', KEYS[1], ttl + retention)
-  end
-  return {1, tonumber(held[3])}
-end
-if not grant(held[3], retention, signal) then
-  retire(held[3], fence)
-end
-return {0, 0}
-"""
-
-# KEYS: lock. ARGV: token, ttl_ms, retention_ms, and optionally the holder's fencing
-# token, recorded if larger than the record's (Redlock: the largest of its masters').
-# Returns 1 if extended, 0 if not ours.
-EXTEND = _MS_ARG + _LAST + """
-local ttl = ms_arg(2, 'ttl_ms', 1)
-local retention = ms_arg(3, 'retention_ms', 0)
-local held = redis.pcall('HMGET', KEYS[1], 'token', 'fencing')
-if held.err or held[1] ~= ARGV[1] then
-  return 0
-end
-""" + _NOW + """
-redis.call('HSET', KEYS[1], 'expires', now + ttl, 'fencing', last_of(held[2], ARGV[4]))
-redis.call('PEXPIRE', KEYS[1], ttl + retention)
-return 1
-"""
-
-# KEYS: lock. ARGV: token. Returns 1 if held (not expired) under token, else 0.
-OWNS = _WHOLE + """
-local held = redis.pcall('HMGET', KEYS[1], 'token', 'expires')
-if held.err or held[1] ~= ARGV[1] then
-  return 0
-end
-""" + _NOW + """
-local expires = whole(held[2])
-if expires and expires > now then
-  return 1
-end
-return 0
-"""
-
-# KEYS: lock. Returns {now, {field, value, ...}} ({} when there is no record; a key
-# that is not a hash gives {'error', <its type>}, read as an unreadable record).
-_FIELDS = """
-local function fields_of(key)
-  local fields = redis.pcall('HGETALL', key)
-  if fields.err then
-    return {'error', 'WRONGTYPE: a ' .. redis.call('TYPE', key).ok .. ', not a hash'}
-  end
-  return fields
-end
-"""
-GET = _NOW + _FIELDS + """
-return {now, fields_of(KEYS[1])}
-"""
-
-# KEYS: lock, fence, waiters, requests. ARGV: retention_ms, signal_ms, fence_ms, and
-# optionally a fencing token to remember if larger than the record's (as RELEASE).
-# Force-release whoever holds it; a queued waiter gets it next. The removed record's
-# fencing token is remembered, so the next holder's is larger.
-# Returns {now, {field, value, ...}} of the removed record ({} when there was none).
-DELETE = _MS_ARG + _LAST + _FIELDS + """
-local retention = ms_arg(1, 'retention_ms', 0)
-local signal = ms_arg(2, 'signal_ms', 1)
-local fence = ms_arg(3, 'fence_ms', 1)
-""" + _NOW + _FENCING + _GRANT + """
-local fields = fields_of(KEYS[1])
-if #fields > 0 then
-  local last = last_of(redis.pcall('HGET', KEYS[1], 'fencing'), ARGV[4])
-  if not grant(last, retention, signal) then
-    retire(last, fence)
-  end
-end
-return {now, fields}
-"""
-
-# KEYS: lock, fence, waiters, requests.
-# ARGV: include_held (0/1), retention_ms, signal_ms, older_than_ms ('' = any),
-#       dry_run (0/1), fence_ms, and optionally a fencing token (as DELETE).
-# Re-checks at removal time what SCAN found, so a lock re-acquired in between is kept.
-# A removed held lock goes to a queued waiter, as on release. A record without a
-# readable ``expires`` blocks nobody (ACQUIRE takes it over), so it counts as stale;
-# one without a readable ``acquired`` has no known age and is not kept by older_than.
-# Returns 1 if removed (or removable, on a dry run), else 0.
-CLEAR = _WHOLE + _MS_ARG + _FLAG_ARG + _LAST + """
-local include_held = flag_arg(1, 'include_held')
-local retention = ms_arg(2, 'retention_ms', 0)
-local signal = ms_arg(3, 'signal_ms', 1)
-local older_than = nil
-if ARGV[4] ~= '' then
-  older_than = ms_arg(4, 'older_than_ms', 0)
-end
-local dry_run = flag_arg(5, 'dry_run')
-local fence = ms_arg(6, 'fence_ms', 1)
-""" + _NOW + _FENCING + _GRANT + """
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  return 0
-end
-local f = redis.pcall('HMGET', KEYS[1], 'acquired', 'expires', 'fencing')
-if f.err then
-  f = {}  -- not a hash (written by hand): unreadable, so stale
-end
-local acquired, expires = whole(f[1]), whole(f[2])
-local held = expires ~= nil and expires > now
-if held and not include_held then
-  return 0
-end
-if older_than and acquired and acquired > now - older_than then
-  return 0
-end
-if not dry_run then
-  local last = last_of(f[3], ARGV[7])
-  if not (held and grant(last, retention, signal)) then
-    retire(last, fence)
-  end
-end
-return 1
-"""
-
-
-_RedisError = redis.exceptions.RedisError if redis is not None else Exception
-
-
-class _EvictionRisk(_RedisError):
-    """A server that may evict lock keys, found while connecting (inside redis-py).
-
-    A RedisError, so that redis-py closes the connection it was found on; not a
-    ConnectionError, so that nothing retries it. The backend reports it as
-    LockBackendError.
-    """
-
-
-def _text(value):
-    """A reply as str, whether or not the client decodes responses."""
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _lenient_text(value):
@@ -580,17 +170,21 @@ def _lenient_text(value):
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
-_WHOLE_NUMBER = re.compile(rb"-?[0-9]+")
-
-
-def _whole(value):
-    """A record field as an int if it is a whole number (the scripts' ``whole()``
-    reads it the same way), else None."""
-    if isinstance(value, str):  # a client that decodes responses
-        value = value.encode()
-    if isinstance(value, bytes) and _WHOLE_NUMBER.fullmatch(value):
-        return int(value)
-    return None
+def record_info(name, alias, now, fields):
+    """``(owner token, LockInfo)`` of a lock hash (a dict or a flat field/value list),
+    as the Redis and Redlock backends read one (LockInfo.from_record); the token is
+    None when the record has none."""
+    if not isinstance(fields, dict):
+        fields = dict(zip(fields[::2], fields[1::2]))
+    fields = {_lenient_text(k): v for k, v in fields.items()}
+    token = fields.get("token")
+    info = LockInfo.from_record(
+        name, alias, now, owner=fields.get("owner"), acquired=fields.get("acquired"),
+        expires=fields.get("expires"),
+        # A record without its owner token was not written by a backend: unreadable.
+        fencing=None if token is None else fields.get("fencing"),
+        raw={k: _lenient_text(v) for k, v in fields.items()}, strict_owner=True)
+    return (None if token is None else _lenient_text(token)), info
 
 
 _OWNER_JSON_CACHE = {}
@@ -673,6 +267,18 @@ def scanned_keys(prefix, name):
     return tuple(key.encode("utf-8", "surrogateescape") for key in keys)
 
 
+def scan_batches(scan):
+    """Yield the keys of each call of one full SCAN iteration (maybe none), where
+    ``scan(cursor)`` returns ``(next cursor, keys)``: the SCAN loop of the Redis and
+    Redlock backends."""
+    cursor = 0
+    while True:
+        cursor, keys = scan(cursor)
+        yield keys
+        if int(cursor) == 0:
+            return
+
+
 def _is_text(name):
     try:
         name.encode()
@@ -746,8 +352,8 @@ os.register_at_fork(after_in_child=_Process.forked)
 
 
 #: The scripts a connection registers, by the attribute that holds them.
-SCRIPTS = {"acquire": ACQUIRE, "release": RELEASE, "extend": EXTEND, "owns": OWNS,
-           "get": GET, "delete": DELETE, "clear": CLEAR, "stop_waiting": STOP_WAITING}
+SCRIPTS = {operation: getattr(redis_scripts, operation.upper()) for operation in (
+    "acquire", "release", "extend", "owns", "get", "delete", "clear", "stop_waiting")}
 #: The asyncio connection serves the lock operations only (the admin and the
 #: commands are synchronous).
 ASYNC_SCRIPTS = {attribute: SCRIPTS[attribute] for attribute in
@@ -798,206 +404,18 @@ def _max_block(socket_timeout):
     return MAX_BLOCK if not socket_timeout else min(MAX_BLOCK, socket_timeout * BLOCK_SHARE)
 
 
-# -- eviction -------------------------------------------------------------------------
-
-
-def read_eviction_settings(client):
-    """``(maxmemory, policy)`` of the server behind ``client`` (one connection's view).
-
-    ``CONFIG GET`` first; managed services (ElastiCache, Memorystore, ...) often
-    disable ``CONFIG``, so ``INFO memory`` is the fallback. Raises redis-py's errors
-    if neither answers.
-    """
-    try:
-        return settings_from_config(client.config_get("maxmemory*"))
-    except redis.exceptions.ResponseError:
-        return settings_from_info(client.info("memory"))
-
-
-def settings_from_config(config):
-    """``(maxmemory, policy)`` from a ``CONFIG GET maxmemory*`` dict."""
-    return int(config.get("maxmemory", 0) or 0), _text(config.get("maxmemory-policy", ""))
-
-
-def settings_from_info(info):
-    """``(maxmemory, policy)`` from an ``INFO memory`` dict."""
-    return int(info.get("maxmemory", 0) or 0), _text(info.get("maxmemory_policy", ""))
-
-
-def config_reply(reply):
-    """A raw ``CONFIG GET`` reply (a flat list, or a map on RESP3) as a dict."""
-    pairs = reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2])
-    return {_text(key): value for key, value in pairs}
-
-
-def info_reply(reply):
-    """A raw ``INFO`` reply (text) as a dict of its ``key:value`` lines."""
-    lines = _text(reply).splitlines()
-    return dict(line.split(":", 1) for line in lines if ":" in line and line[0] != "#")
-
-
-def eviction_refusal(alias, server, maxmemory, policy):
-    """The message refusing a server that may evict lock keys, or None if it cannot.
-
-    Keys can only be evicted when ``maxmemory`` is set and the policy is not
-    ``noeviction``: ``volatile-*`` policies evict keys with a TTL (every lock
-    record has one), ``allkeys-*`` evict anything. An evicted lock is a lock that
-    another client can take while its holder still runs.
-    """
-    if not maxmemory or policy == "noeviction":
-        return None
-    return (
-        f"Redis {server} has maxmemory-policy {policy!r} with maxmemory {maxmemory}: it may "
-        f"evict lock keys, and an evicted lock can be taken by a second holder while the "
-        f"first still runs. Use a Redis (or a database) with maxmemory-policy noeviction for "
-        f"locks, or set SETNX_LOCKS[{alias!r}]['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] = True "
-        f"to accept the risk."
-    )
-
-
-def _unknown_policy_refusal(alias, server, error):
-    """The message refusing a server whose eviction policy cannot be read."""
-    return (
-        f"Redis {server} answers neither CONFIG GET nor INFO memory ({error}), so whether "
-        f"it may evict lock keys is unknown. Allow one of them for this user, or set "
-        f"SETNX_LOCKS[{alias!r}]['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] = True to accept "
-        f"the risk."
-    )
-
-
-class _OneConnection:
-    """The two commands read_eviction_settings sends, on one raw connection and shaped
-    as redis-py's client methods return them: inside a connect hook there is a
-    connection, but no client to send them through."""
-
-    def __init__(self, connection):
-        self._connection = connection
-
-    def _call(self, *args):
-        self._connection.send_command(*args)
-        return self._connection.read_response()  # raises ResponseError for an error reply
-
-    def config_get(self, pattern):
-        return config_reply(self._call("CONFIG", "GET", pattern))
-
-    def info(self, section):
-        return info_reply(self._call("INFO", section))
-
-
-def _connection_label(connection):
-    path = getattr(connection, "path", None)
-    return path or f"{connection.host}:{connection.port}"
-
-
-def _refusal_on(alias, connection):
-    """The refusal message for the server behind a fresh ``connection``, or None."""
-    server = _connection_label(connection)
-    try:
-        maxmemory, policy = read_eviction_settings(_OneConnection(connection))
-    except redis.exceptions.ResponseError as exc:
-        return _unknown_policy_refusal(alias, server, exc)
-    return eviction_refusal(alias, server, maxmemory, policy)
-
-
-class _EvictionCheck:
-    """The ``redis_connect_func`` of our own client: every new connection reads its
-    server's eviction policy right after the handshake and raises _EvictionRisk if
-    it may evict. redis-py then closes the connection, and the operation that needed
-    it fails before sending anything: no lock command ever runs on a server that was
-    not checked, including one reached after a reconnect or a Sentinel failover.
-    """
-
-    def __init__(self, alias, chained=None):
-        self.alias = alias
-        # A redis_connect_func from CONNECTION_KWARGS; it does the handshake itself.
-        self.chained = chained
-
-    def __call__(self, connection):
-        """redis.Redis' contract: called instead of ``connection.on_connect()``."""
-        if self.chained is not None:
-            self.chained(connection)
-        else:
-            connection.on_connect()
-        self._check(connection)
-
-    def after_handshake(self, connection):
-        """RedisCluster's contract: called after its own ``on_connect()``."""
-        if self.chained is not None:
-            self.chained(connection)
-        self._check(connection)
-
-    def _check(self, connection):
-        refusal = _refusal_on(self.alias, connection)
-        if refusal is not None:
-            raise _EvictionRisk(refusal)
-
-
-class _SharedPoolWatch:
-    """The ``redis_connect_func`` installed on a shared django-redis pool.
-
-    It must never break the cache's own connections, so for them it only records
-    whether the server may evict (``safe``); the lock operations refuse on that (see
-    RedisBackend.connection). A connection made *for* one of our lock operations
-    (``lock_operation`` names its alias on this thread) refuses at once, like our own
-    client's, so no lock command runs on a new connection before it is checked.
-    ``safe`` starts False: unknown until checked.
-    """
-
-    def __init__(self, chained=None):
-        self.chained = chained
-        self.safe = False
-        self.lock_operation = threading.local()
-
-    def __call__(self, connection):
-        if self.chained is not None:
-            self.chained(connection)
-        else:
-            connection.on_connect()
-        alias = getattr(self.lock_operation, "alias", None)
-        try:
-            refusal = _refusal_on(alias, connection)
-        except (redis.exceptions.RedisError, OSError):
-            if alias is not None:
-                raise
-            self.safe = False  # unknown: the next lock operation checks for itself
-            return
-        self.safe = refusal is None
-        if refusal is not None and alias is not None:
-            raise _EvictionRisk(refusal)
-
-
-_WATCHES = weakref.WeakKeyDictionary()  # shared pool -> its _SharedPoolWatch
-_WATCHES_LOCK = threading.Lock()
-
-
-def _watch_shared_pool(pool):
-    """Install (once per pool) and return the _SharedPoolWatch of a shared pool: on its
-    future connections, and on the connection objects it already has, which call
-    their own ``redis_connect_func`` when they reconnect."""
-    with _WATCHES_LOCK:
-        watch = _WATCHES.get(pool)
-        if watch is not None:
-            return watch
-        previous = pool.connection_kwargs.get("redis_connect_func")
-        watch = _WATCHES[pool] = _SharedPoolWatch(previous)
-        with getattr(pool, "_lock", None) or contextlib.nullcontext():
-            pool.connection_kwargs["redis_connect_func"] = watch
-            # redis-py keeps these in private lists (names differ by pool class);
-            # a pool class without them just leaves its existing ones unwatched.
-            for attr in ("_available_connections", "_in_use_connections", "_connections"):
-                for connection in getattr(pool, attr, None) or ():
-                    if getattr(connection, "redis_connect_func", None) is previous:
-                        connection.redis_connect_func = watch
-        return watch
-
-
-def _pool_label(pool):
-    kwargs = pool.connection_kwargs
-    if kwargs.get("path"):
-        return kwargs["path"]
-    if "host" in kwargs:
-        return f"{kwargs['host']}:{kwargs.get('port', 6379)}"
-    return f"of service {getattr(pool, 'service_name', '?')!r}"
+def check_client_options(options, where, error, *, kwargs_id, eviction_id):
+    """The system checks of the options the Redis and Redlock backends share:
+    ``error(id, message)`` for a CONNECTION_KWARGS that is not a dict, or an
+    ALLOW_EVICTION that is not a bool."""
+    kwargs = options.get("CONNECTION_KWARGS")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        error(kwargs_id, f"{where}['OPTIONS']['CONNECTION_KWARGS'] must be a dict, got "
+                         f"{kwargs!r}.")
+    allow = options.get(ALLOW_EVICTION_OPTION, False)
+    if not isinstance(allow, bool):
+        error(eviction_id, f"{where}['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] must be True or "
+                           f"False, got {allow!r}.")
 
 
 def require_redis_py(alias, backend_label):
@@ -1172,14 +590,7 @@ class RedisBackend(BaseLockBackend):
                 if not callable(factory):
                     error("E017", f"{where}['OPTIONS']['CLIENT_CLASS'] {client_class!r} is not "
                                   f"callable.")
-        kwargs = options.get("CONNECTION_KWARGS")
-        if kwargs is not None and not isinstance(kwargs, dict):
-            error("E018", f"{where}['OPTIONS']['CONNECTION_KWARGS'] must be a dict, got "
-                          f"{kwargs!r}.")
-        allow = options.get(ALLOW_EVICTION_OPTION, False)
-        if not isinstance(allow, bool):
-            error("E019", f"{where}['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] must be True or "
-                          f"False, got {allow!r}.")
+        check_client_options(options, where, error, kwargs_id="E018", eviction_id="E019")
         return errors
 
     # -- connection ---------------------------------------------------------------
@@ -1278,10 +689,7 @@ class RedisBackend(BaseLockBackend):
         """The client and scripts, built on first use (building does no I/O)."""
         conn = self._conn
         if conn is None:
-            with self._conn_lock:
-                conn = self._conn
-                if conn is None:
-                    conn = self._conn = self._connect()
+            conn = built_once(self, "_conn", self._conn_lock, self._connect)
         return conn
 
     def _check_shared_pool(self, conn):
@@ -1289,7 +697,7 @@ class RedisBackend(BaseLockBackend):
         try:
             maxmemory, policy = read_eviction_settings(conn.client)
         except redis.exceptions.ResponseError as exc:
-            refusal = _unknown_policy_refusal(self.alias, _pool_label(pool), exc)
+            refusal = unknown_policy_refusal(self.alias, _pool_label(pool), exc)
         else:
             refusal = eviction_refusal(self.alias, _pool_label(pool), maxmemory, policy)
         conn.watch.safe = refusal is None
@@ -1340,7 +748,7 @@ class RedisBackend(BaseLockBackend):
             check = redis_asyncio.AsyncEvictionCheck(
                 refusal_for=lambda maxmemory, policy, server: eviction_refusal(
                     alias, server, maxmemory, policy),
-                unknown_policy=lambda error, server: _unknown_policy_refusal(
+                unknown_policy=lambda error, server: unknown_policy_refusal(
                     alias, server, error),
                 refusal_error=_EvictionRisk)
         client = redis_asyncio.async_client_from(sync.client, check)
@@ -1460,35 +868,7 @@ class RedisBackend(BaseLockBackend):
         return name_from_lock_key(self.key_prefix, key)
 
     def _info(self, name, fields, now):
-        """A LockInfo from a hash's fields (a dict or a flat field/value list); a
-        record that cannot be parsed gives LockInfo.unreadable (see _unreadable)."""
-        if not isinstance(fields, dict):
-            fields = dict(zip(fields[::2], fields[1::2]))
-        fields = {_lenient_text(k): v for k, v in fields.items()}
-        now = int(now)
-        fencing, acquired, expires = (_whole(fields.get(f)) for f in
-                                      ("fencing", "acquired", "expires"))
-        try:
-            owner = json.loads(fields["owner"])
-        except (KeyError, ValueError, RecursionError):  # ValueError: bad JSON or UTF-8
-            owner = None
-        if (not isinstance(owner, dict) or "token" not in fields
-                or None in (fencing, acquired, expires)):
-            return self._unreadable(name, fields, now, expires)
-        return LockInfo(name=name, backend=self.alias, fencing_token=fencing, owner=owner,
-                        acquired_at_ms=acquired, expires_at_ms=expires, now_ms=now)
-
-    def _unreadable(self, name, fields, now, expires):
-        """LockInfo.unreadable for a record missing fields or holding bad values
-        (written by hand, say): stale, so listings show it and ``clear`` removes it,
-        unless its ``expires`` is readable and in the future. The scripts judge a lock
-        held by ``expires`` alone, so such a record blocks acquires: it is shown as
-        held, and only a forced release or ``clear(include_held=True)`` removes it."""
-        info = LockInfo.unreadable(name, self.alias, now,
-                                   {k: _lenient_text(v) for k, v in fields.items()})
-        if expires is not None and expires > now:
-            info = replace(info, expires_at_ms=expires)
-        return info
+        return record_info(name, self.alias, now, fields)[1]
 
     def _errors_as(self, action, name=None):
         """A context that reports redis-py's errors (an eviction refusal too) as
@@ -1580,13 +960,15 @@ class RedisBackend(BaseLockBackend):
             now, fields = self.connection.get(keys=[self._keys(name)[0]])
         return self._info(name, fields, now) if fields else None
 
-    def delete(self, name):
-        """Force-release ``name`` (a queued waiter gets it next). Returns the removed
-        LockInfo or None."""
+    def delete(self, name, fencing_token=None):
+        """Force-release ``name`` (a queued waiter gets it next); with
+        ``fencing_token``, only if the record still carries it, in the same script.
+        Returns the removed LockInfo or None."""
+        expected = "" if fencing_token is None else str(int(fencing_token))
         with self._errors_as("delete", name):
             now, fields = self.connection.delete(keys=self._keys(name),
                                                  args=[self.retention_ms, self.wake_ms,
-                                                       self.fence_ms])
+                                                       self.fence_ms, "", expected])
         return self._info(name, fields, now) if fields else None
 
     # -- listing and clearing -----------------------------------------------------
@@ -1600,31 +982,34 @@ class RedisBackend(BaseLockBackend):
             return [conn.client]
         return [conn.client.get_redis_connection(node) for node in get_primaries()]
 
-    def _scan_all(self, action, glob):
-        """Yield ``(client, keys, names)`` per SCAN batch of every server (see
-        _scan_clients), ``names`` those of the lock keys whose name ``glob`` matches
-        (every one when ``glob`` is None).
+    def _scan_all(self, action, glob, suffix="lock", type_=None, with_names=True):
+        """Yield ``(client, keys, names)`` per SCAN call on every server (see
+        _scan_clients), maybe empty: the ``P:{N}:<suffix>`` keys of the names ``glob``
+        matches (every one when ``glob`` is None), of any type unless ``type_``.
+        ``names`` is None when not ``with_names`` and there is no glob (a listing
+        that decodes only the names it shows).
 
         ``SCAN MATCH`` only narrows the scan to the glob's literal prefix, escaped
         (redis_match: a superset of its matches); Glob.match decides, in Python.
         """
-        match = f"{self._match_head}{redis_match(glob) if glob is not None else '*'}}}:lock"
+        match = f"{self._match_head}{redis_match(glob) if glob is not None else '*'}}}:{suffix}"
+        head, tail = len(self.key_prefix) + 2, -len(suffix) - 2
         with self._errors_as(action):
             clients = self._scan_clients(self.connection)
         for client in clients:
-            cursor = 0
-            while True:
+            def scan(cursor, client=client):
                 with self._errors_as(action):
-                    # Of any type: a lock key that is not a hash (written by hand)
-                    # is shown, and cleared, as an unreadable record.
-                    cursor, keys = client.scan(cursor, match=match, count=SCAN_COUNT)
-                found = [(key, self._name_from_key(key)) for key in keys]
+                    return client.scan(cursor, match=match, count=SCAN_COUNT, _type=type_)
+
+            for keys in scan_batches(scan):
+                if not (with_names or glob):
+                    yield client, keys, None
+                    continue
+                found = [(key, _lenient_text(key)[head:tail] if suffix != "lock"
+                          else self._name_from_key(key)) for key in keys]
                 if glob is not None:
                     found = [(key, name) for key, name in found if glob.match(name)]
-                if found:
-                    yield client, [key for key, _ in found], [name for _, name in found]
-                if int(cursor) == 0:
-                    break
+                yield client, [key for key, _ in found], [name for _, name in found]
 
     def list(self, *, state=None, name_glob=None):
         """Yield a LockInfo per record (held and stale), one SCAN batch at a time.
@@ -1639,8 +1024,82 @@ class RedisBackend(BaseLockBackend):
         glob = compile_glob(name_glob) if name_glob else None
         return self._iter_infos(state, glob)
 
+    def page(self, *, state=None, name_glob=None, ordering=(), offset=0, limit=100):
+        """In the default order, the names come from SCAN (key names only; with a
+        state, one script call per SCAN batch keeps the keys in that state), and only
+        the page's records are read: nothing is read for the locks a page skips. When
+        SCAN finds at most paging.SORT_LIMIT lock keys within SORT_SCAN_CALLS calls,
+        the matches are sorted by name and counted; beyond, pages follow SCAN order
+        (stable while Redis does not resize its key table), sorted within a page,
+        with no total. A page sorted by a column is the default one (the records of
+        :meth:`list`)."""
+        ordering = check_ordering(ordering)
+        if ordering:
+            return super().page(state=state, name_glob=name_glob, ordering=ordering,
+                                offset=offset, limit=limit)
+        if state is not None and state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, got {state!r}.")
+        offset, limit = check_window(offset, limit)
+        glob = compile_glob(name_glob) if name_glob else None
+        batches = ((len(keys), self._in_state(client, keys, state))
+                   for client, keys, _ in self._scan_all("list", glob, with_names=False))
+        first, examined, complete = [], 0, True
+        for calls, (count, names) in enumerate(batches, 1):
+            first.extend(names)
+            examined += count
+            if examined > paging.SORT_LIMIT or calls >= SORT_SCAN_CALLS:
+                complete = False
+                break
+        if complete:
+            names = sorted({self._name_from_key(key) for key in first})
+            total = sorted_count = len(names)
+            names = names[offset : offset + limit]
+        else:
+            rest = itertools.chain(first, itertools.chain.from_iterable(
+                names for _count, names in batches))
+            names, seen, total, sorted_count = [], 0, None, 0
+            for name in rest:
+                if seen >= offset + limit:
+                    break
+                if seen >= offset:
+                    names.append(name)
+                seen += 1  # noqa: SIM113 - also the total when the SCAN ends here
+            else:
+                total = seen
+            # SCAN may return a key twice while Redis rehashes.
+            names = [self._name_from_key(key) for key in dict.fromkeys(names)]
+        infos = [info for info in map(self.get, names) if info is not None]
+        infos.sort(key=lambda info: info.name)
+        return LockPage(infos, total, sorted_count)
+
+    def _in_state(self, client, keys, state):
+        """The lock ``keys`` (on the server of ``client``) whose record is in
+        ``state`` (all of them for None), by Redis' clock."""
+        if state is None or not keys:
+            return keys
+        with self._errors_as("list"):
+            if getattr(self.connection.client, "get_primaries", None) is None:
+                script = client.register_script(redis_scripts.FILTER_BY_STATE)
+                kept = set(script(keys=keys, args=["1" if state == HELD else "0"]))
+                return [key for key in keys if key in kept]
+            # A Cluster node: a script cannot take keys of several slots.
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.hget(key, "expires")
+            pipe.time()
+            *expiries, (seconds, micros) = pipe.execute(raise_on_error=False)
+        now = int(seconds) * 1000 + int(micros) // 1000
+        # The rule of every listing (LockInfo.from_record) on ``expires``: the scripts
+        # judge a Redis lock held by it alone.
+        return [key for key, expires in zip(keys, expiries)
+                if (state == STALE if isinstance(expires, Exception) else LockInfo.from_record(
+                    "", self.alias, now, owner="{}", acquired=None, expires=expires,
+                    fencing=0, raw=None).state == state)]
+
     def _iter_infos(self, state, glob):
         for client, keys, names in self._scan_all("list", glob):
+            if not keys:
+                continue
             pipe = client.pipeline(transaction=False)
             for key in keys:
                 pipe.hgetall(key)
@@ -1685,6 +1144,8 @@ class RedisBackend(BaseLockBackend):
         with self._errors_as("clear"):
             conn = self.connection
         for client, _, names in self._scan_all("clear", glob):
+            if not names:
+                continue
             # One script call per key, pipelined: each is atomic, and per-key calls
             # keep each script's keys in one Cluster slot (of the node scanned).
             pipe = client.pipeline(transaction=False)
@@ -1705,29 +1166,19 @@ class RedisBackend(BaseLockBackend):
         """Remove the fence counters of django-setnx 0.1, which had no expiry (one per
         name ever locked). Today's ``P:{N}:fence`` keys always have one, and every
         token minted now is larger than any such counter (a µs clock)."""
-        match = f"{self._match_head}{redis_match(glob) if glob is not None else '*'}}}:fence"
-        with self._errors_as("clear"):
-            clients = self._scan_clients(self.connection)
-            for client in clients:
-                cursor = 0
-                while True:
-                    cursor, keys = client.scan(cursor, match=match, count=SCAN_COUNT,
-                                               _type="string")
-                    if glob is not None:
-                        head, tail = len(self.key_prefix) + 2, -len("}:fence")
-                        keys = [key for key in keys if glob.match(_text(key)[head:tail])]
-                    if keys:
-                        pipe = client.pipeline(transaction=False)
-                        for key in keys:
-                            pipe.pttl(key)
-                        legacy = [key for key, ttl in zip(keys, pipe.execute()) if ttl == -1]
-                        # One key per command: on a Cluster, keys of different slots.
-                        pipe = client.pipeline(transaction=False)
-                        for key in legacy:
-                            pipe.unlink(key)
-                        pipe.execute()
-                    if int(cursor) == 0:
-                        break
+        for client, keys, _names in self._scan_all("clear", glob, "fence", "string"):
+            if not keys:
+                continue
+            with self._errors_as("clear"):
+                pipe = client.pipeline(transaction=False)
+                for key in keys:
+                    pipe.pttl(key)
+                legacy = [key for key, ttl in zip(keys, pipe.execute()) if ttl == -1]
+                # One key per command: on a Cluster, keys of different slots.
+                pipe = client.pipeline(transaction=False)
+                for key in legacy:
+                    pipe.unlink(key)
+                pipe.execute()
 
     # -- waiting ------------------------------------------------------------------
 

@@ -186,7 +186,7 @@ class AsyncEvictionCheck:
 async def _eviction_settings(connection):
     """``(maxmemory, policy)`` read on one asyncio connection, as
     ``read_eviction_settings`` reads them on a sync one."""
-    from .redis import config_reply, info_reply, settings_from_config, settings_from_info
+    from .redis_eviction import config_reply, info_reply, settings_from_config, settings_from_info
 
     try:
         await connection.send_command("CONFIG", "GET", "maxmemory*")

@@ -115,7 +115,6 @@ can catch.
 """
 
 import hashlib
-import json
 import logging
 import math
 import numbers
@@ -129,28 +128,22 @@ from django.core.exceptions import ImproperlyConfigured
 from ..exceptions import LockBackendError
 from ..globs import compile_glob, escape, redis_match
 from ..validation import ttl_to_ms
-from .base import STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo
+from .base import STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo, built_once
 from .redis import (
-    ACQUIRE,
-    ALLOW_EVICTION_OPTION,
-    CLEAR,
     DEFAULT_FENCING_RETENTION,
     DEFAULT_KEY_PREFIX,
     DEFAULT_STALE_RETENTION,
-    DELETE,
-    EXTEND,
-    GET,
-    OWNS,
-    RELEASE,
     SCAN_COUNT,
     _owner_json,
-    _text,
-    eviction_refusal,
+    check_client_options,
     lock_keys,
     name_from_lock_key,
-    read_eviction_settings,
+    record_info,
     require_redis_py,
+    scan_batches,
 )
+from .redis_eviction import ALLOW_EVICTION_OPTION, eviction_refusal, read_eviction_settings
+from .redis_scripts import ACQUIRE, CLEAR, DELETE, EXTEND, GET, OWNS, RELEASE
 
 try:
     import redis
@@ -454,20 +447,13 @@ class RedlockBackend(BaseLockBackend):
         if not _is_number(factor, inclusive=True) or factor >= 1:
             error("E036", f"{where}['OPTIONS']['CLOCK_DRIFT_FACTOR'] must be a number in "
                           f"[0, 1), got {factor!r}.")
-        kwargs = options.get("CONNECTION_KWARGS")
-        if kwargs is not None and not isinstance(kwargs, dict):
-            error("E037", f"{where}['OPTIONS']['CONNECTION_KWARGS'] must be a dict, got "
-                          f"{kwargs!r}.")
         max_ttl = options.get("MAX_TTL", DEFAULT_MAX_TTL)
         ttl = params.get("TTL")
         if _is_number(max_ttl) and _is_number(ttl) and ttl > max_ttl:
             error("E038", f"{where}['TTL'] = {ttl!r} s is above OPTIONS['MAX_TTL'] = "
                           f"{max_ttl!r} s.",
                   hint="MAX_TTL bounds every ttl and is how long a restarted node sits out.")
-        allow = options.get(ALLOW_EVICTION_OPTION, False)
-        if not isinstance(allow, bool):
-            error("E039", f"{where}['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] must be True or "
-                          f"False, got {allow!r}.")
+        check_client_options(options, where, error, kwargs_id="E037", eviction_id="E039")
         return errors
 
     # -- connections --------------------------------------------------------------
@@ -477,22 +463,20 @@ class RedlockBackend(BaseLockBackend):
         """The lazily created per-node clients, shared by every thread."""
         nodes = self._nodes
         if nodes is None:
-            with self._nodes_lock:
-                nodes = self._nodes
-                if nodes is None:
-                    kwargs = {
-                        # Connecting and a new connection's handshake wait NODE_TIMEOUT
-                        # at most; a round's replies are awaited until its deadline.
-                        "socket_timeout": self.node_timeout,
-                        "socket_connect_timeout": self.node_timeout,
-                        # A retried connect would hold a round up; a down node is a no.
-                        "retry": Retry(NoBackoff(), 0),
-                        **self.options.get("CONNECTION_KWARGS", {}),
-                    }
-                    nodes = self._nodes = [
-                        _Node(url, kwargs, self.alias, self.allow_eviction)
-                        for url in self.locations]
+            nodes = built_once(self, "_nodes", self._nodes_lock, self._build_nodes)
         return nodes
+
+    def _build_nodes(self):
+        kwargs = {
+            # Connecting and a new connection's handshake wait NODE_TIMEOUT at most; a
+            # round's replies are awaited until its deadline.
+            "socket_timeout": self.node_timeout,
+            "socket_connect_timeout": self.node_timeout,
+            # A retried connect would hold a round up; a down node is a no.
+            "retry": Retry(NoBackoff(), 0),
+            **self.options.get("CONNECTION_KWARGS", {}),
+        }
+        return [_Node(url, kwargs, self.alias, self.allow_eviction) for url in self.locations]
 
     def close(self):
         with self._nodes_lock:
@@ -509,6 +493,11 @@ class RedlockBackend(BaseLockBackend):
         return name_from_lock_key(self.key_prefix, key)
 
     # -- the parallel round -------------------------------------------------------
+
+    #: The transport of a round: ``(requests, timeout) -> (replies, started)`` (see
+    #: redlock_wire.round_trip). benchmarks/redlock_on_redis_py.py swaps it for
+    #: redis-py clients to measure what the raw sockets are worth.
+    _round_trip = staticmethod(wire.round_trip)
 
     def _round(self, calls, timeout=None, wrong_type_is_a_reply=False):
         """Run ``calls`` (``{node index: [(script, keys, args), ...]}``; a plain
@@ -534,7 +523,7 @@ class RedlockBackend(BaseLockBackend):
                     ("EVALSHA", script.sha, len(keys), *keys, *args) if script else keys
                     for script, keys, args in node_calls]
             requests[index] = (nodes[index].server, node_commands)
-        replies, started = wire.round_trip(
+        replies, started = self._round_trip(
             requests, self.node_timeout if timeout is None else timeout)
         results = _Results(replies)
         results.started = started
@@ -739,26 +728,10 @@ class RedlockBackend(BaseLockBackend):
 
     # -- records: the majority view ------------------------------------------------
 
-    def _node_info(self, name, now, fields):
-        """``(token, LockInfo)`` of one node's record; token None and an unreadable
-        LockInfo (see LockInfo.unreadable) when the record cannot be parsed."""
-        try:
-            record = {_text(k): v for k, v in zip(fields[::2], fields[1::2])}
-            owner = json.loads(record["owner"])
-            if not isinstance(owner, dict):
-                raise TypeError(f"owner is not a JSON object: {owner!r}")
-            info = LockInfo(
-                name=name, backend=self.alias, fencing_token=int(record["fencing"]),
-                owner=owner, acquired_at_ms=int(record["acquired"]),
-                expires_at_ms=int(record["expires"]), now_ms=int(now),
-            )
-            return _text(record["token"]), info
-        except (KeyError, TypeError, ValueError):
-            return None, LockInfo.unreadable(name, self.alias, now, fields)
-
     def _merge(self, name, replies):
-        """One LockInfo from the nodes' ``[now, fields]`` replies (or WRONGTYPE errors),
-        or None.
+        """``(owner token, LockInfo)`` from the nodes' ``[now, fields]`` replies (or
+        WRONGTYPE errors), or ``(None, None)``; the token is None for an unreadable
+        record.
 
         The token recorded on most nodes wins. When a majority carry it, the lock is
         reported as its latest-expiring record (held until every one of them has
@@ -780,10 +753,10 @@ class RedlockBackend(BaseLockBackend):
                 now, fields = reply
                 if not fields:
                     continue
-                token, info = self._node_info(name, now, fields)
+                token, info = record_info(name, self.alias, now, fields)
             by_token.setdefault(token, []).append(info)
         if not by_token:
-            return None
+            return None, None
 
         def remainder(info):
             return info.expires_at_ms - info.now_ms
@@ -791,7 +764,7 @@ class RedlockBackend(BaseLockBackend):
         token, infos = max(by_token.items(),
                            key=lambda item: (len(item[1]), max(map(remainder, item[1]))))
         if token is None:
-            return infos[0]
+            return None, infos[0]
         best = max(infos, key=remainder)
         # Stable across calls even though the nodes' clocks differ by a few ms: the
         # earliest acquisition, the latest expiry and the highest fencing token.
@@ -805,7 +778,7 @@ class RedlockBackend(BaseLockBackend):
         )
         if len(infos) < self.quorum and best.is_held:
             best = replace(best, expires_at_ms=best.now_ms)
-        return best
+        return token, best
 
     def _replies(self, results, position=0):
         """The ``position``-th reply of every node that answered."""
@@ -817,17 +790,35 @@ class RedlockBackend(BaseLockBackend):
         results = self._round(self._all(_GET, (self._keys(name)[0],)),
                               wrong_type_is_a_reply=True)
         self._require_majority(f"get {name!r}", results)
-        return self._merge(name, self._replies(results))
+        return self._merge(name, self._replies(results))[1]
 
-    def delete(self, name):
+    def delete(self, name, fencing_token=None):
         """Force-release ``name`` on every node that answers. Returns the majority view
         of what was removed, or None; LockBackendError if fewer than a majority
-        answered (the lock may then still be held by the others)."""
-        results = self._round(self._all(_DELETE, self._keys(name),
-                                        (self.retention_ms, 1000, self.fence_ms)),
-                              wrong_type_is_a_reply=True)
-        self._require_majority(f"delete {name!r}", results)
-        return self._merge(name, self._replies(results))
+        answered (the lock may then still be held by the others).
+
+        With ``fencing_token``: only if the majority view carries it; then only that
+        acquisition's records go (released by its owner token, node by node, so a
+        record of a later holder stays), or, for an unreadable record (``0``), the
+        nodes' records that are unreadable too."""
+        action = f"delete {name!r}"
+        keys = self._keys(name)
+        if fencing_token is not None:
+            results = self._round(self._all(_GET, (keys[0],)), wrong_type_is_a_reply=True)
+            self._require_majority(action, results)
+            token, info = self._merge(name, self._replies(results))
+            if info is None or info.fencing_token != fencing_token:
+                return None
+            if token is not None:
+                results = self._round(self._all(_RELEASE, keys, (
+                    token, self.retention_ms, 1000, self.fence_ms, info.fencing_token)))
+                self._require_majority(action, results)
+                return info if self._count(results) else None
+        results = self._round(self._all(_DELETE, keys, (
+            self.retention_ms, 1000, self.fence_ms, "",
+            "" if fencing_token is None else fencing_token)), wrong_type_is_a_reply=True)
+        self._require_majority(action, results)
+        return self._merge(name, self._replies(results))[1]
 
     # -- trusting new nodes -------------------------------------------------------
 
@@ -862,20 +853,16 @@ class RedlockBackend(BaseLockBackend):
 
     def _scan(self, index, match):
         """Yield the lock keys matching ``match`` on node ``index``, one SCAN batch at
-        a time. Raises LockBackendError naming the node if it fails."""
-        cursor = b"0"
-        while True:
+        a time (maybe none). Raises _ScanFailed naming the node if it fails."""
+        def scan(cursor):
             results = self._round({index: [(None, ("SCAN", cursor, "MATCH", match, "COUNT",
                                                    SCAN_COUNT, "TYPE", "hash"), ())]},
                                   timeout=self.scan_timeout)
-            replies = results[index]
-            if isinstance(replies, wire.Failure):
-                raise _ScanFailed(replies)
-            cursor, keys = replies[0]
-            if keys:
-                yield keys
-            if int(cursor) == 0:
-                return
+            if isinstance(results[index], wire.Failure):
+                raise _ScanFailed(results[index])
+            return results[index][0]
+
+        return scan_batches(scan)
 
     def _batches(self, action, glob):
         """Yield ``(names, {node index: [[now, fields] or error per name] or
@@ -937,8 +924,8 @@ class RedlockBackend(BaseLockBackend):
     def _iter_infos(self, state, glob):
         for names, results in self._batches("list", glob):
             for j, name in enumerate(names):
-                info = self._merge(name, [r[j] for r in results.values()
-                                          if not isinstance(r, wire.Failure)])
+                _token, info = self._merge(name, [r[j] for r in results.values()
+                                                  if not isinstance(r, wire.Failure)])
                 if info is not None and (state is None or info.state == state):
                     yield info
 
@@ -957,8 +944,8 @@ class RedlockBackend(BaseLockBackend):
         for names, results in self._batches("clear", glob):
             chosen = []  # (name, the majority view's fencing token: every master keeps it)
             for j, name in enumerate(names):
-                info = self._merge(name, [r[j] for r in results.values()
-                                          if not isinstance(r, wire.Failure)])
+                _token, info = self._merge(name, [r[j] for r in results.values()
+                                                  if not isinstance(r, wire.Failure)])
                 if info is not None and (include_held or info.is_stale):
                     chosen.append((name, info.fencing_token))
             if not chosen:

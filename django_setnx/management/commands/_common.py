@@ -1,5 +1,5 @@
-"""Helpers shared by ``clearlocks`` and ``listlocks``: backend selection, the
-common arguments, and safe display of user data (lock names, owners)."""
+"""Helpers shared by the commands: backend selection, the common arguments, the
+confirmation prompt, and safe display of user data (lock names, owners)."""
 
 import unicodedata
 
@@ -24,6 +24,18 @@ def add_backend_arguments(parser, action):
         help="Only locks whose name matches this glob (*, ?, [abc], [a-z], [!a] or [^a], "
              "\\ escapes), with the same meaning on every backend.",
     )
+
+
+def confirm_or_cancel(question, cancelled):
+    """Ask ``question`` (which ends by asking for 'yes'); anything but 'yes', or no
+    answer at all (EOF, Ctrl-C), raises CommandError(``cancelled``)."""
+    try:
+        answer = input(question + "\nAre you sure you want to do this?\n\n"
+                       "    Type 'yes' to continue, or 'no' to cancel: ")
+    except (EOFError, KeyboardInterrupt):
+        answer = ""
+    if answer.strip() != "yes":
+        raise CommandError(cancelled)
 
 
 def select_backends(requested):

@@ -20,6 +20,7 @@ from django_setnx.exceptions import LockBackendError
 from ._common import (
     add_backend_arguments,
     backend_failure,
+    confirm_or_cancel,
     escape,
     plural,
     select_backends,
@@ -108,19 +109,11 @@ class Command(BaseCommand):
             scope += f" whose name matches {name_glob!r}"
         if older_than is not None:
             scope += f" acquired more than {older_than:g} s ago"
-        message = (
+        confirm_or_cancel(
             f"You have requested to remove every lock {scope}, held ones included.\n"
             "Their holders will not be told: another process can then acquire the same "
-            "lock while they still run.\n"
-            "Are you sure you want to do this?\n\n"
-            "    Type 'yes' to continue, or 'no' to cancel: "
-        )
-        try:
-            answer = input(message)
-        except (EOFError, KeyboardInterrupt):
-            answer = ""
-        if answer.strip() != "yes":
-            raise CommandError("Clearing locks cancelled: nothing was removed.")
+            "lock while they still run.",
+            "Clearing locks cancelled: nothing was removed.")
 
 
 def _count(count, include_held):

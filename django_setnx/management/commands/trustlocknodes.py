@@ -15,7 +15,7 @@ from django.utils.module_loading import import_string
 from django_setnx.backends.redlock import TRUST_COMMAND, RedlockBackend
 from django_setnx.handler import locks
 
-from ._common import plural, select_backends
+from ._common import confirm_or_cancel, plural, select_backends
 
 
 class Command(BaseCommand):
@@ -118,22 +118,14 @@ class Command(BaseCommand):
 
     def confirm(self, aliases):
         aliases = ", ".join(map(repr, aliases))
-        message = (
+        confirm_or_cancel(
             f"You have requested to trust the masters of {aliases} now.\n"
             "A master that restarted without its data has forgotten the locks it granted; "
             "until MAX_TTL has passed those locks may still be held, and trusting it lets a "
             "second holder take them.\n"
             "Only continue for brand-new masters, or masters restarted while certainly no "
-            "lock was held.\n"
-            "Are you sure you want to do this?\n\n"
-            "    Type 'yes' to continue, or 'no' to cancel: "
-        )
-        try:
-            answer = input(message)
-        except (EOFError, KeyboardInterrupt):
-            answer = ""
-        if answer.strip() != "yes":
-            raise CommandError(f"{TRUST_COMMAND} cancelled: no master was marked trusted.")
+            "lock was held.",
+            f"{TRUST_COMMAND} cancelled: no master was marked trusted.")
 
 
 def _is_redlock(params):

@@ -1,0 +1,247 @@
+"""The SQL of the database backend, one :class:`Dialect` per vendor (PostgreSQL,
+MySQL/MariaDB, SQLite): every statement the backend sends, each judging expiry by
+the database's own clock, with the timing constants the statements embed.
+"""
+
+from ..exceptions import LockBackendError
+from ..models import LockRecord
+from .base import MAX_PLAUSIBLE_MS
+
+LOCK_TABLE = LockRecord._meta.db_table
+
+#: The database's clock as integer milliseconds since the Unix epoch. Each is
+#: constant within one statement and independent of the session's time zone.
+NOW_MS = {
+    "postgresql": "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000)::bigint",
+    "mysql": "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)",
+    "sqlite": "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
+}
+
+#: The database's clock in µs since the epoch, for fencing tokens. SQLite's clock
+#: has only millisecond resolution: there the app server's clock is bound instead
+#: (the database file is on that machine, see ``_sqlite_now_us``).
+NOW_US = {
+    "postgresql": "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000000)::bigint",
+    "mysql": "TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6))",
+}
+
+#: A waiter next in line that has not asked for this long (ms, database clock) has
+#: given up or died: it loses its place. A live one renews it every NEXT_RENEW
+#: seconds. On PostgreSQL, whose waiters are woken by NOTIFY and otherwise poll only
+#: every PG_SAFETY_POLL, both are longer.
+NEXT_LAPSE_MS = 1000
+NEXT_RENEW = 0.25
+PG_NEXT_LAPSE_MS = 8000
+PG_NEXT_RENEW = 1.0
+#: A release that leaves the lock to the waiter next in line gives it this long (ms)
+#: to take it (a *claim*, as on Redis): a live waiter is woken at once (PostgreSQL)
+#: or polls well within it, and a dead one holds the others up for this long only.
+CLAIM_MS = 500
+_INFO_COLUMNS = "l.name, l.owner, l.acquired_at, l.expires_at, l.fencing, {now}"
+
+
+class Dialect:
+    """The SQL of one vendor, with ``%s`` placeholders (``?`` on SQLite)."""
+
+    def __init__(self, vendor, quote, is_mariadb):
+        if vendor not in NOW_MS:
+            raise LockBackendError("?", f"database vendor {vendor!r} is not supported")
+        self.vendor = vendor
+        self.is_mariadb = is_mariadb
+        now = NOW_MS[vendor]
+        lock = quote(LOCK_TABLE)
+        self.now = now
+        lapse = self.next_lapse_ms = PG_NEXT_LAPSE_MS if vendor == "postgresql" else NEXT_LAPSE_MS
+        self.next_renew = PG_NEXT_RENEW if vendor == "postgresql" else NEXT_RENEW
+        self.lock_table = lock
+        # Milliseconds until the row's expiry, never negative. Tested first, so that
+        # a row with an absurd (hand-written) expiry cannot overflow the subtraction.
+        remaining = "CASE WHEN {t}.expires_at > {now} THEN {t}.expires_at - {now} ELSE 0 END"
+        # A stale row: expired, or with times that this backend never writes (see
+        # MAX_PLAUSIBLE_MS; on SQLite a text value also compares above it), so that
+        # clearlocks removes an unreadable row instead of showing it as held forever.
+        # {t} is the table reference.
+        self.stale = (
+            f"({{t}}.expires_at <= {now} OR {{t}}.expires_at > {MAX_PLAUSIBLE_MS} "
+            f"OR {{t}}.acquired_at < 0 OR {{t}}.acquired_at > {MAX_PLAUSIBLE_MS})"
+        )
+        # Who may take over an expired (or released-to-the-next-waiter) row: anyone
+        # when no live waiter is next in line, else only that waiter. {t} is the
+        # row's table reference, {x} the new values' ("excluded" row).
+        # A row whose expiry this backend could not have written (see
+        # MAX_PLAUSIBLE_MS: a hand-written year 33715, say) is listed as stale, so it
+        # must not block an acquire either.
+        self.may_take = (
+            f"({{t}}.expires_at <= {{x}}.acquired_at OR {{t}}.expires_at > {MAX_PLAUSIBLE_MS} "
+            f"OR {{t}}.acquired_at < 0 OR {{t}}.acquired_at > {MAX_PLAUSIBLE_MS}) "
+            "AND ({t}.next_token = '' OR {t}.next_token = {x}.token "
+            f"OR {{t}}.next_seen <= {{x}}.acquired_at - {lapse})"
+        )
+        self.release = (
+            f"DELETE FROM {lock} WHERE name = %s AND token = %s "
+            f"AND (next_token = '' OR next_seen <= {now} - {lapse})"
+        )
+        # A waiter is next in line: leave it the lock (expired, empty token) instead
+        # of deleting the row, so nobody else can take it before that waiter does,
+        # for CLAIM_MS at most (its place then lapses, see CLAIM_MS).
+        claim_end = f"{now} - {lapse} + {CLAIM_MS}"
+        self.release_to_next = (
+            f"UPDATE {lock} SET token = '', owner = '{{}}', expires_at = {now}, "
+            f"next_seen = CASE WHEN next_seen < {claim_end} THEN next_seen ELSE {claim_end} END "
+            f"WHERE name = %s AND token = %s"
+        )
+        if vendor == "postgresql":
+            # ... and wake the waiters of every process (see db_wakeups), in the same
+            # statement. Params: name, token, channel. One row if released.
+            self.release_to_next = (
+                f"WITH released AS ({self.release_to_next} RETURNING name) "
+                f"SELECT pg_notify(%s, name) FROM released"
+            )
+        # A refused caller that will retry: take the place next in line if it is
+        # free, lapsed, already ours, or held by a caller who started waiting later.
+        # Params: token, since, name, token, token, since.
+        self.queue = (
+            f"UPDATE {lock} SET next_token = %s, next_since = %s, next_seen = {now} "
+            f"WHERE name = %s AND token <> %s AND (next_token = '' OR next_token = %s "
+            f"OR next_seen <= {now} - {lapse} OR next_since > %s)"
+        )
+        self.unqueue = (
+            f"UPDATE {lock} SET next_token = '', next_since = 0, next_seen = 0 "
+            f"WHERE name = %s AND next_token = %s"
+        )
+        # A row released to a waiter that then withdrew or lapsed is no lock: drop it.
+        self.drop_placeholder = f"DELETE FROM {lock} WHERE name = %s AND token = '' AND next_token = ''"
+        self.purge_placeholders = (
+            f"DELETE FROM {lock} WHERE token = '' AND next_seen <= {now} - {lapse}"
+        )
+        self.extend = f"UPDATE {lock} SET expires_at = {now} + %s WHERE name = %s AND token = %s"
+        self.owns = f"SELECT 1 FROM {lock} WHERE name = %s AND token = %s AND expires_at > {now}"
+        self.info_select = f"SELECT {_INFO_COLUMNS.format(now=now)}, l.name, l.token FROM {lock} l"
+        self.get = f"{self.info_select} WHERE l.name = %s AND l.token <> ''"
+        self.delete_owned = f"DELETE FROM {lock} WHERE name = %s AND token = %s"
+        # Rows that expired STALE_RETENTION ago without a release (param: its ms).
+        self.purge_stale = (
+            f"DELETE FROM {lock} WHERE token <> '' AND expires_at <= {now} - %s"
+        )
+        self.returning = vendor in ("postgresql", "sqlite") or is_mariadb
+
+        # Who holds the row, for a refused attempt: its remaining ms, token and
+        # fencing token (the holder may be this very caller, see ``acquire``), and
+        # the ms until anyone but the waiter next in line may take it: the holder's
+        # expiry, or after it (or after a release to that waiter) the end of that
+        # waiter's place.
+        until_free = (
+            f"CASE WHEN l.expires_at > {now} THEN l.expires_at - {now} "
+            f"WHEN l.next_token <> '' AND l.next_seen > {now} - {lapse} "
+            f"THEN l.next_seen + {lapse} - {now} ELSE 0 END"
+        )
+        self.holder = (
+            f"SELECT {remaining.format(t='l', now=now)}, l.token, l.fencing, {until_free} "
+            f"FROM {lock} l WHERE l.name = %s"
+        )
+        self.queue_and_holder = None
+        if vendor == "postgresql":
+            # A refused caller that will retry, in one statement: queue (as above)
+            # and read the holder as it was when the statement began, or nothing if
+            # the row is gone (released since the refused attempt: retry at once; a
+            # waiter that learnt this only from the failed queue statement would
+            # sleep until its next poll). Params: the queue's, then token, since,
+            # name. Returns the holder's columns (NULLs: no row), 1 if queued, else
+            # 0, and whether the place was free as the statement began: free but
+            # not queued means the row changed under the statement (deleted by a
+            # release, or taken): retry at once.
+            self.queue_and_holder = (
+                f"WITH queued AS ({self.queue} RETURNING 1) "
+                f"SELECT {remaining.format(t='l', now=now)}, l.token, l.fencing, {until_free}, "
+                f"(SELECT count(*) FROM queued), "
+                f"(l.next_token = '' OR l.next_token = %s OR l.next_seen <= {now} - {lapse} "
+                f"OR l.next_since > %s) "
+                f"FROM (SELECT 1) AS one LEFT JOIN {lock} l ON l.name = %s"
+            )
+        if vendor == "postgresql":
+            # One statement: insert, or take over an expired row, with the next
+            # fencing token, which it returns; a refused attempt returns no row.
+            us = NOW_US[vendor]
+            self.acquire = f"""
+                INSERT INTO {lock} AS l (name, token, owner, acquired_at, expires_at,
+                                         fencing, next_token, next_since, next_seen)
+                VALUES (%s, %s, %s, {now}, {now} + %s, {us}, '', 0, 0)
+                ON CONFLICT (name) DO UPDATE SET
+                    token = EXCLUDED.token, owner = EXCLUDED.owner,
+                    acquired_at = EXCLUDED.acquired_at, expires_at = EXCLUDED.expires_at,
+                    fencing = GREATEST(l.fencing + 1, EXCLUDED.fencing),
+                    next_token = '', next_since = 0, next_seen = 0
+                WHERE {self.may_take.format(t="l", x="EXCLUDED")}
+                RETURNING l.fencing
+            """
+            # The same for a caller that queued: if it takes the lock, the other
+            # waiters lost the race for the place next in line to it; NOTIFY them in
+            # the same statement, so that one of them takes that place now, not at
+            # its next poll. Params: the acquire's, then channel, name.
+            self.acquire_queued = (
+                f"WITH taken AS ({self.acquire}) "
+                f"SELECT fencing, pg_notify(%s, %s) FROM taken"
+            )
+        elif vendor == "sqlite":
+            # One statement (an upsert is atomic: no transaction needed). The µs clock
+            # is bound (see NOW_US). A refused upsert returns no row.
+            self.acquire = f"""
+                INSERT INTO {lock} (name, token, owner, acquired_at, expires_at, fencing,
+                                    next_token, next_since, next_seen)
+                VALUES (%s, %s, %s, {now}, {now} + %s, MAX(%s, {now} * 1000), '', 0, 0)
+                ON CONFLICT (name) DO UPDATE SET
+                    token = excluded.token, owner = excluded.owner,
+                    acquired_at = excluded.acquired_at, expires_at = excluded.expires_at,
+                    fencing = MAX({lock}.fencing + 1, excluded.fencing),
+                    next_token = '', next_since = 0, next_seen = 0
+                WHERE {self.may_take.format(t=lock, x="excluded")}
+                RETURNING fencing
+            """
+        else:  # MySQL / MariaDB
+            # Every assignment repeats the takeover test, and the columns the test
+            # reads come last: whether MySQL applies the assignments left to right
+            # (each seeing the previous ones, the default) or all at once (MariaDB's
+            # SIMULTANEOUS_ASSIGNMENT), a row is either taken whole or left alone.
+            # The statement's insert id says what happened, with no second statement:
+            # LAST_INSERT_ID(x) makes x the insert id (the table has no
+            # AUTO_INCREMENT column), the last call in the statement winning. A new
+            # row: its fencing token (the µs clock, from VALUES); a row taken over: its
+            # next token; a refused attempt: 0. (The functions of the current time
+            # are evaluated once per statement: {now} is one value throughout.)
+            may_take = (
+                f"(expires_at <= VALUES(acquired_at) OR expires_at > {MAX_PLAUSIBLE_MS} "
+                f"OR acquired_at < 0 OR acquired_at > {MAX_PLAUSIBLE_MS}) "
+                "AND (next_token = '' OR next_token = VALUES(token) "
+                f"OR next_seen <= VALUES(acquired_at) - {lapse})"
+            )
+            self.acquire = f"""
+                INSERT INTO {lock} (name, token, owner, acquired_at, expires_at, fencing,
+                                    next_token, next_since, next_seen)
+                VALUES (%s, %s, %s, {now}, {now} + %s, LAST_INSERT_ID({NOW_US[vendor]}),
+                        '', 0, 0)
+                ON DUPLICATE KEY UPDATE
+                    fencing = IF({may_take},
+                                 LAST_INSERT_ID(GREATEST(fencing + 1, VALUES(fencing))),
+                                 fencing + LAST_INSERT_ID(0)),
+                    token = IF({may_take}, VALUES(token), token),
+                    owner = IF({may_take}, VALUES(owner), owner),
+                    acquired_at = IF({may_take}, VALUES(acquired_at), acquired_at),
+                    next_since = IF({may_take}, 0, next_since),
+                    next_seen = IF({may_take}, 0, next_seen),
+                    next_token = IF({may_take}, '', next_token),
+                    expires_at = IF({may_take}, VALUES(expires_at), expires_at)
+            """
+
+        if vendor == "sqlite":
+            for attr, sql in list(vars(self).items()):
+                if isinstance(sql, str) and "%s" in sql:
+                    setattr(self, attr, sql.replace("%s", "?"))
+        self.placeholder = "?" if vendor == "sqlite" else "%s"
+
+    def begin(self):
+        # IMMEDIATE takes SQLite's write lock up front, so the read-then-write inside
+        # the transaction cannot deadlock with another writer.
+        return "BEGIN IMMEDIATE" if self.vendor == "sqlite" else "START TRANSACTION"
+
+    def placeholders(self, count):
+        return ", ".join([self.placeholder] * count)
