@@ -160,6 +160,15 @@ def _register(alias):
              once_ttl=CRASH_TTL, acks_late=True, **opts)(crash)
 
 
+    # Both locks with a long ttl (60 s): the dead-owner tests kill its pool child
+    # (SIGKILL, or a hard time_limit given per call) and expect the locks back at once.
+    def hang(self, key, log, tag, duration):
+        return work(self, log, tag, duration)
+
+    app.task(name=f"setnx_tests.hang.{alias}", lock_name="celery-test:{key}", lock_ttl=60,
+             once_policy="raise", once_name="celery-once-test:{key}", once_ttl=60,
+             **opts)(hang)
+
     # Enqueue-once tasks that return their key: canvases (chains, groups, chords).
     for policy in ("raise", "drop"):
         def once_value(self, key, pause=0):

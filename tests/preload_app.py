@@ -3,8 +3,9 @@
 Loaded once in gunicorn's master, which then forks its workers. At import it uses
 the lock backend named by ``SETNX_PRELOAD_ALIAS``, so the backend's connections are
 open *before* the fork, as they are when a project's import-time code (an app's
-``ready()``, a module-level warm-up) touches a lock. The one view increments a
-counter file with a non-atomic read-modify-write under ``@locked``.
+``ready()``, a module-level warm-up) touches a lock. ``increment/`` increments a
+counter file with a non-atomic read-modify-write under ``@locked``; ``stuck/`` holds
+a lock past gunicorn's timeout, and ``try-stuck/`` says whether that lock is free.
 """
 
 import os
@@ -37,8 +38,33 @@ def increment(request):
     return HttpResponse(f"{os.getpid()}")
 
 
+@locked("preload:stuck", ttl=60, timeout=0, backend=ALIAS, release_on_commit=False)
+def stuck(request):
+    """Sleeps past gunicorn's --timeout, like a handler stuck in a C call that nothing
+    interrupts: the SystemExit of gunicorn's SIGABRT is swallowed (otherwise it would
+    unwind through @locked, which releases), so the arbiter SIGKILLs the worker with
+    the lock held (tests/test_gunicorn.py, the child_exit hook)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            time.sleep(deadline - time.monotonic())
+        except SystemExit:
+            pass
+    return HttpResponse("woke up")
+
+
+def try_stuck(request):
+    attempt = lock("preload:stuck", ttl=5, backend=ALIAS)
+    if not attempt.acquire(blocking=False):
+        return HttpResponse("held", status=409)
+    attempt.release()
+    return HttpResponse("free")
+
+
 urlpatterns = [
     path("increment/", increment),
+    path("stuck/", stuck),
+    path("try-stuck/", try_stuck),
     path("ping/", lambda request: HttpResponse("pong")),
 ]
 application = get_wsgi_application()

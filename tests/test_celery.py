@@ -849,6 +849,105 @@ def test_sigkill_mid_task_locks_expire_after_ttl(workers, victim_worker, worker_
     assert lock(run_name, backend=worker_alias).acquire(blocking=False)
 
 
+# -- dead owners: a lost pool child's locks come back at once --------------------------------
+
+
+@pytest.fixture
+def prefork_worker(worker_env, workers):
+    """A prefork worker (one pool child), for the tests that kill its child."""
+    from tests import celery_app
+    from tests.celery_support.worker import CeleryWorker
+
+    env, log_dir = worker_env
+    worker = CeleryWorker("prefork", env, log_dir, pool="prefork").start()
+    try:
+        worker.wait_ready(celery_app.app)
+        yield worker
+    finally:
+        worker.stop()
+
+
+def start_hang(alias, worker, tmp_path, **options):
+    """Send the ``hang`` task (both locks, ttl 60 s) to ``worker``; return what the
+    test needs once its run has started: the task's result, the lock names, the run
+    lock's LockInfo (its owner is the pool child) and the log path."""
+    job = celery_task("hang", alias)
+    key, log = uuid.uuid4().hex, str(tmp_path / "runs.jsonl")
+    result = job.apply_async((key, log, "hang", 60), queue=worker.queue, **options)
+    wait_until(lambda: started(log, "hang"), 30, "the hanging run", [worker])
+    run_name, once_name = f"celery-test:{key}", f"celery-once-test:{key}"
+    run = locks[alias].get(run_name)
+    assert run.owner["celery_task_id"] == result.id and run.owner["pid"] != worker.pid
+    assert run.expires_in > 50 and held(alias, once_name)
+    return job, key, log, run_name, once_name, run
+
+
+def wait_for_exit(pid, workers):
+    from django_setnx.dead_owners import has_exited
+
+    wait_until(lambda: has_exited(pid), 30, f"pool child {pid} to exit", workers)
+    return time.monotonic()
+
+
+@pytest.mark.parametrize("death", ["time_limit", "sigkill", "revoke"])
+def test_a_lost_pool_child_frees_its_locks_at_once(workers, prefork_worker, worker_alias,
+                                                   tmp_path, death):
+    """A run killed for its hard time limit, SIGKILLed (the OOM killer, kill -9) or
+    revoked with terminate=True: the worker's main process frees its run lock and its
+    enqueue-once lock within 2 s of the death, not after their 60 s ttl, and the next
+    run starts at once."""
+    import os
+    import signal
+
+    options = {"time_limit": 2} if death == "time_limit" else {}
+    job, key, log, run_name, once_name, run = start_hang(
+        worker_alias, prefork_worker, tmp_path, **options)
+    if death == "sigkill":
+        os.kill(run.owner["pid"], signal.SIGKILL)
+    elif death == "revoke":
+        job.app.control.revoke(run.owner["celery_task_id"], terminate=True, signal="SIGKILL")
+    dead = wait_for_exit(run.owner["pid"], [prefork_worker])
+    wait_until(lambda: not held(worker_alias, run_name) and not held(worker_alias, once_name),
+               5, "the dead run's locks to be freed", [prefork_worker])
+    assert time.monotonic() - dead <= 2.0
+    assert prefork_worker.alive
+    if death != "time_limit":
+        # (Past its time limit the child is sent SIGTERM first: the run then unwinds
+        # and releases its own locks, unless it is stuck; then SIGKILL, and this.)
+        assert "Freed lock" in prefork_worker.log_tail(20000)
+    _, w2 = workers
+    successor = job.apply_async((key, log, "successor", 0.1), queue=w2.queue)
+    assert get(successor, workers) == "successor"
+
+
+def test_a_lock_that_changed_hands_is_never_freed_for_a_dead_run(
+        workers, prefork_worker, worker_alias, tmp_path):
+    """Between the run's start and its child's death, both of its locks pass to other
+    holders: the dead-owner cleanup leaves them alone (fencing-checked, and only
+    records naming the dead run's task id)."""
+    import os
+    import signal
+
+    _job, _key, _log, run_name, once_name, run = start_hang(worker_alias, prefork_worker,
+                                                            tmp_path)
+    backend = locks[worker_alias]
+    successors = []
+    for name in (run_name, once_name):
+        assert backend.delete(name) is not None
+        successor = lock(name, ttl=60, backend=worker_alias)
+        assert successor.acquire(blocking=False)
+        successors.append(successor)
+    tokens = [backend.get(name).fencing_token for name in (run_name, once_name)]
+    os.kill(run.owner["pid"], signal.SIGKILL)
+    wait_for_exit(run.owner["pid"], [prefork_worker])
+    time.sleep(3)  # well past the moment the cleanup would have run
+    assert [backend.get(name).fencing_token for name in (run_name, once_name)] == tokens
+    for successor in successors:
+        assert successor.owned()
+        successor.release()
+    assert "Freed lock" not in prefork_worker.log_tail(20000)
+
+
 # -- canvases, beat, revoke: what a project does with enqueue-once tasks ---------------------
 
 

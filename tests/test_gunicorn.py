@@ -1,10 +1,13 @@
-"""A real gunicorn with ``--preload`` and 3 workers serving a ``@locked`` view.
+"""Real gunicorns serving ``@locked`` views (tests/preload_app.py).
 
-The app (tests/preload_app.py) uses the lock backend in gunicorn's master before it
+First, ``--preload`` with 3 workers: the app uses the lock backend in gunicorn's master before it
 forks, so every worker starts with a copy of the master's connections. The workers
 must each talk over sockets of their own: 60 concurrent requests each do a
 non-atomic read-modify-write of a counter file under the lock, and the counter must
 end at exactly 60 (two holders at once lose an update), served by several workers.
+
+Then ``--timeout 2`` with the ``child_exit`` hook of ``django_setnx.contrib.gunicorn``:
+the lock of a worker the arbiter killed is free within 2 s, not after its ttl.
 """
 
 import os
@@ -12,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,8 +36,9 @@ def get(url, timeout=60):
         return response.status, response.read().decode()
 
 
-@pytest.fixture
-def gunicorn(shared_alias, tmp_path):
+def start_gunicorn(alias, tmp_path, *options):
+    """A gunicorn serving tests/preload_app.py on a free port, with ``options``;
+    yields ``(base url, counter file, log file)``, stopped afterwards."""
     counter = tmp_path / "counter"
     counter.write_text("0")
     port = free_port()
@@ -41,14 +46,16 @@ def gunicorn(shared_alias, tmp_path):
         **os.environ,
         **workers.child_environment(),
         "SETNX_TEST_URLCONF": "tests.preload_app",
-        "SETNX_PRELOAD_ALIAS": shared_alias,
+        "SETNX_PRELOAD_ALIAS": alias,
         "SETNX_PRELOAD_COUNTER": str(counter),
         "PYTHONPATH": str(ROOT),
+        "DJANGO_SETTINGS_MODULE": "tests.settings",
     }
-    log = open(tmp_path / "gunicorn.log", "w+")
+    log_path = tmp_path / "gunicorn.log"
+    log = open(log_path, "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", "--preload", "--workers", "3",
-         "--bind", f"127.0.0.1:{port}", "--timeout", "60", "tests.preload_app:application"],
+        [sys.executable, "-m", "gunicorn", *options, "--bind", f"127.0.0.1:{port}",
+         "tests.preload_app:application"],
         cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
@@ -64,14 +71,23 @@ def gunicorn(shared_alias, tmp_path):
             pass
         assert time.monotonic() < deadline, "gunicorn did not come up"
         time.sleep(0.1)
-    yield base, counter
-    proc.send_signal(signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+        yield base, counter, log_path
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture
+def gunicorn(shared_alias, tmp_path):
+    for base, counter, _log in start_gunicorn(shared_alias, tmp_path, "--preload",
+                                               "--workers", "3", "--timeout", "60"):
+        yield base, counter
 
 
 def test_preloaded_workers_never_hold_the_lock_together(gunicorn):
@@ -83,3 +99,43 @@ def test_preloaded_workers_never_hold_the_lock_together(gunicorn):
     assert int(counter.read_text()) == REQUESTS
     served_by = {body for _, body in results}
     assert len(served_by) >= 2, f"only one worker served every request: {served_by}"
+
+
+def test_a_worker_killed_for_its_timeout_frees_its_locks_at_once(shared_alias, tmp_path):
+    """gunicorn --timeout 2 with the child_exit hook of django_setnx.contrib.gunicorn
+    (one line of gunicorn.conf.py; no --preload, so the arbiter sets Django up
+    itself): a view holding a lock with ttl=60 is stuck past the timeout; the arbiter
+    kills its worker, and the lock is free within 2 s of the kill, not after 60 s."""
+    from django_setnx import locks
+    from django_setnx.dead_owners import has_exited
+
+    config = tmp_path / "gunicorn.conf.py"
+    config.write_text("from django_setnx.contrib.gunicorn import child_exit  # noqa: F401\n")
+    for base, _counter, log_path in start_gunicorn(
+            shared_alias, tmp_path, "-c", str(config), "--workers", "2", "--timeout", "2"):
+        pool = ThreadPoolExecutor(max_workers=1)
+        stuck = pool.submit(get, f"{base}/stuck/", 30)
+        deadline = time.monotonic() + 20
+        while (info := locks[shared_alias].get("preload:stuck")) is None or not info.is_held:
+            assert time.monotonic() < deadline, "the stuck view never took its lock"
+            time.sleep(0.02)
+        holder = info.owner["pid"]
+        assert info.expires_in > 50
+        while not has_exited(holder):
+            assert time.monotonic() < deadline + 30, "the arbiter never killed the worker"
+            time.sleep(0.01)
+        killed = time.monotonic()
+        while True:
+            try:
+                if get(f"{base}/try-stuck/", timeout=5) == (200, "free"):
+                    break
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 409
+            assert time.monotonic() - killed <= 2.0, "the lock was not freed within 2 s"
+            time.sleep(0.05)
+        with pytest.raises(OSError):
+            stuck.result(timeout=30)  # the killed worker never answered
+        pool.shutdown()
+        log = log_path.read_text()
+        assert "Freed lock 'preload:stuck'" in log, log[-3000:]
+        assert f"gunicorn worker {holder} exited" in log

@@ -79,6 +79,22 @@ def crash_holder(env, alias, name, ttl, acquired):
         time.sleep(60)
 
 
+def crash_holder_of_two(env, alias, name, ttl, acquired):
+    """Hold ``name`` (its own lock) and ``name:task`` as a Celery enqueue-once lock
+    would (its owner names a task), then hang until killed."""
+    _setup(env)
+    from django_setnx import lock
+
+    own = lock(name, ttl=ttl, backend=alias)
+    own.acquire(timeout=10)
+    sent = lock(f"{name}:task", ttl=ttl, backend=alias)
+    sent.owner_extra["celery_task_id"] = "a-queued-task"
+    sent.acquire(timeout=10)
+    acquired.set()
+    while True:
+        time.sleep(60)
+
+
 def crash_waiter(env, alias, name, ttl, queued):
     """Wait for a held lock (queued by the backend) until killed."""
     _setup(env)

@@ -165,6 +165,8 @@ import hashlib
 import inspect
 import json
 import logging
+import threading
+import time
 import types
 from dataclasses import asdict
 
@@ -173,7 +175,7 @@ from django.core.exceptions import ImproperlyConfigured
 try:
     from celery import Task
     from celery import signals as celery_signals
-    from celery.exceptions import Reject, Retry
+    from celery.exceptions import Reject, Retry, TimeLimitExceeded, WorkerLostError
     from celery.utils import uuid
 except ImportError as exc:  # pragma: no cover - exercised without celery installed
     raise ImproperlyConfigured(
@@ -188,6 +190,7 @@ except ImportError:  # pragma: no cover - older Celery
 from ..backends.base import LockInfo
 from ..conf import DEFAULT_LOCK_ALIAS, MAX_NAME_LENGTH
 from ..decorators import LockName
+from .. import dead_owners
 from ..exceptions import LockBackendError, LockError, LockNotAcquired
 from ..handler import locks
 from ..locking import Lock
@@ -592,6 +595,11 @@ class ExclusiveTaskMixin:
                   release_on_commit=self.lock_release_on_commit, using=self.lock_using)
         if request.id:
             lk.owner_extra["celery_task_id"] = request.id
+        once = getattr(request, _ONCE_ATTR, None)
+        if once is not None:
+            # Where this run's enqueue-once lock is: the worker's main process frees
+            # both if the pool child running it dies (see _PoolChildWatch).
+            lk.owner_extra["celery_once_lock"] = [once.backend_alias, once.name]
         if self.lock_release_on_commit and deferred_lock(lk) is not None:
             # An earlier run in this transaction holds it until COMMIT: run under it.
             return body()
@@ -734,15 +742,145 @@ def _release_once_of(task, request_like):
 
 
 @celery_signals.task_revoked.connect(weak=False, dispatch_uid="django_setnx_once_revoked")
-def _release_once_on_revoke(sender=None, request=None, **kwargs):
-    """A revoked or expired message never runs: release its enqueue-once lock."""
+def _release_once_on_revoke(sender=None, request=None, terminated=False, **kwargs):
+    """A revoked or expired message never runs: release its enqueue-once lock. A run
+    terminated by ``revoke(..., terminate=True)`` also frees its run lock, once its
+    pool child has exited (see _free_locks_of_a_dead_run)."""
     if not isinstance(sender, ExclusiveTaskMixin) or request is None:
         return
     try:
         _release_once_of(sender, request)
+        if terminated:
+            _free_locks_of_a_dead_run(sender, request.id, getattr(request, "args", None),
+                                      getattr(request, "kwargs", None),
+                                      "it was revoked with terminate=True")
     except Exception:  # a signal handler must never break the worker
-        logger.warning("Could not release the enqueue-once lock of a revoked task",
-                       exc_info=True)
+        logger.warning("Could not release the locks of a revoked task", exc_info=True)
+
+
+#: When a run that held no run lock is lost, how long the worker's main process
+#: waits before it frees its enqueue-once lock (the pool kills a child that passed
+#: its hard time limit within a fraction of a second of reporting it).
+ONCE_ONLY_GRACE = 1.0
+
+
+@celery_signals.task_failure.connect(weak=False, dispatch_uid="django_setnx_lost_run")
+def _free_locks_on_lost_run(sender=None, task_id=None, exception=None, args=None,
+                            kwargs=None, **extra):
+    """The worker's main process reports a pool child lost mid-task (SIGKILL, the OOM
+    killer: WorkerLostError) or killed for its hard ``time_limit``
+    (TimeLimitExceeded): free that run's locks now rather than after their ttl."""
+    if not isinstance(sender, ExclusiveTaskMixin) or not task_id:
+        return
+    if isinstance(exception, WorkerLostError):
+        reason = "its worker process was lost (killed, or out of memory)"
+    elif isinstance(exception, TimeLimitExceeded):
+        reason = "it passed its hard time limit and its worker process was killed"
+    else:
+        return  # an ordinary failure: the run released its own locks
+    try:
+        _free_locks_of_a_dead_run(sender, task_id, args, kwargs, reason)
+    except Exception:  # a signal handler must never break the worker
+        logger.warning("Could not free the locks of lost task %s", task_id, exc_info=True)
+
+
+class _PoolChildWatch(threading.Thread):
+    """In a prefork worker's main process: notices a pool child that died (SIGKILL,
+    the OOM killer) within POLL_INTERVAL, before Celery reports it (its pool
+    maintenance may take seconds), and frees the run locks that child held and their
+    enqueue-once locks (see _free_runs_of_dead_child). Reads the pool's list of
+    processes only; reaping stays the pool's."""
+
+    POLL_INTERVAL = 0.1
+
+    def __init__(self, pool):
+        super().__init__(name="django-setnx-pool-watch", daemon=True)
+        self.pool = pool
+        self.handled = set()
+
+    def children(self):
+        return [proc.pid for proc in list(getattr(self.pool, "_pool", None) or ())]
+
+    def run(self):
+        while True:
+            time.sleep(self.POLL_INTERVAL)
+            try:
+                dead = [pid for pid in self.children()
+                        if pid and pid not in self.handled and dead_owners.has_exited(pid)]
+            except Exception:  # noqa: BLE001 - the pool is being rebuilt: look again
+                continue
+            for pid in dead:
+                self.handled.add(pid)
+                dead_owners.in_background(_free_runs_of_dead_child, pid)
+
+
+@celery_signals.worker_ready.connect(weak=False, dispatch_uid="django_setnx_pool_watch")
+def _watch_pool_children(sender=None, **kwargs):
+    """Start a _PoolChildWatch in a prefork worker's main process."""
+    pool = getattr(getattr(sender, "pool", None), "_pool", None)  # TaskPool -> AsynPool
+    if pool is not None and hasattr(pool, "_pool"):
+        _PoolChildWatch(pool).start()
+
+
+def _free_runs_of_dead_child(pid):
+    """Free the run locks the dead pool child ``pid`` held (records naming this host,
+    ``pid`` and a Celery task) and the enqueue-once lock of each of those runs."""
+    for alias in list(locks):
+        try:
+            runs = [run for run in locks[alias].list() if run.owner.get("celery_task_id")
+                    and dead_owners.owned_by(run, pid)]
+            for run in runs:
+                reason = (f"{run.owner.get('guards', 'celery task')}: its worker process "
+                          f"{pid} died")
+                dead_owners.free(alias, run, reason)
+                once_alias, once_name = run.owner.get("celery_once_lock") or (None, None)
+                if once_alias in locks:
+                    once = locks[once_alias].get(once_name)
+                    if once is not None and (once.owner.get("celery_task_id")
+                                             == run.owner["celery_task_id"]):
+                        dead_owners.free(once_alias, once, reason)
+        except LockBackendError:
+            logger.warning("Could not free the locks of dead pool child %s on %r", pid, alias,
+                           exc_info=True)
+
+
+def _free_locks_of_a_dead_run(task, task_id, args, kwargs, reason):
+    """Free the run lock and the enqueue-once lock of the run ``task_id``, in the
+    background, once the pool child that ran it has exited: only records that name
+    ``task_id`` (and, for the run lock, this host), each fencing-checked, so a lock
+    that passed to another run is never touched (see :mod:`django_setnx.dead_owners`)."""
+    targets = {}
+    for kind, alias, build in (("run", task.lock_backend, task.run_lock_name),
+                               ("once", task._once_backend_alias(), task.once_lock_name)):
+        try:
+            name = build(args or (), kwargs or {})
+        except Exception:  # noqa: BLE001 - arguments the name cannot be built from
+            name = None
+        if name is not None:
+            targets[kind] = (alias, name)
+    if targets:
+        dead_owners.in_background(_free_after_exit, targets, task_id,
+                                  f"task {task.name}[{task_id}]: {reason}")
+
+
+def _free_after_exit(targets, task_id, reason):
+    """``targets``: ``{"run"/"once": (alias, name)}`` of the dead run ``task_id``."""
+    found = {}
+    for kind, (alias, name) in targets.items():
+        info = locks[alias].get(name)
+        if info is not None and info.owner.get("celery_task_id") == task_id:
+            found[kind] = (alias, info)
+    if "run" in found:
+        # The run lock's owner is the pool child that ran the task.
+        run = found["run"][1]
+        if not dead_owners.owned_by(run, run.owner.get("pid"), celery_task_id=task_id):
+            return  # taken on another machine (a redelivered run): nothing of ours
+        if not dead_owners.wait_for_exit(run.owner["pid"]):
+            return  # still running: a redelivered run in another child, or a slow death
+    elif found:
+        time.sleep(ONCE_ONLY_GRACE)
+    for alias, info in found.values():
+        dead_owners.free(alias, info, reason)
 
 
 def _install_revoke_hook():

@@ -1,6 +1,7 @@
 """Start, wait for, kill and stop real ``celery worker`` processes for the tests.
 
-A worker is ``python -m celery -A tests.celery_app worker --pool=solo`` with the
+A worker is ``python -m celery -A tests.celery_app worker --pool=solo`` (or
+``--pool=prefork``, one child) with the
 environment of :func:`tests.workers.child_environment`, so Django in the worker
 opens the test databases this pytest run created (their names travel in
 ``SETNX_TEST_DB_NAMES``) and the throwaway Redis (``SETNX_TEST_REDIS_URL``). Each
@@ -21,9 +22,12 @@ ROOT = Path(__file__).resolve().parents[2]
 class CeleryWorker:
     """One ``celery worker`` subprocess consuming the queue :attr:`queue`."""
 
-    def __init__(self, label, env, log_dir, run_id=None):
+    def __init__(self, label, env, log_dir, run_id=None, pool="solo"):
         run_id = run_id or uuid.uuid4().hex[:8]
         self.label = label
+        #: "solo" (the task runs in the worker process) or "prefork" (in one pool
+        #: child, which the main process watches).
+        self.pool = pool
         self.nodename = f"{label}-{run_id}@%h"
         self.queue = f"setnx-tests-{label}-{run_id}"
         self.env = env
@@ -45,7 +49,7 @@ class CeleryWorker:
     def command(self):
         return [
             sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
-            "--pool=solo", "--concurrency=1", "-n", self.nodename,
+            f"--pool={self.pool}", "--concurrency=1", "-n", self.nodename,
             "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-Q", self.queue, "--loglevel=INFO",
         ]
@@ -79,7 +83,7 @@ class CeleryWorker:
             if not self.alive:
                 raise RuntimeError(f"{self} exited during startup:\n{self.log_tail()}")
             if result.ready():
-                if result.get(timeout=1) != self.pid:
+                if self.pool == "solo" and result.get(timeout=1) != self.pid:
                     raise RuntimeError(f"{self}: the ping was answered by another process")
                 return self
             time.sleep(0.05)

@@ -1,0 +1,51 @@
+"""A gunicorn server hook that frees, at once, the locks of a worker that died.
+
+gunicorn's arbiter kills a worker that passed ``--timeout`` (SIGABRT, then SIGKILL),
+and reaps any worker that crashed or was killed by the OOM killer. Its ``@locked``
+views' locks would block everyone until their ttl. In ``gunicorn.conf.py``::
+
+    from django_setnx.contrib.gunicorn import child_exit  # noqa: F401
+
+``child_exit(server, worker)`` runs in the arbiter right after it reaped the
+worker, so the death is certain. It frees the locks, on every backend of
+``SETNX_LOCKS``, whose owner record names this host and the worker's pid, each
+fencing-checked (a lock that passed to another holder stays), except the
+enqueue-once locks of Celery tasks the worker sent (they belong to the task). Each
+is logged with the reason and sends ``lock_force_released`` (see
+:mod:`django_setnx.dead_owners`). It reads every lock of each backend, which only
+happens when a worker exits.
+
+The arbiter needs Django's settings: with ``--preload`` they are loaded already;
+otherwise the hook calls ``django.setup()`` (``DJANGO_SETTINGS_MODULE`` must be set
+in the arbiter's environment, as it is for ``manage.py``). If you have a
+``child_exit`` hook of your own, call this one from it.
+"""
+
+import logging
+
+logger = logging.getLogger("django_setnx")
+
+
+def child_exit(server, worker):
+    """gunicorn's ``child_exit`` server hook (see the module documentation)."""
+    try:
+        _ensure_django()
+        from .. import dead_owners
+
+        freed = dead_owners.free_locks_of_pid(
+            worker.pid, f"gunicorn worker {worker.pid} exited (killed by the arbiter for "
+                        f"its timeout, crashed, or out of memory)")
+    except Exception:  # a server hook must never take the arbiter down
+        logger.warning("Could not free the locks of gunicorn worker %s", worker.pid,
+                       exc_info=True)
+        return []
+    return freed
+
+
+def _ensure_django():
+    from django.apps import apps
+
+    if not apps.ready:
+        import django
+
+        django.setup()

@@ -1,0 +1,87 @@
+"""``django_setnx.dead_owners``: the locks of a process known to be dead, freed at
+once, on every backend shared between processes. (The Celery and gunicorn hooks that
+use it are tested with real workers in tests/test_celery.py and tests/test_gunicorn.py.)"""
+
+import os
+import signal
+import time
+
+from django_setnx import lock, locks
+from django_setnx.dead_owners import free_locks_of_pid, has_exited, owned_by, wait_for_exit
+from django_setnx.signals import lock_force_released
+from tests import workers
+
+
+def test_only_the_dead_pids_own_locks_are_freed(shared_alias, name, spawn, monkeypatch):
+    from django_setnx import dead_owners
+
+    monkeypatch.setattr(dead_owners, "EXIT_WAIT", 0.3)
+    backend = locks[shared_alias]
+    acquired = spawn.ctx.Event()
+    child = spawn(workers.crash_holder_of_two, workers.child_environment(), shared_alias,
+                  name, 60, acquired)
+    assert acquired.wait(30)
+    mine = lock(f"{name}:mine", ttl=60, backend=shared_alias)
+    assert mine.acquire()
+    held = backend.get(name)
+    assert owned_by(held, child.pid) and held.expires_in > 50
+
+    sent = []
+    receiver = lambda **kwargs: sent.append(kwargs)  # noqa: E731
+    lock_force_released.connect(receiver)
+    # Alive: nothing is freed (the wait for its exit gives up).
+    assert free_locks_of_pid(child.pid, "test", aliases=[shared_alias]) == []
+    assert backend.get(name) is not None
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(10)
+    assert has_exited(child.pid)
+    try:
+        freed = free_locks_of_pid(child.pid, "killed by the test", aliases=[shared_alias])
+    finally:
+        lock_force_released.disconnect(receiver)
+    assert [info.name for info in freed] == [name]
+    assert backend.get(name) is None
+    # The enqueue-once lock it sent belongs to the queued task; ours to us.
+    assert backend.get(f"{name}:task") is not None
+    assert mine.owned()
+    assert [(s["name"], s["reason"], s["user"]) for s in sent] == [
+        (name, "killed by the test", None)]
+    mine.release()
+    backend.delete(f"{name}:task")
+
+
+def test_a_process_that_does_not_exit_keeps_its_locks(shared_alias, name, monkeypatch):
+    """The observer may hear of a death before it happens: it waits for the exit, and
+    leaves the locks to their ttl if the process still runs."""
+    from django_setnx import dead_owners
+
+    monkeypatch.setattr(dead_owners, "EXIT_WAIT", 0.3)
+    held = lock(name, ttl=60, backend=shared_alias)
+    assert held.acquire()
+    started = time.monotonic()
+    assert free_locks_of_pid(os.getpid(), "not dead", aliases=[shared_alias]) == []
+    assert time.monotonic() - started >= 0.3
+    assert held.owned()
+    assert not wait_for_exit(os.getpid(), timeout=0.05)
+    held.release()
+
+
+def test_a_lock_that_changed_hands_is_left_alone(shared_alias, name, spawn):
+    """Listed as the dead pid's, then taken over before the release: the fencing
+    check keeps the new holder's lock."""
+    from django_setnx import dead_owners
+
+    backend = locks[shared_alias]
+    acquired = spawn.ctx.Event()
+    child = spawn(workers.crash_holder, workers.child_environment(), shared_alias, name, 60,
+                  acquired)
+    assert acquired.wait(30)
+    stale = backend.get(name)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(10)
+    backend.delete(name)
+    successor = lock(name, ttl=60, backend=shared_alias)
+    assert successor.acquire()
+    assert dead_owners.free(shared_alias, stale, "too late") is None
+    assert successor.owned()
+    successor.release()
