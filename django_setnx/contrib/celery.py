@@ -817,9 +817,19 @@ class _PoolChildWatch(threading.Thread):
 @celery_signals.worker_ready.connect(weak=False, dispatch_uid="django_setnx_pool_watch")
 def _watch_pool_children(sender=None, **kwargs):
     """Start a _PoolChildWatch in a prefork worker's main process."""
+    global _pool_watch
     pool = getattr(getattr(sender, "pool", None), "_pool", None)  # TaskPool -> AsynPool
-    if pool is not None and hasattr(pool, "_pool"):
-        _PoolChildWatch(pool).start()
+    if pool is None or not hasattr(pool, "_pool"):
+        return  # solo, threads, eventlet: no pool children
+    with _pool_watch_lock:
+        if _pool_watch is not None and _pool_watch.is_alive() and _pool_watch.pool is pool:
+            return  # one watch per pool, whatever signals a restarted consumer sends
+        _pool_watch = _PoolChildWatch(pool)
+        _pool_watch.start()
+
+
+_pool_watch = None
+_pool_watch_lock = threading.Lock()
 
 
 def _free_runs_of_dead_child(pid):
