@@ -456,6 +456,9 @@ def test_unreadable_records_never_crash_get_list_or_clear(private_redis):
         assert held_broken.is_held and held_broken.expires_at_ms == far
         assert {i.name for i in backend.list(state="stale")} == set(UNREADABLE)
         assert {i.name for i in backend.list(state="held")} == {"held-broken", "fine"}
+        # The admin's pages filter by state in a script: the same verdicts.
+        assert {i.name for i in backend.page(state="stale").infos} == set(UNREADABLE)
+        assert {i.name for i in backend.page(state="held").infos} == {"held-broken", "fine"}
 
         # An unreadable name can be taken (it blocks nobody)...
         assert backend.acquire("expires-1e20", "tok", 30, OWNER).acquired
@@ -620,6 +623,11 @@ def test_keys_of_another_type_or_not_utf8_are_unreadable_records(private_redis):
         assert all(i.is_stale and i.fencing_token == 0 for i in listed.values())
         for listed_info in listed.values():
             json.dumps(listed_info.as_dict())  # what listlocks --json prints
+        # The admin's pages (names from SCAN, records read for the page only).
+        for state in (None, "stale"):
+            page = backend.page(state=state)
+            assert sorted(i.name for i in page.infos) == ["a-list", "caf\\xe9"], state
+            assert page.total == 2 and all(i.is_stale for i in page.infos)
 
         assert sorted(backend.clear(dry_run=True).names) == ["a-list", "caf\\xe9"]
         assert client.exists(wrong_type, not_utf8) == 2  # a dry run writes nothing

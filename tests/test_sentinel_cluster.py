@@ -218,6 +218,12 @@ def test_cluster_locks_on_every_primary_and_clearlocks(redis_cluster):
         time.sleep(0.1)
         assert [i.name for i in backend.list(state="stale", name_glob=f"cl-{batch}-*")] == \
             [f"cl-{batch}-short"]
+        # Pages (the admin's): the state filter reads one field per key, node by node.
+        page = backend.page(state="stale", name_glob=f"cl-{batch}-*")
+        assert [i.name for i in page.infos] == [f"cl-{batch}-short"] and page.total == 1
+        page = backend.page(state="held", name_glob=f"cl-{batch}-*", offset=10, limit=5)
+        assert [i.name for i in page.infos] == names[11:16]
+        assert page.total == len(names) - 1
         assert backend.clear(name_glob=f"cl-{batch}-*").names == [f"cl-{batch}-short"]
         assert len(list(backend.list(name_glob=f"cl-{batch}-*"))) == len(names) - 1
 

@@ -1041,34 +1041,38 @@ class RedisBackend(BaseLockBackend):
             raise ValueError(f"state must be one of {STATES}, got {state!r}.")
         offset, limit = check_window(offset, limit)
         glob = compile_glob(name_glob) if name_glob else None
-        batches = ((len(keys), self._in_state(client, keys, state))
+        batches = ((len(keys), [(client, key) for key in self._in_state(client, keys, state)])
                    for client, keys, _ in self._scan_all("list", glob, with_names=False))
         first, examined, complete = [], 0, True
-        for calls, (count, names) in enumerate(batches, 1):
-            first.extend(names)
+        for calls, (count, found) in enumerate(batches, 1):
+            first.extend(found)
             examined += count
             if examined > paging.SORT_LIMIT or calls >= SORT_SCAN_CALLS:
                 complete = False
                 break
         if complete:
-            names = sorted({self._name_from_key(key) for key in first})
-            total = sorted_count = len(names)
-            names = names[offset : offset + limit]
+            # SCAN may return a key twice while Redis rehashes: each key once.
+            found = sorted(dict(((key, client) for client, key in first)).items(),
+                           key=lambda item: self._name_from_key(item[0]))
+            total = sorted_count = len(found)
+            found = [(client, key) for key, client in found[offset : offset + limit]]
         else:
             rest = itertools.chain(first, itertools.chain.from_iterable(
-                names for _count, names in batches))
-            names, seen, total, sorted_count = [], 0, None, 0
-            for name in rest:
+                found for _count, found in batches))
+            found, seen, total, sorted_count = [], 0, None, 0
+            for pair in rest:
                 if seen >= offset + limit:
                     break
                 if seen >= offset:
-                    names.append(name)
+                    found.append(pair)
                 seen += 1  # noqa: SIM113 - also the total when the SCAN ends here
             else:
                 total = seen
-            # SCAN may return a key twice while Redis rehashes.
-            names = [self._name_from_key(key) for key in dict.fromkeys(names)]
-        infos = [info for info in map(self.get, names) if info is not None]
+        by_client = {}
+        for client, key in dict.fromkeys(found):
+            by_client.setdefault(client, []).append(key)
+        infos = [info for client, keys in by_client.items()
+                 for info in self._records(client, keys)]
         infos.sort(key=lambda info: info.name)
         return LockPage(infos, total, sorted_count)
 
@@ -1097,29 +1101,36 @@ class RedisBackend(BaseLockBackend):
                     fencing=0, raw=None).state == state)]
 
     def _iter_infos(self, state, glob):
-        for client, keys, names in self._scan_all("list", glob):
-            if not keys:
-                continue
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.hgetall(key)
-            pipe.time()
-            with self._errors_as("list"):
-                # A key of another type under the name (written by hand) answers
-                # WRONGTYPE: an unreadable record, not a failed listing.
-                *records, (seconds, micros) = pipe.execute(raise_on_error=False)
-            now = int(seconds) * 1000 + int(micros) // 1000
-            for name, fields in zip(names, records):
-                if isinstance(fields, redis.exceptions.ResponseError):
-                    fields = {"error": str(fields)}
-                if not fields:  # released between SCAN and HGETALL
-                    continue
-                if not _is_text(name):
-                    info = LockInfo.unreadable(printable_name(name), self.alias, now, fields)
-                else:
-                    info = self._info(name, fields, now)
+        for client, keys, _names in self._scan_all("list", glob, with_names=False):
+            for info in self._records(client, keys):
                 if state is None or info.state == state:
                     yield info
+
+    def _records(self, client, keys):
+        """The LockInfos of the lock ``keys`` on the server of ``client``, read in one
+        pipeline with Redis' clock; keys gone meanwhile are left out. A key of another
+        type (WRONGTYPE) or whose name is not UTF-8 is an unreadable record."""
+        if not keys:
+            return []
+        pipe = client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(key)
+        pipe.time()
+        with self._errors_as("list"):
+            *records, (seconds, micros) = pipe.execute(raise_on_error=False)
+        now = int(seconds) * 1000 + int(micros) // 1000
+        infos = []
+        for key, fields in zip(keys, records):
+            if isinstance(fields, redis.exceptions.ResponseError):
+                fields = {"error": str(fields)}
+            if not fields:  # released between SCAN and HGETALL
+                continue
+            name = self._name_from_key(key)
+            if not _is_text(name):
+                infos.append(LockInfo.unreadable(printable_name(name), self.alias, now, fields))
+            else:
+                infos.append(self._info(name, fields, now))
+        return infos
 
     def clear(self, *, include_held=False, name_glob=None, older_than=None, dry_run=False,
               progress=None):
