@@ -34,7 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _setup  # noqa: E402  (puts the repository first on sys.path)
-from bench_core import CAD, check, fmt, load, median, out, pct, table, verdict  # noqa: E402
+from bench_core import (  # noqa: E402
+    CAD, check, fmt, load, median, out, pct, run_header, table, verdict)
 
 pc = time.perf_counter_ns
 TTL = 30
@@ -315,13 +316,9 @@ def main():
         _setup.configure(cfg)
         import redis
 
-        out("# django-setnx: waiting on Redis, async and dead waiters")
-        out()
-        out(f"- {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {os.cpu_count()} CPUs, "
-            f"load average at start **{load()}**; redis-py {redis.__version__}; "
-            f"Redis {redis.Redis.from_url(cfg['redis_url']).info('server')['redis_version']}")
-        out(f"- parameters: {p}")
-        out()
+        server = redis.Redis.from_url(cfg["redis_url"]).info("server")["redis_version"]
+        run_header("django-setnx: waiting on Redis, async and dead waiters",
+                   f"redis-py {redis.__version__}; Redis {server}", p)
         if "1" in sections:
             section_uncontended(cfg, p, results)
         if "2" in sections:

@@ -805,10 +805,17 @@ def run_throughput(cfg, kind, alias, n, procs=4, sleep=0.1):
     ]
     for w in workers:
         w.start()
+    return gather(workers, results, barrier, time.monotonic() + 120 + n * procs * 0.5)
+
+
+def gather(workers, results, barrier, deadline):
+    """Collect one ``("ok", idx, *report)`` per worker process from ``results``:
+    ``{idx: report}``. A worker's ``("error", idx, traceback)``, a dead worker or
+    the ``deadline`` (monotonic) raises RuntimeError; the workers are joined (killed
+    if they linger) either way."""
     got = {}
-    deadline = time.monotonic() + 120 + n * procs * 0.5
     try:
-        while len(got) < procs:
+        while len(got) < len(workers):
             try:
                 msg = results.get(timeout=1)
             except queue.Empty:
@@ -831,6 +838,17 @@ def run_throughput(cfg, kind, alias, n, procs=4, sleep=0.1):
                 w.kill()
                 w.join()
     return got
+
+
+def run_header(title, detail, p):
+    """The first lines of a benchmark's output: title, date, machine, load, ``detail``
+    and the parameters ``p``."""
+    out(f"# {title}")
+    out()
+    out(f"- {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {os.cpu_count()} CPUs, "
+        f"load average at start **{load()}**; {detail}")
+    out(f"- parameters: {p}")
+    out()
 
 
 def throughput_stats(got):

@@ -12,7 +12,8 @@ from .backends.base import LockInfo
 from .decorators import locked
 from .handler import locks
 from .locking import Lock, lock
+from .semaphore import Semaphore, semaphore
 
 __version__ = "0.1.0"
 
-__all__ = ["Lock", "LockInfo", "lock", "locked", "locks"]
+__all__ = ["Lock", "LockInfo", "Semaphore", "lock", "locked", "locks", "semaphore"]

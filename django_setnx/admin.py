@@ -65,7 +65,7 @@ from .globs import compile_glob, escape, search_to_glob
 from .handler import locks
 from .models import LockRecord
 from .signals import lock_force_released
-from .validation import validate_name
+from .validation import slot_record, validate_record_name
 
 try:  # Django 5.0+: "Show counts" next to the filter choices.
     from django.contrib.admin.options import IS_FACETS_VAR, ShowFacets
@@ -270,7 +270,7 @@ class LockRecordAdmin(admin.ModelAdmin):
             expires_text = _("expired %(duration)s ago") % {"duration": format_duration(-expires_in)}
         return {
             "info": info,
-            "name": info.name,
+            "name": info.display_name,
             "backend": info.backend,
             "state": info.state,
             "host": host,
@@ -283,6 +283,33 @@ class LockRecordAdmin(admin.ModelAdmin):
             "expires_text": expires_text,
             "selection_value": _selection_value(info.backend, info.name),
         }
+
+    def _rows(self, infos):
+        """The table rows of ``infos``, with a heading row above each run of one
+        semaphore's slots: its name and how many of its slots are held."""
+        rows, previous = [], None
+        for info in infos:
+            semaphore = info.semaphore
+            key = None if semaphore is None else (info.backend, semaphore[0])
+            if key is not None and key != previous:
+                rows.append(self._semaphore_heading(info))
+            previous = key
+            rows.append(self._row(info))
+        return rows
+
+    def _semaphore_heading(self, info):
+        """``{"semaphore": name, "held": n, "limit": N}``: the slots held now are
+        counted on the backend (the page may show only some of them)."""
+        name, _slot, limit = info.semaphore
+        held = None
+        if limit is not None:
+            backend = locks[info.backend]
+            try:
+                slots = (backend.get(slot_record(name, slot)) for slot in range(1, limit + 1))
+                held = sum(1 for slot in slots if slot is not None and slot.is_held)
+            except LockBackendError:
+                held = None
+        return {"semaphore": name, "backend": info.backend, "held": held, "limit": limit}
 
     def _facets(self, request):
         """``(show counts now, can the user toggle them)`` by ``show_facets``."""
@@ -432,7 +459,8 @@ class LockRecordAdmin(admin.ModelAdmin):
             subtitle=None,
             headers=headers,
             num_sorted_fields=len(columns),
-            rows=[self._row(info) for info in page.rows],
+            rows=self._rows(page.rows),
+            lock_count=len(page.rows),
             errors=sorted(errors.items()),
             notes=notes,
             page=page,
@@ -477,7 +505,7 @@ class LockRecordAdmin(admin.ModelAdmin):
         if not isinstance(alias, str) or alias not in self._aliases():
             raise BadSelection(f"unknown lock backend {alias!r}")
         try:
-            validate_name(name)
+            validate_record_name(name)
         except (TypeError, ValueError) as exc:
             raise BadSelection(str(exc)) from exc
         if not with_token:
@@ -603,7 +631,7 @@ class LockRecordAdmin(admin.ModelAdmin):
             user_id=request.user.pk,
             content_type_id=ContentType.objects.get_for_model(LockRecord).pk,
             object_id=f"{alias}:{info.name}",
-            object_repr=f"{alias}: {info.name}"[:200],
+            object_repr=f"{alias}: {info.display_name}"[:200],
             action_flag=DELETION,
             change_message=(
                 f"Force-released lock {info.name!r} on backend {alias!r} "

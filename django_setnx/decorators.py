@@ -43,6 +43,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from .conf import DEFAULT_LOCK_ALIAS
 from .exceptions import LockError, LockNotAcquired
 from .locking import Lock
+from .semaphore import Semaphore, validate_limit
 from .transactions import database_aliases, deferred_lock
 from .validation import validate_timeout
 
@@ -197,10 +198,12 @@ def retry_after_seconds(lock, retry_after=None, request=None):
         retry_after = retry_after(lock, request)
     if retry_after is None:
         try:
-            info = lock.info()
+            # A semaphore's first slot to free is its holder's that expires first.
+            infos = lock.holders() if isinstance(lock, Semaphore) else [lock.info()]
         except LockError:  # an outage must not turn a 409 into a 500
-            info = None
-        retry_after = info.expires_in if info is not None and info.is_held else 1
+            infos = []
+        held = [info.expires_in for info in infos if info is not None and info.is_held]
+        retry_after = min(held) if held else 1
     return max(1, math.ceil(retry_after))
 
 
@@ -264,7 +267,7 @@ def _refuse_reentry(lk, func):
     """Raise a clear LockError for a recursive call: a lock is not reentrant, and the
     inner call would wait for its own caller's lock until the ttl (then the outer
     call's release would fail with LockNotOwned)."""
-    key = (lk.backend_alias, lk.name)
+    key = lk.identity
     # Only the same task or thread: an asyncio task created inside a guarded call
     # copies the context, but waiting there for the lock is waiting for another task
     # (``active`` also clears the mark once that call has ended).
@@ -279,7 +282,7 @@ def _refuse_reentry(lk, func):
 
 
 def _enter(lk):
-    held = _Held((lk.backend_alias, lk.name))
+    held = _Held(lk.identity)
     return held, _in_progress.set(_in_progress.get() + (held,))
 
 
@@ -297,8 +300,9 @@ def _leave(entered):
 
 def locked(name, ttl=None, *, timeout=0, backend=DEFAULT_LOCK_ALIAS, on_contention=None,
            auto_renew=False, status=409, retry_after=None, unlocked_methods=UNLOCKED_METHODS,
-           release_on_commit=True, using=None):
-    """Decorate a callable so that each call runs while holding a lock.
+           release_on_commit=True, using=None, limit=None):
+    """Decorate a callable so that each call runs while holding a lock (or, with
+    ``limit``, one of the ``limit`` slots of a semaphore).
 
     - ``name``: a ``str.format`` template over the call's arguments, or a callable
       ``name(*args, **kwargs) -> str``. A template field the function does not take
@@ -306,6 +310,8 @@ def locked(name, ttl=None, *, timeout=0, backend=DEFAULT_LOCK_ALIAS, on_contenti
       fill is a ``ValueError`` at call time (never a lock literally named
       ``"invoice:{invoice_id}"``).
     - ``ttl``, ``backend``, ``auto_renew``: as for :func:`~django_setnx.lock`.
+    - ``limit``: None (a lock, the default) or an int N: at most N calls run at
+      once, each holding a slot of :func:`~django_setnx.semaphore` ``name``.
     - ``timeout``: seconds to wait for the lock (default 0: do not wait; ``None``
       waits forever).
     - ``on_contention``: ``"raise"`` (``LockNotAcquired``; the default for
@@ -333,6 +339,11 @@ def locked(name, ttl=None, *, timeout=0, backend=DEFAULT_LOCK_ALIAS, on_contenti
     is guarded: the view's method and path, or the function's dotted name.
     """
     validate_timeout(timeout)
+    if limit is not None:
+        try:
+            validate_limit(limit)
+        except (TypeError, ValueError) as exc:
+            raise ImproperlyConfigured(str(exc)) from exc
     if on_contention is not None and on_contention not in (RAISE, SKIP) \
             and not callable(on_contention):
         raise ImproperlyConfigured(
@@ -369,9 +380,13 @@ def locked(name, ttl=None, *, timeout=0, backend=DEFAULT_LOCK_ALIAS, on_contenti
                 return None, request, http_request
             guards = (f"{http_request.method} {http_request.path} ({dotted})"
                       if http_request is not None else dotted)
-            lk = Lock(make_name(args, kwargs), ttl, backend=backend, timeout=timeout,
-                      auto_renew=auto_renew, guards=guards,
-                      release_on_commit=release_on_commit, using=using)
+            options = {"backend": backend, "timeout": timeout, "auto_renew": auto_renew,
+                       "guards": guards, "release_on_commit": release_on_commit,
+                       "using": using}
+            if limit is None:
+                lk = Lock(make_name(args, kwargs), ttl, **options)
+            else:
+                lk = Semaphore(make_name(args, kwargs), limit, ttl, **options)
             _refuse_reentry(lk, func)
             return lk, request, http_request
 

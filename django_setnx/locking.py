@@ -99,10 +99,18 @@ class Lock:
         self.fencing_token = None
         self.lost = False
         self._token = None
+        #: The name of the backend record this object holds or last held: the lock's
+        #: own name (a semaphore's is the name of one of its slots).
+        self._record = self.name
         self._renewer = None
         #: Extra fields of the owner record (integrations: a Celery task's id).
         self.owner_extra = {}
         self._borrowed = False
+
+    @property
+    def identity(self):
+        """What makes two Lock objects the same lock: ``(backend alias, name)``."""
+        return (self.backend_alias, self.name)
 
     def __repr__(self):
         state = "lost" if self.lost else ("acquired" if self._token else "unlocked")
@@ -140,8 +148,10 @@ class Lock:
         logger.debug("Acquired lock %r (fencing token %s)", self.name, self.fencing_token)
         signals.lock_acquired.send(sender=Lock, lock=self)
 
-    def _contended(self, result, already_signalled):
-        if not already_signalled:
+    def _contended(self, result, calls):
+        """The first refusal of an acquire: logged and signalled once per acquire."""
+        if not calls.signalled:
+            calls.signalled = True
             logger.debug("Lock %r is contended (retry after %s s)", self.name, result.retry_after)
             signals.lock_contended.send(sender=Lock, lock=self, retry_after=result.retry_after)
 
@@ -153,40 +163,46 @@ class Lock:
         non-blocking contention. Raises LockBackendError if the backend is down.
         """
         token, owner, steps, calls = self._begin_acquire(blocking, timeout)
+        backend = self.backend
         try:
-            step, arg = next(steps)
+            step, record, arg = next(steps)
             while step is not None:
                 if step is _ACQUIRE:
-                    result = self.backend.acquire(self.name, token, self.ttl, owner, arg)
+                    result = backend.acquire(record, token, self.ttl, owner, arg)
                 elif step is _WAIT:
-                    result = self.backend.wait(self.name, token=token, **arg)
+                    result = backend.wait(record, token=token, **arg)
+                elif step is _STOP_WAITING:
+                    result = self._stop_waiting(record, token)
                 else:
-                    result = self._stop_waiting(token)
-                step, arg = steps.send(result)
+                    result = backend.get(record)
+                step, record, arg = steps.send(result)
         except BaseException:
-            if calls.queued:  # interrupted while queued: leave nothing held or queued behind
-                self._abandon(token)
+            if calls.queued is not None:  # interrupted while queued: leave nothing behind
+                self._abandon(calls.queued, token)
             raise
-        return self._won(token, arg, calls)
+        return self._won(token, record, arg, calls)
 
     async def aacquire(self, blocking=None, timeout=_UNSET):
         """Async twin of :meth:`acquire`; waiting does not block the event loop."""
         token, owner, steps, calls = self._begin_acquire(blocking, timeout)
+        backend = self.backend
         try:
-            step, arg = next(steps)
+            step, record, arg = next(steps)
             while step is not None:
                 if step is _WAIT:
-                    result = await self.backend.await_release(self.name, token=token, **arg)
+                    result = await backend.await_release(record, token=token, **arg)
                 elif step is _ACQUIRE:
-                    result = await self.backend.aacquire(self.name, token, self.ttl, owner, arg)
+                    result = await backend.aacquire(record, token, self.ttl, owner, arg)
+                elif step is _STOP_WAITING:
+                    result = await self._astop_waiting(record, token)
                 else:
-                    result = await self._astop_waiting(token)
-                step, arg = steps.send(result)
+                    result = await backend.aget(record)
+                step, record, arg = steps.send(result)
         except BaseException:  # includes asyncio.CancelledError
-            if calls.queued:
-                await sync_to_async(self._abandon, thread_sensitive=False)(token)
+            if calls.queued is not None:
+                await sync_to_async(self._abandon, thread_sensitive=False)(calls.queued, token)
             raise
-        return self._won(token, arg, calls)
+        return self._won(token, record, arg, calls)
 
     def _begin_acquire(self, blocking, timeout):
         """``(token, owner, steps, calls)`` of a new acquire: see _acquire_steps."""
@@ -194,39 +210,57 @@ class Lock:
         calls = _CallClock()
         return token, owner, self._acquire_steps(calls, deadline), calls
 
-    def _won(self, token, result, calls):
-        """The end of an acquire: ``result`` is the winning AcquireResult, or None."""
+    def _won(self, token, record, result, calls):
+        """The end of an acquire: ``result`` is the winning AcquireResult of the
+        record named ``record``, or None."""
         if result is None:
             return False
+        self._record = record
         self._acquired(token, result, calls.earliest_write())
         return True
 
     def _acquire_steps(self, calls, deadline):
-        """The attempts of one acquire, for :meth:`acquire` and :meth:`aacquire`
+        """The backend calls of one acquire, for :meth:`acquire` and :meth:`aacquire`
         alike (they differ only in how they make a call): a generator that yields
-        each backend call to make, ``(_ACQUIRE, max_wait)``, ``(_WAIT, kwargs of
-        wait())`` or ``(_STOP_WAITING, None)``, and is sent its result; it ends with
-        ``(None, the winning AcquireResult or None on timeout)``."""
+        ``(step, record name, argument)`` for each call to make, ``(_ACQUIRE,
+        record, max_wait)``, ``(_WAIT, record, kwargs of wait())``,
+        ``(_STOP_WAITING, record, None)`` or ``(_GET, record, None)``, and is sent its
+        result; it ends with ``(None, record, the winning AcquireResult)`` or
+        ``(None, None, None)`` on timeout. A Lock has one record, named as the lock."""
+        result = yield from self._steps_on(self.name, calls, deadline)
+        yield None, self.name, result
+
+    def _steps_on(self, record, calls, deadline):
+        """The attempts on one record until it is won (returns the AcquireResult) or
+        ``deadline`` (monotonic) passes (returns None), queued meanwhile where the
+        backend queues waiters; see :meth:`_acquire_steps`."""
         attempt = 0
         max_wait = _remaining(deadline)
         while True:
             calls.tick()
-            result = yield _ACQUIRE, max_wait
+            result = yield _ACQUIRE, record, max_wait
             if result.acquired:
-                yield None, result
+                calls.queued = None
+                return result
             # A refused caller that will retry is queued by the backend.
-            calls.queued = max_wait != 0
-            self._contended(result, attempt > 0)
+            if max_wait != 0:
+                calls.queued = record
+            self._contended(result, calls)
             max_wait = _remaining(deadline)
             if max_wait is not None and max_wait <= 0:
+                if calls.queued is None:
+                    return None
                 calls.tick()
                 # Handed to us just before we gave up: ours after all.
-                yield None, (yield _STOP_WAITING, None) if calls.queued else None
+                handed = yield _STOP_WAITING, record, None
+                calls.queued = None
+                return handed
             calls.tick()
-            handed = yield _WAIT, {"attempt": attempt, "max_wait": max_wait,
-                                   "retry_after": result.retry_after}
+            handed = yield _WAIT, record, {"attempt": attempt, "max_wait": max_wait,
+                                           "retry_after": result.retry_after}
             if handed is not None:  # a release handed the lock to us
-                yield None, handed
+                calls.queued = None
+                return handed
             attempt += 1
 
     def adopt(self, token):
@@ -240,9 +274,9 @@ class Lock:
         """
         self._prepare_acquire(blocking=False, timeout=0)
         started = time.monotonic()
-        if not self.backend.extend(self.name, token, self.ttl):
+        if not self.backend.extend(self._record, token, self.ttl):
             return False
-        info = self.backend.get(self.name)
+        info = self.backend.get(self._record)
         fencing = info.fencing_token if info is not None else None
         self._acquired(token, AcquireResult.won(fencing or 0), started)
         return True
@@ -256,28 +290,29 @@ class Lock:
             raise LockError(f"Lock {self.name!r} is already acquired by this Lock object.")
         self._token, self.lost = token, False
 
-    def _stop_waiting(self, token):
-        """Leave the backend's queue; returns the AcquireResult if the lock was handed
-        to us meanwhile. A failure here only delays others (our place lapses)."""
+    def _stop_waiting(self, record, token):
+        """Leave the backend's queue of ``record``; returns the AcquireResult if it
+        was handed to us meanwhile. A failure here only delays others (our place
+        lapses)."""
         try:
-            return self.backend.stop_waiting(self.name, token)
+            return self.backend.stop_waiting(record, token)
         except LockBackendError:
             logger.warning("Could not withdraw from the waiters of %r", self.name, exc_info=True)
             return None
 
-    async def _astop_waiting(self, token):
+    async def _astop_waiting(self, record, token):
         try:
-            return await self.backend.astop_waiting(self.name, token)
+            return await self.backend.astop_waiting(record, token)
         except LockBackendError:
             logger.warning("Could not withdraw from the waiters of %r", self.name, exc_info=True)
             return None
 
-    def _abandon(self, token):
-        """After an error or interruption while queued: withdraw, and release a lock
-        handed to us that the caller will never know it holds."""
+    def _abandon(self, record, token):
+        """After an error or interruption while queued for ``record``: withdraw, and
+        release a lock handed to us that the caller will never know it holds."""
         try:
-            if self._stop_waiting(token) is not None:
-                self.backend.release(self.name, token)
+            if self._stop_waiting(record, token) is not None:
+                self.backend.release(record, token)
         except Exception:  # noqa: BLE001 - the error in flight is the one to report
             logger.warning("Could not give up the lock handed to %r", self.name, exc_info=True)
 
@@ -307,14 +342,14 @@ class Lock:
     def _release_lost(self):
         self._stop_renewer()
         try:
-            self.backend.release(self.name, self._token)
+            self.backend.release(self._record, self._token)
         except LockError:
             logger.debug("Could not free lost lock %r", self.name, exc_info=True)
 
     async def _arelease_lost(self):
         self._stop_renewer()
         try:
-            await self.backend.arelease(self.name, self._token)
+            await self.backend.arelease(self._record, self._token)
         except LockError:
             logger.debug("Could not free lost lock %r", self.name, exc_info=True)
 
@@ -343,7 +378,7 @@ class Lock:
         """
         self._check_held_by_us("release")
         self._stop_renewer()
-        self._released(self.backend.release(self.name, self._token))
+        self._released(self.backend.release(self._record, self._token))
 
     async def arelease(self):
         """Async twin of :meth:`release`."""
@@ -353,7 +388,7 @@ class Lock:
             raise self._lost_error("release")
         self._check_held_by_us("release")
         self._stop_renewer()
-        self._released(await self.backend.arelease(self.name, self._token))
+        self._released(await self.backend.arelease(self._record, self._token))
 
     # -- extend -------------------------------------------------------------------
 
@@ -377,13 +412,13 @@ class Lock:
         clock. Raises LockNotOwned if the lock was lost."""
         self._check_held_by_us("extend")
         ttl = self._extend_ttl(ttl)
-        self._extended(self.backend.extend(self.name, self._token, ttl))
+        self._extended(self.backend.extend(self._record, self._token, ttl))
 
     async def aextend(self, ttl=None):
         """Async twin of :meth:`extend`."""
         self._check_held_by_us("extend")
         ttl = self._extend_ttl(ttl)
-        self._extended(await self.backend.aextend(self.name, self._token, ttl))
+        self._extended(await self.backend.aextend(self._record, self._token, ttl))
 
     def _mark_lost(self):
         # The renewer, the watchdog and the owner's own extend() or release() can all
@@ -407,7 +442,7 @@ class Lock:
         """Return True if this Lock object holds the lock now (checked with the backend)."""
         if self._token is None or self.lost:
             return False
-        return self.backend.owns(self.name, self._token)
+        return self.backend.owns(self._record, self._token)
 
     def info(self):
         """Return the backend's :class:`~django_setnx.backends.base.LockInfo`, or None."""
@@ -420,7 +455,7 @@ class Lock:
     async def aowned(self):
         if self._token is None or self.lost:
             return False
-        return await self.backend.aowns(self.name, self._token)
+        return await self.backend.aowns(self._record, self._token)
 
     async def ainfo(self):
         return await self.backend.aget(self.name)
@@ -454,6 +489,7 @@ class Lock:
         if held is None:
             return False
         self._token, self.fencing_token, self.lost = held._token, held.fencing_token, False
+        self._record = held._record
         self._borrowed = True
         return True
 
@@ -514,12 +550,12 @@ def _remaining(deadline):
 
 
 #: The backend calls Lock._acquire_steps asks for.
-_ACQUIRE, _WAIT, _STOP_WAITING = "acquire", "wait", "stop_waiting"
+_ACQUIRE, _WAIT, _STOP_WAITING, _GET = "acquire", "wait", "stop_waiting", "get"
 
 
 class _CallClock:
     """When each backend call of one acquire() started (monotonic seconds), and
-    whether the caller is queued by the backend (``queued``).
+    the record whose queue the caller is in (``queued``).
 
     A lock won at a call's first attempt was written during that call; one handed
     over by a release (the backend's waiter queue) may have been written as early as
@@ -527,11 +563,14 @@ class _CallClock:
     the two: a safe lower bound for when the record's ttl started.
     """
 
-    __slots__ = ("current", "previous", "queued")
+    __slots__ = ("current", "previous", "queued", "signalled")
 
     def __init__(self):
         self.current = self.previous = None
-        self.queued = False
+        #: The record whose waiters the caller is among, or None.
+        self.queued = None
+        #: Whether the acquire's first refusal was signalled (lock_contended).
+        self.signalled = False
 
     def tick(self):
         self.previous, self.current = self.current, time.monotonic()
@@ -582,7 +621,7 @@ class _Renewer(threading.Thread):
         while not self._stop_event.wait(wait):
             started = time.monotonic()
             try:
-                renewed = lk.backend.extend(lk.name, self.token, lk.ttl)
+                renewed = lk.backend.extend(lk._record, self.token, lk.ttl)
             except LockError:
                 logger.warning("Could not renew lock %r", lk.name, exc_info=True)
                 left = self.valid_until - time.monotonic()

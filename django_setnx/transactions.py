@@ -65,7 +65,7 @@ def open_transactions(aliases):
     return [alias for alias in aliases if connections[alias].in_atomic_block]
 
 
-#: Per thread: (backend alias, lock name) -> the _DeferredRelease waiting for COMMIT.
+#: Per thread: Lock.identity -> the _DeferredRelease waiting for COMMIT.
 _pending = threading.local()
 
 
@@ -88,7 +88,7 @@ def deferred_lock(lock):
     open transaction): give the lock a ttl, or ``auto_renew``, that covers the
     transaction.
     """
-    deferred = _pending_releases().get((lock.backend_alias, lock.name))
+    deferred = _pending_releases().get(lock.identity)
     if deferred is None or deferred.done:
         return None
     try:
@@ -121,7 +121,7 @@ class _DeferredRelease:
         self.waiting = set(aliases)
         self.done = False
         self._guard = threading.Lock()
-        self._key = (lock.backend_alias, lock.name)
+        self._key = lock.identity
         self._registry = _pending_releases()
         self._registry[self._key] = self
         for alias in aliases:

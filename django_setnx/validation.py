@@ -10,8 +10,41 @@ import numbers
 from .conf import MAX_NAME_LENGTH
 
 
+#: Separates a semaphore's name from its slot number in the slot's record name
+#: (see django_setnx.semaphore); lock names may not contain it.
+SLOT_SEPARATOR = RESERVED_IN_NAMES = "\x1f"
+
+
+#: The most slots a semaphore may have: an acquire of a full semaphore looks at each.
+MAX_LIMIT = 1000
+
+
+def slot_record(name, slot):
+    """The record name of slot ``slot`` (1-based) of semaphore ``name``."""
+    return f"{name}{SLOT_SEPARATOR}{slot}"
+
+
+def split_slot(record):
+    """``(semaphore name, slot)`` of a slot's record name, or None for a lock's."""
+    name, sep, slot = record.rpartition(SLOT_SEPARATOR)
+    if not sep or not slot.isdigit() or not slot.isascii():
+        return None
+    return name, int(slot)
+
+
 def validate_name(name):
-    """Return ``name`` if it is a usable lock name, else raise TypeError/ValueError."""
+    """Return ``name`` if it is a usable lock or semaphore name, else raise
+    TypeError/ValueError."""
+    validate_record_name(name)
+    if RESERVED_IN_NAMES in name:
+        raise ValueError(
+            f"Lock name must not contain \\x1f, which names a semaphore's slots: {name!r}.")
+    return name
+
+
+def validate_record_name(name):
+    """Return ``name`` if a backend record may have it (a lock's name or a semaphore
+    slot's), else raise TypeError/ValueError."""
     if not isinstance(name, str):
         raise TypeError(f"Lock name must be a str, not {type(name).__name__}: {name!r}.")
     if not name:

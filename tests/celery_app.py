@@ -169,6 +169,10 @@ def _register(alias):
              once_policy="raise", once_name="celery-once-test:{key}", once_ttl=60,
              **opts)(hang)
 
+    # As hang, with a semaphore of two slots as its run lock (lock_limit=2).
+    app.task(name=f"setnx_tests.hang_limited.{alias}", lock_name="celery-test:{key}",
+             lock_limit=2, lock_ttl=60, **opts)(hang)
+
     # Enqueue-once tasks that return their key: canvases (chains, groups, chords).
     for policy in ("raise", "drop"):
         def once_value(self, key, pause=0):

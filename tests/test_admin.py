@@ -32,7 +32,7 @@ from django.test import Client, override_settings
 from django.urls import reverse
 from django.utils import timezone, translation
 
-from django_setnx import lock, locks
+from django_setnx import lock, locks, semaphore
 from django_setnx.backends import paging
 from django_setnx.backends.database import DatabaseBackend
 from django_setnx.backends.base import STALE
@@ -100,7 +100,7 @@ def list_url(**params):
 
 
 def listed_names(response):
-    return [row["name"] for row in response.context["rows"]]
+    return [row["name"] for row in response.context["rows"] if "semaphore" not in row]
 
 
 def confirm_value(alias, name, token):
@@ -1115,3 +1115,38 @@ def test_a_third_party_backend_appears_with_no_admin_code(viewer, releaser, forc
         assert LogEntry.objects.get().object_repr == f"third: {name}"
         for lk in held[::2]:
             lk.release()
+
+
+# -- semaphores --------------------------------------------------------------------------
+
+
+@transactional
+def test_a_semaphore_is_one_heading_with_its_holders(alias, releaser, force_released):
+    tag = uuid.uuid4().hex[:8]
+    name = f"{tag}:exports"
+    holders = [semaphore(name, 5, ttl=300, backend=alias, guards=f"export {i}")
+               for i in range(3)]
+    assert all(sem.acquire(blocking=False) for sem in holders)
+    client = logged_in(releaser)
+    response = client.get(list_url(q=tag, backend=alias))
+    rows = response.context["rows"]
+    assert rows[0] == {"semaphore": name, "backend": alias, "held": 3, "limit": 5}
+    assert sorted(row["name"] for row in rows[1:]) == sorted(
+        f"{name} [slot {sem.slot}/5]" for sem in holders)
+    content = response.content.decode()
+    assert "3/5 held" in content and content.count('class="semaphore-heading"') == 1
+
+    # Force-release one holder: only its slot goes, fencing-checked.
+    victim = holders[1]
+    record = victim.info()
+    response = client.post(reverse(RELEASE_URL), {
+        "lock": confirm_value(alias, record.name, record.fencing_token), "post": "yes"},
+        follow=True)
+    assert "Force-released 1 lock" in response.content.decode()
+    assert not victim.owned() and holders[0].owned() and holders[2].owned()
+    assert LogEntry.objects.get().object_repr == f"{alias}: {name} [slot {victim.slot}/5]"
+    assert [sent["name"] for sent in force_released] == [record.name]
+    response = client.get(list_url(q=tag, backend=alias))
+    assert response.context["rows"][0]["held"] == 2
+    for sem in (holders[0], holders[2]):
+        sem.release()

@@ -27,7 +27,7 @@ from celery import Celery
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from django_setnx import lock, locks
+from django_setnx import lock, locks, semaphore
 from django_setnx.contrib.celery import (
     ONCE_NAME_HEADER,
     ONCE_TOKEN_HEADER,
@@ -168,6 +168,37 @@ def test_contention_policies(alias, name, policy):
                 assert result.result.name == name
     assert not held(alias, name)
     assert job.delay().get() == "ran"
+
+
+def test_lock_limit_runs_at_most_that_many(alias, name):
+    """``lock_limit=N``: the run lock is a semaphore of N slots."""
+
+    @eager_task(bind=True, lock_name=name, lock_backend=alias, lock_limit=2, lock_ttl=30)
+    def job(self):
+        holders = semaphore(name, 2, backend=alias).holders()
+        return [info.owner.get("celery_task_id") for info in holders]
+
+    result = job.delay()
+    assert result.get() == [result.id]  # it held one slot of two
+    first = semaphore(name, 2, ttl=30, backend=alias, guards="the test")
+    assert first.acquire(blocking=False)
+    assert job.delay().successful()  # one slot left
+    second = semaphore(name, 2, ttl=30, backend=alias, guards="the test")
+    assert second.acquire(blocking=False)
+    result = job.delay()
+    assert result.failed() and isinstance(result.result, LockNotAcquired)
+    assert f"semaphore {name!r} has all 2 slots held by the test, the test" in str(result.result)
+    first.release()
+    second.release()
+    assert semaphore(name, 2, backend=alias).holders() == []
+
+
+def test_bad_lock_limits_fail_at_definition():
+    for limit, message in ((0, "from 1 to 1000, got 0"), ("2", "not str")):
+        with pytest.raises(ImproperlyConfigured, match=message):
+            @eager_task(lock_name="x", lock_limit=limit)
+            def job():
+                pass
 
 
 def test_retry_on_contention_runs_once_free(alias, name):
@@ -914,7 +945,9 @@ def test_a_lost_pool_child_frees_its_locks_at_once(workers, prefork_worker, work
     if death != "time_limit":
         # (Past its time limit the child is sent SIGTERM first: the run then unwinds
         # and releases its own locks, unless it is stuck; then SIGKILL, and this.)
-        assert "Freed lock" in prefork_worker.log_tail(20000)
+        # (The record goes first, then the line is logged: wait for it.)
+        wait_until(lambda: "Freed lock" in prefork_worker.log_tail(20000), 5,
+                   "the log line of the freed lock", [prefork_worker])
     _, w2 = workers
     successor = job.apply_async((key, log, "successor", 0.1), queue=w2.queue)
     assert get(successor, workers) == "successor"
@@ -946,6 +979,32 @@ def test_a_lock_that_changed_hands_is_never_freed_for_a_dead_run(
         assert successor.owned()
         successor.release()
     assert "Freed lock" not in prefork_worker.log_tail(20000)
+
+
+def test_a_lost_pool_child_frees_its_semaphore_slot_at_once(workers, prefork_worker,
+                                                              worker_alias, tmp_path):
+    """``lock_limit=2``: the dead run's slot is freed within 2 s, the other slot's
+    holder is left alone."""
+    import os
+    import signal
+
+    from django_setnx.semaphore import slot_record
+
+    job = celery_task("hang_limited", worker_alias)
+    key, log = uuid.uuid4().hex, str(tmp_path / "runs.jsonl")
+    other = semaphore(f"celery-test:{key}", 2, ttl=60, backend=worker_alias)
+    assert other.acquire(blocking=False)
+    result = job.apply_async((key, log, "hang", 60), queue=prefork_worker.queue)
+    wait_until(lambda: started(log, "hang"), 30, "the hanging run", [prefork_worker])
+    run = next(info for info in other.holders() if info.owner.get("celery_task_id") == result.id)
+    assert run.name == slot_record(other.name, 3 - other.slot) and run.owner["limit"] == 2
+    os.kill(run.owner["pid"], signal.SIGKILL)
+    dead = wait_for_exit(run.owner["pid"], [prefork_worker])
+    wait_until(lambda: len(other.holders()) == 1, 5, "the dead run's slot to be freed",
+               [prefork_worker])
+    assert time.monotonic() - dead <= 2.0
+    assert other.owned()
+    other.release()
 
 
 # -- canvases, beat, revoke: what a project does with enqueue-once tasks ---------------------

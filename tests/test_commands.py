@@ -661,3 +661,19 @@ def test_listlocks_into_a_pipe_that_closes_early(name, fmt):
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
     assert len(done.stdout.splitlines()) == 1
+
+
+def test_listlocks_shows_semaphore_slots_and_clearlocks_clears_them(alias, name):
+    from django_setnx import semaphore
+
+    sems = [semaphore(name, 5, ttl=300, backend=alias) for _ in range(2)]
+    assert all(sem.acquire(blocking=False) for sem in sems)
+    out, _ = run("listlocks", "--backend", alias)
+    for sem in sems:
+        assert f"{name} [slot {sem.slot}/5]" in out
+    assert "\\x1f" not in out
+    records = ndjson(run("listlocks", "--backend", alias, "--json")[0])
+    assert sorted((r["semaphore"]["name"], r["semaphore"]["slot"], r["semaphore"]["limit"])
+                  for r in records) == sorted((name, sem.slot, 5) for sem in sems)
+    out, _ = run("clearlocks", "--backend", alias, "--all", "--noinput", "--name", f"{name}*")
+    assert semaphore(name, 5, backend=alias).holders() == []

@@ -479,3 +479,26 @@ def test_exclusive_task_inside_atomic_releases_after_commit(alias, name, eager_a
             run(2)
             1 / 0
     assert not held(alias, f"{name}:2")
+
+
+def test_a_semaphore_slot_is_released_after_commit(alias, name):
+    """``@locked(limit=N)`` inside ``atomic()``: the slot is kept until COMMIT; a
+    second call in the same transaction runs under it; a lock of the same name is
+    another thing (never borrowed by the semaphore, nor the other way round)."""
+    from django_setnx import semaphore
+
+    @locked(name, ttl=30, backend=alias, limit=2)
+    def guarded():
+        return len(semaphore(name, 2, backend=alias).holders())
+
+    @locked(name, ttl=30, backend=alias)
+    def as_a_lock():
+        return held(alias, name)
+
+    with transaction.atomic():
+        assert guarded() == 1
+        assert guarded() == 1  # under the slot still held, not a second one
+        assert as_a_lock() is True  # the lock "name" is another record
+        assert len(semaphore(name, 2, backend=alias).holders()) == 1
+    assert semaphore(name, 2, backend=alias).holders() == []
+    assert not held(alias, name)

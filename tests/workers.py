@@ -147,3 +147,39 @@ def queue_and_hang(env, alias, name, ready):
     ready.set()
     lk.acquire(timeout=120)
     os._exit(3)  # handed the lock before the kill: the test reports it
+
+
+def semaphore_user(env, alias, name, limit, iterations, inside, peak, guard, results):
+    """Take a slot of semaphore ``name`` ``iterations`` times; while holding it, count
+    this process in the shared ``inside`` counter and record the most ever inside."""
+    _setup(env)
+    from django_setnx import semaphore
+
+    sem = semaphore(name, limit, ttl=30, backend=alias)
+    got, tokens = 0, []
+    for _ in range(iterations):
+        if not sem.acquire(timeout=120):
+            break
+        try:
+            with guard:
+                inside.value += 1
+                peak.value = max(peak.value, inside.value)
+            tokens.append((sem.slot, sem.fencing_token))
+            time.sleep(0.002)
+            with guard:
+                inside.value -= 1
+            got += 1
+        finally:
+            sem.release()
+    results.put((os.getpid(), got, tokens))
+
+
+def semaphore_crash_holder(env, alias, name, limit, ttl, acquired):
+    """Take a slot of semaphore ``name`` and hang, holding it, until killed."""
+    _setup(env)
+    from django_setnx import semaphore
+
+    semaphore(name, limit, ttl=ttl, backend=alias).acquire(timeout=10)
+    acquired.set()
+    while True:
+        time.sleep(60)

@@ -26,7 +26,7 @@ from django.core.exceptions import ImproperlyConfigured
 from ..conf import DEFAULT_MAX_TTL, DEFAULT_TTL
 from ..exceptions import LockBackendError
 from ..globs import compile_glob
-from ..validation import MAX_TTL_LIMIT, ttl_to_ms, validate_ttl
+from ..validation import MAX_LIMIT, MAX_TTL_LIMIT, split_slot, ttl_to_ms, validate_ttl
 from .paging import LockPage, check_ordering, check_window, page_of_stream  # noqa: F401
 
 HELD = "held"
@@ -98,6 +98,29 @@ class LockInfo:
         return (self.expires_at_ms - self.now_ms) / 1000
 
     @property
+    def semaphore(self):
+        """For a semaphore's slot (see :mod:`django_setnx.semaphore`), ``(semaphore
+        name, slot number, limit)``, the limit as its holder took it (None if its
+        owner does not say); None for a lock."""
+        split = split_slot(self.name)
+        if split is None:
+            return None
+        limit = self.owner.get("limit")
+        # The owner is data (a record written by hand, say): only a limit a
+        # semaphore can have is believed; the admin reads that many slots.
+        usable = type(limit) is int and 1 <= limit <= MAX_LIMIT
+        return (*split, limit if usable else None)
+
+    @property
+    def display_name(self):
+        """The name people read: a lock's name, or ``"<semaphore> [slot i/N]"``."""
+        semaphore = self.semaphore
+        if semaphore is None:
+            return self.name
+        name, slot, limit = semaphore
+        return f"{name} [slot {slot}/{limit if limit is not None else '?'}]"
+
+    @property
     def acquired_at(self):
         return ms_to_datetime(self.acquired_at_ms)
 
@@ -143,7 +166,11 @@ class LockInfo:
                    acquired_at_ms=acquired_ms, expires_at_ms=expires_ms, now_ms=now_ms)
 
     def as_dict(self):
-        """A JSON-serialisable dict (what ``listlocks --json`` prints)."""
+        """A JSON-serialisable dict (what ``listlocks --json`` prints); a semaphore
+        slot's has ``"semaphore": {"name", "slot", "limit"}``."""
+        semaphore = self.semaphore
+        extra = {} if semaphore is None else {
+            "semaphore": dict(zip(("name", "slot", "limit"), semaphore))}
         return {
             "name": self.name,
             "backend": self.backend,
@@ -153,6 +180,7 @@ class LockInfo:
             "acquired_at": self.acquired_at.isoformat(),
             "expires_at": self.expires_at.isoformat(),
             "expires_in": round(self.expires_in, 3),
+            **extra,
         }
 
 

@@ -151,7 +151,8 @@ Options (``@app.task(...)`` keywords or class attributes)
 ---------------------------------------------------------
 
 ``lock_name`` (None), ``lock_ttl`` (None: the backend's ``TTL``), ``lock_backend``
-("default"), ``lock_timeout`` (0), ``lock_auto_renew`` (True), ``on_contention``
+("default"), ``lock_timeout`` (0), ``lock_limit`` (None: a lock; N: a semaphore, at
+most N runs at once), ``lock_auto_renew`` (True), ``on_contention``
 ("raise"), ``lock_retry_countdown`` (10), ``lock_max_retries`` (None);
 ``once_policy`` (None: off; "raise" or "drop"), ``once_name`` (None: derived),
 ``once_ttl`` (3600), ``once_backend`` (None: ``lock_backend``), ``once_auto_renew``
@@ -194,6 +195,7 @@ from .. import dead_owners
 from ..exceptions import LockBackendError, LockError, LockNotAcquired
 from ..handler import locks
 from ..locking import Lock
+from ..semaphore import Semaphore, slot_record, validate_limit
 from ..transactions import deferred_lock
 from ..validation import validate_name, validate_timeout, validate_ttl
 
@@ -331,6 +333,9 @@ class ExclusiveTaskMixin:
     lock_backend = DEFAULT_LOCK_ALIAS
     #: Seconds to wait for the run lock before ``on_contention`` applies.
     lock_timeout = 0
+    #: None: the run lock is a lock. An int N: it is a semaphore of N slots, so at
+    #: most N runs of the same ``lock_name`` at once.
+    lock_limit = None
     #: Extend the run lock every ttl/3 while the body runs.
     lock_auto_renew = True
     #: "raise" (LockNotAcquired), "skip" (result None) or "retry".
@@ -380,6 +385,8 @@ class ExclusiveTaskMixin:
                 validate_ttl(cls.lock_ttl, what=f"{where}: lock_ttl")
             validate_ttl(cls.once_ttl, what=f"{where}: once_ttl")
             validate_timeout(cls.lock_timeout)
+            if cls.lock_limit is not None:
+                validate_limit(cls.lock_limit)
             if cls.lock_retry_countdown is not None and cls.lock_retry_countdown < 0:
                 raise ValueError(
                     f"{where}: lock_retry_countdown must be >= 0, got "
@@ -590,9 +597,13 @@ class ExclusiveTaskMixin:
             guards = f"celery task {self.name} (called directly)"
         else:
             guards = f"celery task {self.name}[{request.id}]"
-        lk = Lock(name, self.lock_ttl, backend=self.lock_backend, timeout=self.lock_timeout,
-                  auto_renew=self.lock_auto_renew, guards=guards,
-                  release_on_commit=self.lock_release_on_commit, using=self.lock_using)
+        options = {"backend": self.lock_backend, "timeout": self.lock_timeout,
+                   "auto_renew": self.lock_auto_renew, "guards": guards,
+                   "release_on_commit": self.lock_release_on_commit, "using": self.lock_using}
+        if self.lock_limit is None:
+            lk = Lock(name, self.lock_ttl, **options)
+        else:
+            lk = Semaphore(name, self.lock_limit, self.lock_ttl, **options)
         if request.id:
             lk.owner_extra["celery_task_id"] = request.id
         once = getattr(request, _ONCE_ATTR, None)
@@ -641,17 +652,18 @@ class ExclusiveTaskMixin:
             return  # the task's result is None
         holder = ""
         try:
-            info = lock.info()
+            infos = lock.holders() if isinstance(lock, Semaphore) else [lock.info()]
         except LockBackendError:
-            info = None
-        if info is not None and info.is_held:
-            owner = info.owner
-            holder = owner.get("guards") or f"pid {owner.get('pid')} on {owner.get('host')}"
-            holder = f" by {holder}"
+            infos = []
+        owners = [info.owner for info in infos if info is not None and info.is_held]
+        if owners:
+            holder = " by " + ", ".join(
+                owner.get("guards") or f"pid {owner.get('pid')} on {owner.get('host')}"
+                for owner in owners)
+        what = (f"lock {lock.name!r} is held" if not isinstance(lock, Semaphore) else
+                f"semaphore {lock.name!r} has all {lock.limit} slots held")
         exc = LockNotAcquired(
-            lock.name, lock.timeout,
-            f"Task {self.name}[{task_id}]: lock {lock.name!r} is held{holder}.",
-        )
+            lock.name, lock.timeout, f"Task {self.name}[{task_id}]: {what}{holder}.")
         if self.on_contention == RETRY:
             raise self.retry(exc=exc, countdown=self.lock_retry_countdown,
                              max_retries=self.lock_max_retries)
@@ -866,20 +878,29 @@ def _free_locks_of_a_dead_run(task, task_id, args, kwargs, reason):
             name = build(args or (), kwargs or {})
         except Exception:  # noqa: BLE001 - arguments the name cannot be built from
             name = None
-        if name is not None:
-            targets[kind] = (alias, name)
+        if name is None:
+            continue
+        if kind == "run" and task.lock_limit is not None:
+            # A semaphore's run holds one of its slots: whichever names task_id.
+            targets[kind] = (alias, [slot_record(name, slot)
+                                     for slot in range(1, task.lock_limit + 1)])
+        else:
+            targets[kind] = (alias, [name])
     if targets:
         dead_owners.in_background(_free_after_exit, targets, task_id,
                                   f"task {task.name}[{task_id}]: {reason}")
 
 
 def _free_after_exit(targets, task_id, reason):
-    """``targets``: ``{"run"/"once": (alias, name)}`` of the dead run ``task_id``."""
+    """``targets``: ``{"run"/"once": (alias, record names)}`` of the dead run
+    ``task_id``."""
     found = {}
-    for kind, (alias, name) in targets.items():
-        info = locks[alias].get(name)
-        if info is not None and info.owner.get("celery_task_id") == task_id:
-            found[kind] = (alias, info)
+    for kind, (alias, names) in targets.items():
+        for name in names:
+            info = locks[alias].get(name)
+            if info is not None and info.owner.get("celery_task_id") == task_id:
+                found[kind] = (alias, info)
+                break
     if "run" in found:
         # The run lock's owner is the pool child that ran the task.
         run = found["run"][1]

@@ -7,6 +7,8 @@
   is a safety bound, not the job's length).
 - ``/async-report/``: the same with an ``async def`` view (run it under ASGI, or
   ``runserver``, which adapts it).
+- ``/export/``: a 5-second export under ``@locked("demo:exports", limit=3)``: a
+  semaphore, so three requests run at once and the fourth answers 409.
 - ``/task/``: a Celery task that is run-exclusive and enqueue-once
   (``demo/tasks.py``); a second click while it runs is refused as a duplicate.
 - ``/locks/``: every lock of every backend; ``/admin/``: the admin's Locks page.
@@ -21,12 +23,14 @@ from django.core.exceptions import ImproperlyConfigured
 from django.shortcuts import render
 from django.views.decorators.http import require_http_methods
 
-from django_setnx import locked, locks
+from django_setnx import Semaphore, locked, locks
 from django_setnx.decorators import retry_after_seconds
 from django_setnx.exceptions import LockBackendError
 
 LOCK_NAME = "demo:slow-report"
 ASYNC_LOCK_NAME = "demo:async-report"
+EXPORTS_NAME = "demo:exports"
+EXPORTS_LIMIT = 3
 LOCK_TTL = 30  # seconds: longer than the job, so the lock never expires mid-job
 JOB_SECONDS = 5
 
@@ -39,20 +43,24 @@ def job_time_left(lock, request=None):
     """Seconds until the holder's job should be done: JOB_SECONDS after it took the
     lock, by the backend's clock (the ``retry_after`` of the demo views)."""
     try:
-        holder = lock.info()
+        # A semaphore's first slot to free is its oldest holder's.
+        holders = lock.holders() if isinstance(lock, Semaphore) else [lock.info()]
     except LockBackendError:
         return 1
-    if holder is None or not holder.is_held:
+    held = [info for info in holders if info is not None and info.is_held]
+    if not held:
         return 1
-    return JOB_SECONDS - (holder.now_ms - holder.acquired_at_ms) / 1000
+    return min(JOB_SECONDS - (info.now_ms - info.acquired_at_ms) / 1000 for info in held)
 
 
 def busy_page(lock, request, *args, **kwargs):
     """``on_contention`` of the demo views: the busy page, HTTP 409 with Retry-After."""
     try:
-        holder = lock.info()  # None if it was released in the meantime
+        # None if it was released in the meantime; a semaphore's: its first holder.
+        holders = lock.holders() if isinstance(lock, Semaphore) else [lock.info()]
     except LockBackendError:
-        holder = None
+        holders = []
+    holder = holders[0] if holders else None
     retry_after = retry_after_seconds(lock, job_time_left, request)
     response = render(
         request,
@@ -108,6 +116,21 @@ async def async_report(request):
         "seconds": time.monotonic() - started,
         "backend": _backend_name(),
         "is_async": True,
+    })
+
+
+@locked(EXPORTS_NAME, ttl=LOCK_TTL, limit=EXPORTS_LIMIT, on_contention=busy_page)
+def export(request):
+    """At most three exports at once, across every process serving the site: each
+    request holds one of the three slots of the semaphore ``demo:exports``."""
+    started = time.monotonic()
+    time.sleep(JOB_SECONDS)
+    return render(request, "demo/report.html", {
+        "lock_name": EXPORTS_NAME,
+        "limit": EXPORTS_LIMIT,
+        "seconds": time.monotonic() - started,
+        "backend": _backend_name(),
+        "is_async": False,
     })
 
 

@@ -138,7 +138,7 @@ class Command(BaseCommand):
 def _cells(info):
     """The table cells of one record as ``(text, display width)`` pairs."""
     texts = (
-        truncate(escape(info.name), MAX_NAME_WIDTH),
+        truncate(escape(info.display_name), MAX_NAME_WIDTH),
         escape(info.backend),
         info.state,
         truncate(escape(format_owner(info.owner)), MAX_OWNER_WIDTH),

@@ -1,0 +1,190 @@
+"""Counting semaphores: at most ``limit`` holders of one name at a time.
+
+A semaphore of limit N is N lock records, its *slots*, named ``<name>\\x1f<i>`` for
+i in 1..N (``\\x1f``, the ASCII unit separator, is reserved: lock names may not
+contain it, so a slot never collides with a lock). Each slot is an ordinary lock
+record of the backend, so a semaphore keeps every guarantee of a lock on every
+backend with no code of its own there: the database's unique constraint is the
+SETNX of each slot, Redis takes a slot in one script, Redlock a quorum of a slot; a
+crashed holder's slot expires after its ttl; a release is token-checked; each
+acquire mints a fencing token (strictly increasing per slot); a release wakes a
+waiter of that slot.
+
+An acquire tries the slots from a random one, so concurrent callers spread over
+them and the common case, a free slot, costs one round trip like a lock. When
+every slot is taken, the caller queues on one of them (woken, or handed the slot,
+when its holder releases) for a short slice, then looks at every slot again.
+"""
+
+import random
+import threading
+import time
+
+from .conf import DEFAULT_LOCK_ALIAS, MAX_NAME_LENGTH
+from .exceptions import LockError
+from .locking import _ACQUIRE, _GET, Lock, _remaining
+from .validation import MAX_LIMIT, SLOT_SEPARATOR, slot_record, split_slot  # noqa: F401
+
+#: How long (seconds, before jitter) a waiter stays queued on one slot before it
+#: looks at the others again: a slot freed with nobody queued on it stays unused for
+#: at most about this long while others wait.
+SLOT_WAIT_SLICE = 0.1
+
+#: (backend alias, name, limit) whose slots this process checked for another limit.
+_checked_limits = set()
+_checked_guard = threading.Lock()
+
+
+def validate_limit(limit):
+    """Return ``limit`` if it is a usable semaphore limit, else raise
+    TypeError/ValueError naming the value."""
+    if type(limit) is not int:  # bool is an int, but limit=True is a bug
+        raise TypeError(f"Semaphore limit must be an int, not {type(limit).__name__}: {limit!r}.")
+    if not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(f"Semaphore limit must be from 1 to {MAX_LIMIT}, got {limit!r}.")
+    return limit
+
+
+def validate_semaphore_name(name, limit):
+    """A semaphore's name must leave room in its slots' record names for the slot
+    number (the records' names are at most MAX_NAME_LENGTH characters)."""
+    longest = MAX_NAME_LENGTH - len(slot_record("", limit))
+    if isinstance(name, str) and len(name) > longest:
+        raise ValueError(
+            f"Semaphore name is {len(name)} characters long, the limit is {longest} "
+            f"with limit={limit}: {name[:40]!r}...")
+    return name
+
+
+class Semaphore(Lock):
+    """A named semaphore in one backend: at most ``limit`` holders at a time.
+
+    The same object, methods and semantics as a :class:`~django_setnx.locking.Lock`
+    (one acquisition per object; ``acquire``/``release``/``extend``/``owned`` and
+    their async twins, context managers, ``auto_renew``, a fencing token per
+    acquire), holding one of the ``limit`` slots. ``limit=1`` is a mutex.
+    """
+
+    def __init__(self, name, limit, ttl=None, **kwargs):
+        self.limit = validate_limit(limit)
+        super().__init__(validate_semaphore_name(name, self.limit), ttl, **kwargs)
+        self.owner_extra["limit"] = self.limit
+        self.slots = [slot_record(self.name, slot) for slot in range(1, self.limit + 1)]
+        self._record = None
+
+    def __repr__(self):
+        state = "lost" if self.lost else ("acquired" if self._token else "unlocked")
+        return (f"<Semaphore {self.name!r} limit={self.limit} backend={self.backend_alias!r} "
+                f"ttl={self.ttl:g} {state}>")
+
+    @property
+    def identity(self):
+        """``(backend alias, name, limit)``: never the same as a lock's (see
+        :attr:`Lock.identity`), so a semaphore never borrows a lock's acquisition."""
+        return (self.backend_alias, self.name, self.limit)
+
+    def adopt(self, token):
+        """Not for semaphores: an acquisition made elsewhere names no slot."""
+        raise LockError(f"Semaphore {self.name!r}: adopt() is for locks only.")
+
+    def take_token(self, token):
+        """Not for semaphores: an acquisition made elsewhere names no slot."""
+        raise LockError(f"Semaphore {self.name!r}: take_token() is for locks only.")
+
+    @property
+    def slot(self):
+        """The number (1..limit) of the slot this object holds or last held, or None."""
+        return None if self._record is None else split_slot(self._record)[1]
+
+    def _acquire_steps(self, calls, deadline):
+        """See :meth:`Lock._acquire_steps`: the same calls, spread over the slots."""
+        key = (self.backend_alias, self.name, self.limit)
+        if key not in _checked_limits:
+            yield from self._check_limit()
+            with _checked_guard:
+                _checked_limits.add(key)
+        if self.limit == 1:
+            result = yield from self._steps_on(self.slots[0], calls, deadline)
+            yield None, self.slots[0], result
+        while True:
+            start = random.randrange(self.limit)
+            order = self.slots[start:] + self.slots[:start]
+            for record in order[:-1]:
+                calls.tick()
+                result = yield _ACQUIRE, record, 0
+                if result.acquired:
+                    yield None, record, result
+                self._contended(result, calls)
+            # Every other slot is taken: queue on the last one for a slice (a release
+            # of it hands it over at once), then look at all of them again.
+            left = _remaining(deadline)
+            slice_ = SLOT_WAIT_SLICE * random.uniform(0.5, 1.5)
+            slice_deadline = deadline if left is not None and left <= slice_ else (
+                time.monotonic() + slice_)
+            result = yield from self._steps_on(order[-1], calls, slice_deadline)
+            if result is not None:
+                yield None, order[-1], result
+            if _remaining(deadline) == 0:
+                yield None, None, None
+
+    def _check_limit(self):
+        """Refuse, before anything is written, a limit other than the one the
+        semaphore's current holders took it with. Done once per process and
+        (alias, name, limit): a second limit is a programming error, found on first
+        use wherever it meets a holder of the first."""
+        for record in self.slots + [slot_record(self.name, self.limit + 1)]:
+            info = yield _GET, record, None
+            if info is None or not info.is_held:
+                continue
+            other = info.owner.get("limit")
+            if record not in self.slots or (other is not None and other != self.limit):
+                raise ValueError(
+                    f"Semaphore {self.name!r} on backend {self.backend_alias!r} is held "
+                    f"with limit={other!r}; it cannot also be used with "
+                    f"limit={self.limit!r}.")
+
+    # -- inspection ---------------------------------------------------------------
+
+    def holders(self):
+        """Return the :class:`~django_setnx.backends.base.LockInfo` of every held
+        slot, in slot order (stale slots are left out)."""
+        infos = (self.backend.get(record) for record in self.slots)
+        return [info for info in infos if info is not None and info.is_held]
+
+    async def aholders(self):
+        """Async twin of :meth:`holders`."""
+        infos = [await self.backend.aget(record) for record in self.slots]
+        return [info for info in infos if info is not None and info.is_held]
+
+    def locked(self):
+        """Return True if every slot is held: an acquire now would have to wait
+        (as :meth:`asyncio.Semaphore.locked`)."""
+        return len(self.holders()) >= self.limit
+
+    async def alocked(self):
+        return len(await self.aholders()) >= self.limit
+
+    def info(self):
+        """Return the :class:`~django_setnx.backends.base.LockInfo` of the slot this
+        object holds, or None when it holds none (see :meth:`holders` for all)."""
+        if self._token is None or self._record is None:
+            return None
+        return self.backend.get(self._record)
+
+    async def ainfo(self):
+        if self._token is None or self._record is None:
+            return None
+        return await self.backend.aget(self._record)
+
+
+def semaphore(name, limit, ttl=None, *, backend=DEFAULT_LOCK_ALIAS, timeout=None,
+              blocking=True, auto_renew=False, guards=None, release_on_commit=False,
+              using=None):
+    """Return a :class:`Semaphore` of ``limit`` slots for ``name`` in ``backend``;
+    nothing is written yet. The other arguments are those of
+    :func:`~django_setnx.locking.lock`. Raises TypeError/ValueError for a bad name,
+    limit (an int from 1 to 1000), ttl or timeout and ImproperlyConfigured
+    (InvalidLockBackendError) for an unknown alias."""
+    return Semaphore(name, limit, ttl, backend=backend, timeout=timeout, blocking=blocking,
+                     auto_renew=auto_renew, guards=guards,
+                     release_on_commit=release_on_commit, using=using)

@@ -1,0 +1,401 @@
+"""Counting semaphores: the Lock's contract with ``limit`` holders, on every backend."""
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+
+from django_setnx import lock, locked, locks, semaphore
+from django_setnx.exceptions import LockError, LockNotAcquired, LockNotOwned
+from django_setnx.semaphore import MAX_LIMIT, slot_record, split_slot
+from django_setnx.signals import lock_acquired, lock_contended, lock_released
+
+from . import workers
+
+
+@pytest.fixture
+def env():
+    return workers.child_environment()
+
+
+def fill(name, alias, limit, ttl=10):
+    """``limit`` Semaphore objects, each holding one slot."""
+    sems = [semaphore(name, limit, ttl=ttl, backend=alias) for _ in range(limit)]
+    assert [sem.acquire(blocking=False) for sem in sems] == [True] * limit
+    return sems
+
+
+# -- the contract, on every backend -------------------------------------------------
+
+
+def test_at_most_limit_holders(alias, name):
+    sems = fill(name, alias, 3)
+    assert sorted(sem.slot for sem in sems) == [1, 2, 3]
+    assert all(sem.owned() for sem in sems)
+    extra = semaphore(name, 3, ttl=10, backend=alias)
+    assert extra.acquire(blocking=False) is False
+    assert extra.acquire(timeout=0.2) is False
+    assert not extra.owned() and extra.fencing_token is None and extra.info() is None
+    assert sems[0].locked() and extra.locked()
+    holders = extra.holders()
+    assert [split_slot(info.name) for info in holders] == [(name, 1), (name, 2), (name, 3)]
+    assert {info.fencing_token for info in holders} == {sem.fencing_token for sem in sems}
+    assert all(info.owner["limit"] == 3 and info.owner["pid"] == os.getpid()
+               for info in holders)
+    sems[1].release()
+    assert not sems[1].owned() and not extra.locked()
+    assert extra.acquire(blocking=False) is True
+    assert extra.slot == sems[1].slot
+    for sem in (sems[0], sems[2], extra):
+        sem.release()
+    assert extra.holders() == [] and not extra.locked()
+
+
+def test_fencing_token_per_acquire_increases_per_slot(alias, name):
+    sem = semaphore(name, 2, ttl=10, backend=alias)
+    seen = {}
+    for _ in range(6):
+        assert sem.acquire(blocking=False)
+        assert sem.fencing_token > seen.get(sem.slot, 0)
+        seen[sem.slot] = sem.fencing_token
+        info = sem.info()
+        assert info.name == slot_record(name, sem.slot) and info.fencing_token == sem.fencing_token
+        sem.release()
+
+
+def test_limit_one_is_a_mutex(alias, name):
+    first = semaphore(name, 1, ttl=10, backend=alias)
+    second = semaphore(name, 1, ttl=10, backend=alias)
+    assert first.acquire(blocking=False) and first.slot == 1
+    assert second.acquire(timeout=0.1) is False
+    with pytest.raises(LockNotAcquired, match=name):
+        with semaphore(name, 1, backend=alias, timeout=0):
+            pass
+    first.release()
+    assert second.acquire(blocking=False)
+    second.release()
+
+
+def test_release_extend_and_owned_check_the_token(alias, name):
+    sem = semaphore(name, 2, ttl=0.3, backend=alias)
+    with pytest.raises(LockNotOwned, match="not acquired"):
+        sem.release()
+    assert sem.acquire()
+    sem.extend(10)
+    assert sem.info().expires_in > 5
+    sem.extend(0.2)
+    deadline = time.monotonic() + 5
+    while sem.info() is not None and sem.info().is_held and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # Its slot expired: the others take both slots, and the old holder has neither.
+    others = fill(name, alias, 2)
+    assert not sem.owned()
+    with pytest.raises(LockNotOwned):
+        sem.extend()
+    with pytest.raises(LockNotOwned):
+        sem.release()
+    assert all(other.owned() for other in others)
+    for other in others:
+        other.release()
+
+
+def test_a_crashed_holder_frees_its_slot_after_its_ttl(alias, name):
+    dead = semaphore(name, 2, ttl=0.3, backend=alias)
+    assert dead.acquire()
+    live = semaphore(name, 2, ttl=10, backend=alias)
+    assert live.acquire(blocking=False)
+    waiter = semaphore(name, 2, ttl=10, backend=alias)
+    assert waiter.acquire(blocking=False) is False
+    assert waiter.acquire(timeout=5) is True  # the dead one's slot, once expired
+    assert waiter.slot == dead.slot
+    waiter.release()
+    live.release()
+
+
+def test_a_release_wakes_a_waiter(alias, name):
+    holders = fill(name, alias, 2, ttl=30)
+    timer = threading.Timer(0.3, holders[0].release)
+    timer.start()
+    waiter = semaphore(name, 2, ttl=10, backend=alias)
+    try:
+        # Far sooner than the holders' ttl of 30 s: woken by the release.
+        assert waiter.acquire(timeout=10) is True
+    finally:
+        timer.join()
+    assert waiter.slot == holders[0].slot
+    waiter.release()
+    holders[1].release()
+
+
+def test_context_managers_and_async_twins(alias, name):
+    with semaphore(name, 2, ttl=10, backend=alias) as sem:
+        assert sem.owned() and len(sem.holders()) == 1
+    assert not sem.owned() and sem.holders() == []
+
+    async def main():
+        async with semaphore(name, 2, ttl=10, backend=alias) as first:
+            async with semaphore(name, 2, ttl=10, backend=alias) as second:
+                assert await first.aowned() and await second.aowned()
+                assert await first.alocked()
+                assert len(await first.aholders()) == 2
+                third = semaphore(name, 2, ttl=10, backend=alias)
+                assert await third.aacquire(timeout=0.1) is False
+                await second.aextend(20)
+                assert (await second.ainfo()).expires_in > 15
+            assert not await first.alocked()
+            third = semaphore(name, 2, ttl=10, backend=alias)
+            assert await third.aacquire(blocking=False)
+            await third.arelease()
+
+    asyncio.run(main())
+    assert semaphore(name, 2, backend=alias).holders() == []
+
+
+def test_many_async_waiters_all_get_a_slot(alias, name):
+    async def user(results):
+        sem = semaphore(name, 3, ttl=10, backend=alias)
+        assert await sem.aacquire(timeout=60)
+        results.append(sem.slot)
+        await asyncio.sleep(0.005)
+        await sem.arelease()
+
+    async def main():
+        results = []
+        await asyncio.gather(*(user(results) for _ in range(20)))
+        return results
+
+    assert sorted(set(asyncio.run(main()))) <= [1, 2, 3]
+    assert semaphore(name, 3, backend=alias).holders() == []
+
+
+def test_auto_renew_keeps_the_slot(alias, name):
+    sem = semaphore(name, 2, ttl=0.3, backend=alias, auto_renew=True)
+    assert sem.acquire()
+    time.sleep(1.0)
+    assert sem.owned() and not sem.lost
+    sem.release()
+
+
+def test_signals_are_those_of_a_lock(alias, name):
+    events = []
+
+    def receiver(signal, lock, **kwargs):
+        events.append((signal, lock))
+
+    for sig in (lock_acquired, lock_contended, lock_released):
+        sig.connect(receiver)
+    try:
+        holders = fill(name, alias, 2)
+        extra = semaphore(name, 2, backend=alias)
+        events.clear()
+        assert extra.acquire(timeout=0.3) is False
+        assert [sig for sig, _ in events] == [lock_contended]  # once per acquire
+        holders[0].release()
+        assert events[-1] == (lock_released, holders[0])
+    finally:
+        for sig in (lock_acquired, lock_contended, lock_released):
+            sig.disconnect(receiver)
+    holders[1].release()
+
+
+def test_a_second_limit_is_refused_and_writes_nothing(alias, name):
+    held = semaphore(name, 3, ttl=10, backend=alias)
+    assert held.acquire()
+    for other in (2, 5):
+        sem = semaphore(name, other, ttl=10, backend=alias)
+        with pytest.raises(ValueError, match=rf"held with limit=3; it cannot also be used with "
+                                             rf"limit={other}"):
+            sem.acquire()
+        assert not sem.owned()
+    assert [info.fencing_token for info in held.holders()] == [held.fencing_token]
+    held.release()
+    # Nobody holds it now: another limit may take over the name.
+    with semaphore(name, 5, ttl=10, backend=alias) as sem:
+        assert sem.owned()
+
+
+def test_a_semaphore_is_not_a_lock_of_the_same_name(alias, name):
+    with lock(name, ttl=10, backend=alias):
+        with semaphore(name, 2, ttl=10, backend=alias, timeout=0) as sem:
+            assert sem.owned()
+
+
+def test_admin_listing_sees_each_slot(alias, name):
+    sems = fill(name, alias, 2)
+    page = locks[alias].page(name_glob=f"{name}*")
+    assert sorted(info.name for info in page.infos) == [slot_record(name, 1),
+                                                          slot_record(name, 2)]
+    removed = locks[alias].delete(slot_record(name, sems[0].slot),
+                                  fencing_token=sems[0].fencing_token)
+    assert removed is not None and not sems[0].owned() and sems[1].owned()
+    sems[1].release()
+
+
+# -- bad input ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit, error, message", [
+    (0, ValueError, "from 1 to 1000, got 0"),
+    (-2, ValueError, "got -2"),
+    (MAX_LIMIT + 1, ValueError, "got 1001"),
+    (2.0, TypeError, "must be an int, not float: 2.0"),
+    ("3", TypeError, "not str: '3'"),
+    (True, TypeError, "not bool: True"),
+    (None, TypeError, "not NoneType"),
+])
+def test_bad_limits_are_refused(alias, name, limit, error, message):
+    with pytest.raises(error, match=message):
+        semaphore(name, limit, backend=alias)
+    assert locks[alias].page(name_glob=f"{name}*").infos == []
+
+
+def test_names_that_leave_no_room_for_the_slot_number_are_refused(alias):
+    # The slots' record names are at most 200 characters: "<name>\x1f<slot>".
+    with pytest.raises(ValueError, match="the limit is 197 with limit=10"):
+        semaphore("x" * 198, 10, backend=alias)
+    with semaphore("x" * 197, 10, ttl=10, backend=alias) as sem:
+        assert sem.info().name == "x" * 197 + "\x1f" + str(sem.slot)
+
+
+def test_lock_names_may_not_contain_the_slot_separator(alias):
+    with pytest.raises(ValueError, match=r"must not contain \\x1f"):
+        lock("a\x1f1", backend=alias)
+    with pytest.raises(ValueError, match=r"must not contain \\x1f"):
+        semaphore("a\x1fb", 2, backend=alias)
+
+
+def test_bad_limits_in_the_decorator_and_the_task_option():
+    with pytest.raises(ImproperlyConfigured, match="got 0"):
+        locked("x", limit=0)
+    with pytest.raises(ImproperlyConfigured, match="not str"):
+        locked("x", limit="2")
+
+
+# -- the decorator ------------------------------------------------------------------
+
+
+def test_locked_with_a_limit_runs_at_most_limit_calls(alias, name):
+    inside, peak, guard = [0], [0], threading.Lock()
+    start = threading.Barrier(6)
+
+    @locked(name, ttl=10, backend=alias, limit=2, timeout=30)
+    def export():
+        with guard:
+            inside[0] += 1
+            peak[0] = max(peak[0], inside[0])
+        time.sleep(0.05)
+        with guard:
+            inside[0] -= 1
+        return "done"
+
+    def call(results):
+        start.wait()
+        results.append(export())
+
+    results = []
+    threads = [threading.Thread(target=call, args=(results,)) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == ["done"] * 6
+    assert peak[0] == 2
+
+
+def test_locked_with_a_limit_refuses_when_full(alias, name):
+    @locked(name, ttl=10, backend=alias, limit=2)
+    def export():
+        return "ran"
+
+    holders = fill(name, alias, 2)
+    with pytest.raises(LockNotAcquired, match=name):
+        export()
+    holders[0].release()
+    assert export() == "ran"
+    holders[1].release()
+
+
+def test_a_contended_view_with_a_limit_answers_409_with_the_soonest_expiry(rf, name):
+    @locked(name, ttl=10, backend="locmem", limit=2)
+    def view(request):
+        from django.http import HttpResponse
+        return HttpResponse("ok")
+
+    holders = [semaphore(name, 2, ttl=ttl, backend="locmem") for ttl in (50, 7)]
+    assert all(sem.acquire() for sem in holders)
+    response = view(rf.get("/export"))
+    assert response.status_code == 409 and response["Retry-After"] == "7"
+    for sem in holders:
+        sem.release()
+    assert view(rf.get("/export")).status_code == 200
+
+
+# -- real processes -----------------------------------------------------------------
+
+
+def test_eight_processes_never_exceed_the_limit(shared_alias, name, spawn, env):
+    """8 processes x 100 acquisitions of a limit=3 semaphore: never more than 3
+    inside at once (a shared counter says so), and every process gets all of its."""
+    processes, iterations, limit = 8, 100, 3
+    ctx = spawn.ctx
+    inside, peak, guard = ctx.Value("i", 0, lock=False), ctx.Value("i", 0, lock=False), ctx.Lock()
+    results = ctx.Queue()
+    procs = [spawn(workers.semaphore_user, env, shared_alias, name, limit, iterations,
+                   inside, peak, guard, results) for _ in range(processes)]
+    reports = [results.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=30)
+    assert sorted(got for _, got, _ in reports) == [iterations] * processes
+    assert peak.value == limit
+    assert inside.value == 0
+    # Fencing tokens strictly increase per slot, in the order the slots were taken.
+    per_slot = {}
+    for _, _, tokens in reports:
+        for slot, token in tokens:
+            per_slot.setdefault(slot, []).append(token)
+    assert set(per_slot) == {1, 2, 3}
+    for tokens in per_slot.values():
+        assert len(set(tokens)) == len(tokens)
+
+
+def test_a_killed_holder_frees_its_slot_after_its_ttl(shared_alias, name, spawn, env):
+    ttl, margin = 1.0, 1.5
+    acquired = spawn.ctx.Event()
+    holder = spawn(workers.semaphore_crash_holder, env, shared_alias, name, 2, ttl, acquired)
+    assert acquired.wait(timeout=60)
+    mine = semaphore(name, 2, ttl=10, backend=shared_alias)
+    assert mine.acquire(blocking=False)
+    waiter = semaphore(name, 2, ttl=10, backend=shared_alias)
+    assert waiter.acquire(blocking=False) is False
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.join(timeout=10)
+    assert holder.exitcode == -signal.SIGKILL
+    assert waiter.acquire(timeout=ttl + margin), "the dead holder's slot never expired"
+    assert waiter.info().owner["pid"] == os.getpid()
+    waiter.release()
+    mine.release()
+
+
+def test_adopt_and_take_token_are_for_locks_only(alias, name):
+    sem = semaphore(name, 2, backend=alias)
+    with pytest.raises(LockError, match="for locks only"):
+        sem.adopt("0" * 32)
+    with pytest.raises(LockError, match="for locks only"):
+        sem.take_token("0" * 32)
+
+
+def test_a_limit_an_owner_record_cannot_have_is_not_believed(alias, name):
+    """The admin reads as many slots as a holder's record says: a record written by
+    hand with an absurd limit must not make it read a billion."""
+    sem = semaphore(name, 2, ttl=10, backend=alias)
+    sem.owner_extra["limit"] = 10**9
+    assert sem.acquire()
+    info = sem.info()
+    assert info.semaphore == (name, sem.slot, None)
+    assert info.display_name == f"{name} [slot {sem.slot}/?]"
+    assert info.as_dict()["semaphore"] == {"name": name, "slot": sem.slot, "limit": None}
+    sem.release()
