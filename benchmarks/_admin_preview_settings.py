@@ -38,19 +38,25 @@ MIDDLEWARE = [
     f"{__name__}.preview_autologin",
     "django.contrib.messages.middleware.MessageMiddleware",
 ]
-TEMPLATES = [{
-    "BACKEND": "django.template.backends.django.DjangoTemplates",
-    "APP_DIRS": True,
-    "OPTIONS": {"context_processors": [
-        "django.template.context_processors.request",
-        "django.contrib.auth.context_processors.auth",
-        "django.contrib.messages.context_processors.messages",
-    ]},
-}]
-DATABASES = {"default": {
-    "ENGINE": "django.db.backends.sqlite3",
-    "NAME": os.environ.get("SETNX_PREVIEW_DB", "/tmp/setnx-admin-preview.sqlite3"),
-}}
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": os.environ.get("SETNX_PREVIEW_DB", "/tmp/setnx-admin-preview.sqlite3"),
+    }
+}
 SETNX_LOCKS = {"default": {"BACKEND": "django_setnx.backends.database.DatabaseBackend"}}
 if os.environ.get("SETNX_PREVIEW_REDIS_URL"):
     SETNX_LOCKS["redis"] = {
@@ -62,13 +68,15 @@ if os.environ.get("SETNX_PREVIEW_REDIS_URL"):
 
 def preview_autologin(get_response):
     """PREVIEW ONLY: log every request in as the superuser "preview"."""
+
     def middleware(request):
         from django.contrib.auth import login
         from django.contrib.auth.models import User
 
         if not request.user.is_authenticated:
             user, _ = User.objects.get_or_create(
-                username="preview", defaults={"is_staff": True, "is_superuser": True})
+                username="preview", defaults={"is_staff": True, "is_superuser": True}
+            )
             login(request, user, backend="django.contrib.auth.backends.ModelBackend")
         return get_response(request)
 

@@ -73,18 +73,25 @@ def database_settings(engine, config):
     if engine == "postgresql":
         return {
             "ENGINE": "django.db.backends.postgresql",
-            "NAME": BENCH_DB, "USER": "postgres", "HOST": PG_HOST, "PORT": str(PG_PORT),
+            "NAME": BENCH_DB,
+            "USER": "postgres",
+            "HOST": PG_HOST,
+            "PORT": str(PG_PORT),
         }
     if engine == "mariadb":
         return {
             "ENGINE": "django.db.backends.mysql",
-            "NAME": BENCH_DB, "USER": "root", "HOST": MY_HOST, "PORT": str(MY_PORT),
+            "NAME": BENCH_DB,
+            "USER": "root",
+            "HOST": MY_HOST,
+            "PORT": str(MY_PORT),
             "OPTIONS": {"charset": "utf8mb4"},
         }
     raise ValueError(engine)
 
 
 # -- parent: create and remove -------------------------------------------------------
+
 
 def prepare(notes):
     """Create the bench databases and Redis; return the ``config`` for configure().
@@ -98,7 +105,7 @@ def prepare(notes):
         "tmpdir": tmpdir,
         "sqlite_path": os.path.join(tmpdir, "bench.sqlite3"),
         "engines": ["sqlite"],
-        "created": [],          # databases we created (and may drop)
+        "created": [],  # databases we created (and may drop)
         "redis_url": None,
         "redis_owned": False,
         # Every key and row name of this run starts with this, so cleanup can find them.
@@ -113,10 +120,17 @@ def prepare(notes):
         try:
             import psycopg
 
-            with psycopg.connect(host=PG_HOST, port=PG_PORT, user="postgres", dbname="postgres",
-                                 autocommit=True, connect_timeout=5) as conn:
-                exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
-                                      (BENCH_DB,)).fetchone()
+            with psycopg.connect(
+                host=PG_HOST,
+                port=PG_PORT,
+                user="postgres",
+                dbname="postgres",
+                autocommit=True,
+                connect_timeout=5,
+            ) as conn:
+                exists = conn.execute(
+                    "SELECT 1 FROM pg_database WHERE datname = %s", (BENCH_DB,)
+                ).fetchone()
                 if not exists:
                     conn.execute(f'CREATE DATABASE "{BENCH_DB}"')
                     config["created"].append("postgresql")
@@ -135,11 +149,14 @@ def prepare(notes):
             conn = MySQLdb.connect(host=MY_HOST, port=MY_PORT, user="root", connect_timeout=5)
             try:
                 cur = conn.cursor()
-                cur.execute("SELECT 1 FROM information_schema.schemata WHERE schema_name = %s",
-                            (BENCH_DB,))
+                cur.execute(
+                    "SELECT 1 FROM information_schema.schemata WHERE schema_name = %s", (BENCH_DB,)
+                )
                 if cur.fetchone() is None:
-                    cur.execute(f"CREATE DATABASE `{BENCH_DB}` CHARACTER SET utf8mb4 "
-                                f"COLLATE utf8mb4_unicode_ci")
+                    cur.execute(
+                        f"CREATE DATABASE `{BENCH_DB}` CHARACTER SET utf8mb4 "
+                        f"COLLATE utf8mb4_unicode_ci"
+                    )
                     config["created"].append("mariadb")
             finally:
                 conn.close()
@@ -194,16 +211,24 @@ def teardown(config, keep, notes):
     except Exception:  # noqa: BLE001 - Django may not be configured
         pass
     if keep:
-        notes.append(f"--keep: kept database {BENCH_DB!r} on {', '.join(config['engines'][1:]) or '-'}"
-                     f" and {config['sqlite_path']}")
+        notes.append(
+            f"--keep: kept database {BENCH_DB!r} on {', '.join(config['engines'][1:]) or '-'}"
+            f" and {config['sqlite_path']}"
+        )
         return
     shutil.rmtree(config["tmpdir"], ignore_errors=True)
     if "postgresql" in config["engines"]:
         try:
             import psycopg
 
-            with psycopg.connect(host=PG_HOST, port=PG_PORT, user="postgres", dbname="postgres",
-                                 autocommit=True, connect_timeout=5) as conn:
+            with psycopg.connect(
+                host=PG_HOST,
+                port=PG_PORT,
+                user="postgres",
+                dbname="postgres",
+                autocommit=True,
+                connect_timeout=5,
+            ) as conn:
                 # Plain DROP: refuses (and we say so) if another run is connected to it.
                 conn.execute(f'DROP DATABASE IF EXISTS "{BENCH_DB}"')
         except Exception as exc:  # noqa: BLE001
@@ -215,11 +240,15 @@ def teardown(config, keep, notes):
             conn = MySQLdb.connect(host=MY_HOST, port=MY_PORT, user="root", connect_timeout=5)
             try:
                 cur = conn.cursor()
-                cur.execute("SELECT COUNT(*) FROM information_schema.processlist WHERE db = %s "
-                            "AND id <> CONNECTION_ID()", (BENCH_DB,))
+                cur.execute(
+                    "SELECT COUNT(*) FROM information_schema.processlist WHERE db = %s "
+                    "AND id <> CONNECTION_ID()",
+                    (BENCH_DB,),
+                )
                 if cur.fetchone()[0]:
-                    notes.append(f"mariadb database {BENCH_DB} left in place: another session "
-                                 f"is using it")
+                    notes.append(
+                        f"mariadb database {BENCH_DB} left in place: another session is using it"
+                    )
                 else:
                     cur.execute(f"DROP DATABASE IF EXISTS `{BENCH_DB}`")
             finally:
@@ -238,8 +267,10 @@ def _delete_rows(config, notes):
     for engine in config["engines"]:
         try:
             with connections[engine].cursor() as cur:
-                for table, column in (("django_setnx_lock", "name"),
-                                      ("db_mutex_dbmutex", "lock_id")):
+                for table, column in (
+                    ("django_setnx_lock", "name"),
+                    ("db_mutex_dbmutex", "lock_id"),
+                ):
                     try:
                         cur.execute(f"DELETE FROM {table} WHERE {column} LIKE %s", [like])
                     except Exception:  # noqa: BLE001 - no such table (no db_mutex); autocommit
@@ -272,6 +303,7 @@ def _delete_keys(config, notes):
 
 
 # -- every process: Django settings --------------------------------------------------
+
 
 def have_db_mutex():
     try:
@@ -310,8 +342,10 @@ def configure(config, default="sqlite"):
             "KEY_PREFIX": config["key_prefix"],
         }
         # The same server through a django-redis cache's connection (OPTIONS["CACHE"]).
-        caches["bench"] = {"BACKEND": "django_redis.cache.RedisCache",
-                           "LOCATION": config["redis_url"]}
+        caches["bench"] = {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": config["redis_url"],
+        }
         locks["redis-cache"] = {
             "BACKEND": "django_setnx.backends.redis.RedisBackend",
             "KEY_PREFIX": config["key_prefix"] + "-cache",

@@ -42,8 +42,16 @@ KEY_PREFIX = f"setnx-bench-admin-{RUN}"
 INSERT_ROWS = 5_000
 PIPELINE_KEYS = 5_000
 TARGET_MS = 300
-OWNER = json.dumps({"host": "bench-host", "pid": 4242, "thread": "MainThread (4242)",
-                    "guards": "reports.tasks.nightly"}, separators=(",", ":"), sort_keys=True)
+OWNER = json.dumps(
+    {
+        "host": "bench-host",
+        "pid": 4242,
+        "thread": "MainThread (4242)",
+        "guards": "reports.tasks.nightly",
+    },
+    separators=(",", ":"),
+    sort_keys=True,
+)
 
 # The URLconf of the benchmark (ROOT_URLCONF = this module).
 urlpatterns = []
@@ -63,8 +71,14 @@ def is_stale(i):
 def pg_admin(sql):
     import psycopg
 
-    with psycopg.connect(host=PG_HOST, port=PG_PORT, user="postgres", dbname="postgres",
-                         autocommit=True, connect_timeout=5) as conn:
+    with psycopg.connect(
+        host=PG_HOST,
+        port=PG_PORT,
+        user="postgres",
+        dbname="postgres",
+        autocommit=True,
+        connect_timeout=5,
+    ) as conn:
         conn.execute(sql)
 
 
@@ -75,16 +89,24 @@ def configure(use_postgres, redis_url):
     databases = {"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}}
     if use_postgres:
         databases["default"] = {
-            "ENGINE": "django.db.backends.postgresql", "NAME": PG_DB, "USER": "postgres",
-            "HOST": PG_HOST, "PORT": PG_PORT,
+            "ENGINE": "django.db.backends.postgresql",
+            "NAME": PG_DB,
+            "USER": "postgres",
+            "HOST": PG_HOST,
+            "PORT": PG_PORT,
         }
     lock_settings = {}
     if use_postgres:
-        lock_settings["postgres"] = {"BACKEND": "django_setnx.backends.database.DatabaseBackend",
-                                     "OPTIONS": {"DATABASE": "default"}}
+        lock_settings["postgres"] = {
+            "BACKEND": "django_setnx.backends.database.DatabaseBackend",
+            "OPTIONS": {"DATABASE": "default"},
+        }
     if redis_url:
-        lock_settings["redis"] = {"BACKEND": "django_setnx.backends.redis.RedisBackend",
-                                  "LOCATION": redis_url, "KEY_PREFIX": KEY_PREFIX}
+        lock_settings["redis"] = {
+            "BACKEND": "django_setnx.backends.redis.RedisBackend",
+            "LOCATION": redis_url,
+            "KEY_PREFIX": KEY_PREFIX,
+        }
     settings.configure(
         DEBUG=False,
         SECRET_KEY="django-setnx-bench-admin",
@@ -92,8 +114,12 @@ def configure(use_postgres, redis_url):
         USE_TZ=True,
         ROOT_URLCONF=__name__,
         INSTALLED_APPS=[
-            "django.contrib.admin", "django.contrib.auth", "django.contrib.contenttypes",
-            "django.contrib.sessions", "django.contrib.messages", "django_setnx",
+            "django.contrib.admin",
+            "django.contrib.auth",
+            "django.contrib.contenttypes",
+            "django.contrib.sessions",
+            "django.contrib.messages",
+            "django_setnx",
         ],
         MIDDLEWARE=[
             "django.contrib.sessions.middleware.SessionMiddleware",
@@ -101,15 +127,19 @@ def configure(use_postgres, redis_url):
             "django.contrib.auth.middleware.AuthenticationMiddleware",
             "django.contrib.messages.middleware.MessageMiddleware",
         ],
-        TEMPLATES=[{
-            "BACKEND": "django.template.backends.django.DjangoTemplates",
-            "APP_DIRS": True,
-            "OPTIONS": {"context_processors": [
-                "django.template.context_processors.request",
-                "django.contrib.auth.context_processors.auth",
-                "django.contrib.messages.context_processors.messages",
-            ]},
-        }],
+        TEMPLATES=[
+            {
+                "BACKEND": "django.template.backends.django.DjangoTemplates",
+                "APP_DIRS": True,
+                "OPTIONS": {
+                    "context_processors": [
+                        "django.template.context_processors.request",
+                        "django.contrib.auth.context_processors.auth",
+                        "django.contrib.messages.context_processors.messages",
+                    ]
+                },
+            }
+        ],
         DATABASES=databases,
         SETNX_LOCKS=lock_settings,
         DEFAULT_AUTO_FIELD="django.db.models.BigAutoField",
@@ -130,14 +160,23 @@ def seed_postgres(count):
         for start in range(0, count, INSERT_ROWS):
             idx = range(start, min(start + INSERT_ROWS, count))
             rows = ", ".join(
-                [f"(%s, %s, %s, {now} - 120000, {now} + %s, %s, '', 0, 0)"] * len(idx))
+                [f"(%s, %s, %s, {now} - 120000, {now} + %s, %s, '', 0, 0)"] * len(idx)
+            )
             params = []
             for i in idx:
-                params += [lock_name(i), f"{i:032x}", OWNER,
-                           -60_000 if is_stale(i) else 3_600_000, 1 + i % 7]
-            cursor.execute("INSERT INTO django_setnx_lock (name, token, owner, acquired_at, "
-                           f"expires_at, fencing, next_token, next_since, next_seen) "
-                           f"VALUES {rows}", params)
+                params += [
+                    lock_name(i),
+                    f"{i:032x}",
+                    OWNER,
+                    -60_000 if is_stale(i) else 3_600_000,
+                    1 + i % 7,
+                ]
+            cursor.execute(
+                "INSERT INTO django_setnx_lock (name, token, owner, acquired_at, "
+                f"expires_at, fencing, next_token, next_since, next_seen) "
+                f"VALUES {rows}",
+                params,
+            )
         cursor.execute("ANALYZE django_setnx_lock")
 
 
@@ -151,11 +190,16 @@ def seed_redis(url, count):
         pipe = client.pipeline(transaction=False)
         for i in range(count):
             base = f"{KEY_PREFIX}:{{{lock_name(i)}}}"
-            pipe.hset(f"{base}:lock", mapping={
-                "token": f"{i:032x}", "fencing": 1 + i % 7, "owner": OWNER,
-                "acquired": now - 120_000,
-                "expires": now - 60_000 if is_stale(i) else now + 3_600_000,
-            })
+            pipe.hset(
+                f"{base}:lock",
+                mapping={
+                    "token": f"{i:032x}",
+                    "fencing": 1 + i % 7,
+                    "owner": OWNER,
+                    "acquired": now - 120_000,
+                    "expires": now - 60_000 if is_stale(i) else now + 3_600_000,
+                },
+            )
             pipe.pexpire(f"{base}:lock", 7_200_000)
             pipe.set(f"{base}:fence", 1 + i % 7)
             if (i + 1) % PIPELINE_KEYS == 0:
@@ -217,7 +261,10 @@ def cases(alias, count):
         ("page 1", f"?backend={alias}"),
         (f"middle page (p={middle})", f"?backend={alias}&p={middle}"),
         ("state=stale, page 1", f"?backend={alias}&state=stale"),
-        (f"state=stale, middle page (p={stale_middle})", f"?backend={alias}&state=stale&p={stale_middle}"),
+        (
+            f"state=stale, middle page (p={stale_middle})",
+            f"?backend={alias}&state=stale&p={stale_middle}",
+        ),
         ("search q=0042 (substring)", f"?backend={alias}&q=0042"),
         ("search q=bench:job:00123* (glob)", f"?backend={alias}&q=bench:job:00123*"),
     ]
@@ -267,12 +314,16 @@ def main():
         if use_postgres:
             t = time.perf_counter()
             seed_postgres(args.count)
-            notes.append(f"seeded {args.count:,} locks on PostgreSQL in {time.perf_counter() - t:.1f} s")
+            notes.append(
+                f"seeded {args.count:,} locks on PostgreSQL in {time.perf_counter() - t:.1f} s"
+            )
             aliases.append(("postgres", "PostgreSQL"))
         if redis_url:
             t = time.perf_counter()
             seed_redis(redis_url, args.count)
-            notes.append(f"seeded {args.count:,} locks on Redis in {time.perf_counter() - t:.1f} s")
+            notes.append(
+                f"seeded {args.count:,} locks on Redis in {time.perf_counter() - t:.1f} s"
+            )
             aliases.append(("redis", "Redis"))
 
         for alias, label in aliases:
@@ -297,15 +348,19 @@ def main():
             except Exception as exc:  # noqa: BLE001
                 notes.append(f"could not drop {PG_DB}: {exc}")
 
-    print(f"Locks page render time, {args.count:,} locks per backend (1 in 3 stale), "
-          f"median of {args.runs} runs after a warm-up; target < {TARGET_MS} ms.\n")
+    print(
+        f"Locks page render time, {args.count:,} locks per backend (1 in 3 stale), "
+        f"median of {args.runs} runs after a warm-up; target < {TARGET_MS} ms.\n"
+    )
     print("| Backend | Page | Rows | Total shown | Median (ms) | Best (ms) | < 300 ms |")
     print("|---|---|---:|---:|---:|---:|:---:|")
     for label, case, r in results:
         total = "—" if r["total"] is None else f"{r['total']:,}"
         ok = "yes" if r["median"] < TARGET_MS else "**no**"
-        print(f"| {label} | {case} | {r['rows']} | {total} | {r['median']:.1f} | "
-              f"{r['best']:.1f} | {ok} |")
+        print(
+            f"| {label} | {case} | {r['rows']} | {total} | {r['median']:.1f} | "
+            f"{r['best']:.1f} | {ok} |"
+        )
     for note in notes:
         print(f"\n- {note}", end="")
     print()

@@ -33,9 +33,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _setup  # noqa: E402  (puts the repository first on sys.path)
-from bench_core import (  # noqa: E402
-    CAD, check, fmt, load, median, out, pct, run_header, table, verdict)
+import _setup
+from bench_core import CAD, check, fmt, load, median, out, pct, run_header, table, verdict
 
 pc = time.perf_counter_ns
 TTL = 30
@@ -43,6 +42,7 @@ TARGETS = {"async_ratio": 1.2, "waiters_p99_ratio": 2.0, "dead_waiter_s": 1.0}
 
 
 # -- 1. uncontended ---------------------------------------------------------------------
+
 
 def sync_variants(cfg):
     import redis
@@ -90,9 +90,11 @@ def async_variants(cfg):
         check(await lk.acquire(blocking=False), "redis.asyncio Lock.acquire")
         await lk.release()
 
-    return {"async floor: SET NX PX + EVALSHA (redis.asyncio)": floor,
-            "async **ours**: aacquire + arelease": ours,
-            "peer: redis.asyncio `r.lock()` (Lock)": redispy}
+    return {
+        "async floor: SET NX PX + EVALSHA (redis.asyncio)": floor,
+        "async **ours**: aacquire + arelease": ours,
+        "peer: redis.asyncio `r.lock()` (Lock)": redispy,
+    }
 
 
 async def _time_async(fn, n):
@@ -131,14 +133,18 @@ def section_uncontended(cfg, p, results):
     finally:
         loop.close()
     med = {label: median(s) / 1000 for label, s in samples.items()}
-    sync_floor, sync_ours = med["sync floor: SET NX PX + EVALSHA"], med["sync **ours**: acquire + release"]
+    sync_floor, sync_ours = (
+        med["sync floor: SET NX PX + EVALSHA"],
+        med["sync **ours**: acquire + release"],
+    )
     async_floor = med["async floor: SET NX PX + EVALSHA (redis.asyncio)"]
     rows = []
     for label, value in med.items():
         floor = async_floor if label.startswith(("async", "peer")) else sync_floor
         p99 = pct(sorted(samples[label]), 99) / 1000
-        rows.append([label, fmt(value), fmt(p99), f"{value / floor:.2f}x",
-                     f"{value / sync_ours:.2f}x"])
+        rows.append(
+            [label, fmt(value), fmt(p99), f"{value / floor:.2f}x", f"{value / sync_ours:.2f}x"]
+        )
     table(["variant", "median µs", "p99 µs", "vs its floor", "vs sync ours"], rows)
     results["async_ratio"] = med["async **ours**: aacquire + arelease"] / sync_ours
     results["raw_async_ratio"] = async_floor / sync_floor
@@ -149,6 +155,7 @@ async def _build(factory, cfg):
 
 
 # -- 2. 1,000 waiting coroutines ----------------------------------------------------------
+
 
 async def _pairs_for(seconds, name):
     """Back-to-back acquire+release of ``name`` for ``seconds``: the samples (ns)."""
@@ -210,17 +217,28 @@ async def _waiters_run(cfg, p, results):
     b, d = sorted(before), sorted(during)
     rows = [
         ["no waiters", len(b), fmt(pct(b, 50) / 1000), fmt(pct(b, 99) / 1000), "-"],
-        [f"{n} coroutines waiting on another lock", len(d), fmt(pct(d, 50) / 1000),
-         fmt(pct(d, 99) / 1000), f"{pct(d, 99) / pct(b, 99):.2f}x"],
+        [
+            f"{n} coroutines waiting on another lock",
+            len(d),
+            fmt(pct(d, 50) / 1000),
+            fmt(pct(d, 99) / 1000),
+            f"{pct(d, 99) / pct(b, 99):.2f}x",
+        ],
     ]
     table(["unrelated aacquire+arelease", "pairs", "p50 µs", "p99 µs", "p99 vs none"], rows)
-    table(["while they wait", "value"], [
-        ["threads in the process (before -> waiting)", f"{threads_before} -> {threads_waiting}"],
-        ["Redis client connections (before -> waiting)", f"{conns_before} -> {conns_waiting}"],
-        ["waiters still queued after the window", queued_after],
-        [f"{n} handoffs down the queue, total", f"{drain_s:.2f} s"],
-        ["per handoff", f"{drain_s / n * 1e6:,.0f} µs"],
-    ])
+    table(
+        ["while they wait", "value"],
+        [
+            [
+                "threads in the process (before -> waiting)",
+                f"{threads_before} -> {threads_waiting}",
+            ],
+            ["Redis client connections (before -> waiting)", f"{conns_before} -> {conns_waiting}"],
+            ["waiters still queued after the window", queued_after],
+            [f"{n} handoffs down the queue, total", f"{drain_s:.2f} s"],
+            ["per handoff", f"{drain_s / n * 1e6:,.0f} µs"],
+        ],
+    )
     results["waiters_p99_ratio"] = pct(d, 99) / pct(b, 99)
     results["waiter_threads"] = threads_waiting - threads_before
 
@@ -232,6 +250,7 @@ def section_waiters(cfg, p, results):
 
 
 # -- 3. a waiter SIGKILLed while queued ---------------------------------------------------
+
 
 def _dead_waiter_child(cfg, name, ready):
     _setup.configure(cfg)
@@ -272,7 +291,7 @@ def section_dead_waiter(cfg, p, results):
         acquired_at = []
         live = lock(name, ttl=TTL, backend="redis")
 
-        def live_waiter():
+        def live_waiter(live=live, acquired_at=acquired_at):
             if live.acquire(timeout=40):
                 acquired_at.append(time.monotonic())
 
@@ -293,6 +312,7 @@ def section_dead_waiter(cfg, p, results):
 
 # -- main -----------------------------------------------------------------------------------
 
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
@@ -300,11 +320,23 @@ def main():
     args = parser.parse_args()
     sections = {s.strip() for s in args.sections.split(",")}
     if args.quick:
-        p = {"warmup": 50, "blocks": 6, "per_block": 100, "waiters": 1000, "window": 4.0,
-             "dead_rounds": 2}
+        p = {
+            "warmup": 50,
+            "blocks": 6,
+            "per_block": 100,
+            "waiters": 1000,
+            "window": 4.0,
+            "dead_rounds": 2,
+        }
     else:
-        p = {"warmup": 200, "blocks": 20, "per_block": 200, "waiters": 1000, "window": 8.0,
-             "dead_rounds": 5}
+        p = {
+            "warmup": 200,
+            "blocks": 20,
+            "per_block": 200,
+            "waiters": 1000,
+            "window": 8.0,
+            "dead_rounds": 5,
+        }
     notes = []
     cfg = _setup.prepare(notes)
     if not cfg.get("redis_url"):
@@ -317,8 +349,11 @@ def main():
         import redis
 
         server = redis.Redis.from_url(cfg["redis_url"]).info("server")["redis_version"]
-        run_header("django-setnx: waiting on Redis, async and dead waiters",
-                   f"redis-py {redis.__version__}; Redis {server}", p)
+        run_header(
+            "django-setnx: waiting on Redis, async and dead waiters",
+            f"redis-py {redis.__version__}; Redis {server}",
+            p,
+        )
         if "1" in sections:
             section_uncontended(cfg, p, results)
         if "2" in sections:
@@ -327,23 +362,49 @@ def main():
             section_dead_waiter(cfg, p, results)
         rows = []
         if "async_ratio" in results:
-            rows.append(["async ours / sync ours, medians", f"{results['async_ratio']:.2f}x",
-                         f"<= {TARGETS['async_ratio']}x",
-                         verdict(results["async_ratio"] <= TARGETS["async_ratio"])])
-            rows.append(["(raw redis.asyncio floor / sync floor, for reference)",
-                         f"{results['raw_async_ratio']:.2f}x", "-", "-"])
+            rows.append(
+                [
+                    "async ours / sync ours, medians",
+                    f"{results['async_ratio']:.2f}x",
+                    f"<= {TARGETS['async_ratio']}x",
+                    verdict(results["async_ratio"] <= TARGETS["async_ratio"]),
+                ]
+            )
+            rows.append(
+                [
+                    "(raw redis.asyncio floor / sync floor, for reference)",
+                    f"{results['raw_async_ratio']:.2f}x",
+                    "-",
+                    "-",
+                ]
+            )
         if "waiters_p99_ratio" in results:
             ratio = results["waiters_p99_ratio"]
-            rows.append(["unrelated pair p99 with 1,000 waiters / without", f"{ratio:.2f}x",
-                         f"<= {TARGETS['waiters_p99_ratio']}x",
-                         verdict(ratio <= TARGETS["waiters_p99_ratio"])])
-            rows.append(["threads added by the waiters", results["waiter_threads"], "0",
-                         verdict(results["waiter_threads"] <= 0)])
+            rows.append(
+                [
+                    "unrelated pair p99 with 1,000 waiters / without",
+                    f"{ratio:.2f}x",
+                    f"<= {TARGETS['waiters_p99_ratio']}x",
+                    verdict(ratio <= TARGETS["waiters_p99_ratio"]),
+                ]
+            )
+            rows.append(
+                [
+                    "threads added by the waiters",
+                    results["waiter_threads"],
+                    "0",
+                    verdict(results["waiter_threads"] <= 0),
+                ]
+            )
         if "dead_waiter_s" in results:
-            rows.append(["delay caused by a SIGKILLed waiter (worst round)",
-                         f"{results['dead_waiter_s']:.2f} s",
-                         f"<= {TARGETS['dead_waiter_s']} s",
-                         verdict(results["dead_waiter_s"] <= TARGETS["dead_waiter_s"])])
+            rows.append(
+                [
+                    "delay caused by a SIGKILLed waiter (worst round)",
+                    f"{results['dead_waiter_s']:.2f} s",
+                    f"<= {TARGETS['dead_waiter_s']} s",
+                    verdict(results["dead_waiter_s"] <= TARGETS["dead_waiter_s"]),
+                ]
+            )
         out("## Targets")
         out()
         table(["what", "measured", "target", ""], rows)

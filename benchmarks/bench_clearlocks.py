@@ -36,8 +36,9 @@ PG = {"HOST": "127.0.0.1", "PORT": "5432", "USER": "postgres", "NAME": "setnx_be
 REDIS_URL = os.environ.get("SETNX_BENCH_REDIS_URL", "redis://127.0.0.1:6379/15")
 KEY_PREFIX = "setnx-bench"
 NAME_PREFIX = "bench:"
-OWNER = json.dumps({"host": "bench", "pid": 0, "thread": "MainThread (0)"},
-                   separators=(",", ":"), sort_keys=True)
+OWNER = json.dumps(
+    {"host": "bench", "pid": 0, "thread": "MainThread (0)"}, separators=(",", ":"), sort_keys=True
+)
 INSERT_ROWS = 5_000
 PIPELINE_KEYS = 5_000
 TARGET_SECONDS = 5.0
@@ -54,10 +55,12 @@ def ensure_database():
     """Create the benchmark database if missing. Returns True if created here."""
     import psycopg
 
-    with psycopg.connect(host=PG["HOST"], port=PG["PORT"], user=PG["USER"], dbname="postgres",
-                         autocommit=True) as conn:
-        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
-                              (PG["NAME"],)).fetchone()
+    with psycopg.connect(
+        host=PG["HOST"], port=PG["PORT"], user=PG["USER"], dbname="postgres", autocommit=True
+    ) as conn:
+        exists = conn.execute(
+            "SELECT 1 FROM pg_database WHERE datname = %s", (PG["NAME"],)
+        ).fetchone()
         if exists:
             return False
         conn.execute(f'CREATE DATABASE "{PG["NAME"]}"')
@@ -67,8 +70,9 @@ def ensure_database():
 def drop_database():
     import psycopg
 
-    with psycopg.connect(host=PG["HOST"], port=PG["PORT"], user=PG["USER"], dbname="postgres",
-                         autocommit=True) as conn:
+    with psycopg.connect(
+        host=PG["HOST"], port=PG["PORT"], user=PG["USER"], dbname="postgres", autocommit=True
+    ) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{PG["NAME"]}"')
 
 
@@ -80,11 +84,16 @@ def configure(use_postgres, use_redis):
     locks = {}
     if use_postgres:
         databases["default"] = {"ENGINE": "django.db.backends.postgresql", **PG}
-        locks["postgres"] = {"BACKEND": "django_setnx.backends.database.DatabaseBackend",
-                             "OPTIONS": {"DATABASE": "default"}}
+        locks["postgres"] = {
+            "BACKEND": "django_setnx.backends.database.DatabaseBackend",
+            "OPTIONS": {"DATABASE": "default"},
+        }
     if use_redis:
-        locks["redis"] = {"BACKEND": "django_setnx.backends.redis.RedisBackend",
-                          "LOCATION": REDIS_URL, "KEY_PREFIX": KEY_PREFIX}
+        locks["redis"] = {
+            "BACKEND": "django_setnx.backends.redis.RedisBackend",
+            "LOCATION": REDIS_URL,
+            "KEY_PREFIX": KEY_PREFIX,
+        }
     settings.configure(
         INSTALLED_APPS=["django_setnx"],
         DATABASES=databases,
@@ -108,14 +117,17 @@ def seed_postgres(count):
         now = "(EXTRACT(EPOCH FROM statement_timestamp()) * 1000)::bigint"
         for start in range(0, count, INSERT_ROWS):
             names = [lock_name(i) for i in range(start, min(start + INSERT_ROWS, count))]
-            rows = ", ".join([f"(%s, %s, %s, {now} - 120000, {now} - 60000, 1, '', 0, 0)"]
-                             * len(names))
+            rows = ", ".join(
+                [f"(%s, %s, %s, {now} - 120000, {now} - 60000, 1, '', 0, 0)"] * len(names)
+            )
             params = []
             for i, name in enumerate(names, start):
                 params += [name, f"{i:032x}", OWNER]
             cursor.execute(
                 "INSERT INTO django_setnx_lock (name, token, owner, acquired_at, expires_at, "
-                f"fencing, next_token, next_since, next_seen) VALUES {rows}", params)
+                f"fencing, next_token, next_since, next_seen) VALUES {rows}",
+                params,
+            )
         cursor.execute("ANALYZE django_setnx_lock")
 
 
@@ -123,8 +135,9 @@ def postgres_left():
     from django.db import connection
 
     with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM django_setnx_lock WHERE name LIKE %s",
-                       [NAME_PREFIX + "%"])
+        cursor.execute(
+            "SELECT count(*) FROM django_setnx_lock WHERE name LIKE %s", [NAME_PREFIX + "%"]
+        )
         return cursor.fetchone()[0]
 
 
@@ -156,16 +169,23 @@ def seed_redis(count):
     try:
         if next(client.scan_iter(match=f"{KEY_PREFIX}:*", count=1000), None) is not None:
             raise SystemExit(
-                f"{REDIS_URL} already has keys under {KEY_PREFIX!r}; refusing to run.")
+                f"{REDIS_URL} already has keys under {KEY_PREFIX!r}; refusing to run."
+            )
         seconds, micros = client.time()
         now = seconds * 1000 + micros // 1000
         pipe = client.pipeline(transaction=False)
         for i in range(count):
             base = f"{KEY_PREFIX}:{{{lock_name(i)}}}"
-            pipe.hset(f"{base}:lock", mapping={
-                "token": f"{i:032x}", "fencing": 1, "owner": OWNER,
-                "acquired": now - 120_000, "expires": now - 60_000,
-            })
+            pipe.hset(
+                f"{base}:lock",
+                mapping={
+                    "token": f"{i:032x}",
+                    "fencing": 1,
+                    "owner": OWNER,
+                    "acquired": now - 120_000,
+                    "expires": now - 60_000,
+                },
+            )
             # What the backend does: the record outlives its expiry by STALE_RETENTION.
             pipe.pexpire(f"{base}:lock", 3_600_000)
             pipe.set(f"{base}:fence", 1)
@@ -189,7 +209,7 @@ def cleanup_redis():
     try:
         keys = redis_keys(client, "lock") + redis_keys(client, "fence")
         for start in range(0, len(keys), PIPELINE_KEYS):
-            client.unlink(*keys[start:start + PIPELINE_KEYS])
+            client.unlink(*keys[start : start + PIPELINE_KEYS])
     finally:
         client.close()
 
@@ -246,16 +266,19 @@ def main():
                 started = time.perf_counter()
                 seed(args.count)
                 seeded = time.perf_counter() - started
-                print(f"{alias}: seeded {args.count} stale locks in {seeded:.1f} s",
-                      file=sys.stderr)
+                print(
+                    f"{alias}: seeded {args.count} stale locks in {seeded:.1f} s", file=sys.stderr
+                )
                 elapsed, removed, err = time_clearlocks(alias, args.count)
                 remaining = left()
                 ok = removed == args.count and remaining == 0
                 if not ok:
                     failed = True
-                    print(f"{alias}: MISMATCH: clearlocks reported {removed} removed, "
-                          f"{remaining} of ours left (expected {args.count}, 0)\n{err}",
-                          file=sys.stderr)
+                    print(
+                        f"{alias}: MISMATCH: clearlocks reported {removed} removed, "
+                        f"{remaining} of ours left (expected {args.count}, 0)\n{err}",
+                        file=sys.stderr,
+                    )
                 results.append((alias, args.count, elapsed, ok))
             finally:
                 cleanup()
@@ -271,13 +294,24 @@ def main():
 
     rows = [("backend", "locks", "seconds", "locks/s", "")]
     for alias, count, elapsed, ok in results:
-        verdict = ("ok" if elapsed < TARGET_SECONDS else f"SLOW (> {TARGET_SECONDS:g} s)")
-        rows.append((alias, f"{count:,}", f"{elapsed:.2f}", f"{count / elapsed:,.0f}",
-                     verdict if ok else "WRONG COUNT"))
+        verdict = "ok" if elapsed < TARGET_SECONDS else f"SLOW (> {TARGET_SECONDS:g} s)"
+        rows.append(
+            (
+                alias,
+                f"{count:,}",
+                f"{elapsed:.2f}",
+                f"{count / elapsed:,.0f}",
+                verdict if ok else "WRONG COUNT",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for row in rows:
-        print("  ".join(c.rjust(w) if i in (1, 2, 3) else c.ljust(w)
-                        for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        print(
+            "  ".join(
+                c.rjust(w) if i in (1, 2, 3) else c.ljust(w)
+                for i, (c, w) in enumerate(zip(row, widths))
+            ).rstrip()
+        )
     return 1 if failed else 0
 
 

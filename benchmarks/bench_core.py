@@ -39,7 +39,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _setup  # noqa: E402  (puts the repository first on sys.path)
+import _setup
 
 pc = time.perf_counter_ns  # CLOCK_MONOTONIC on Linux: comparable across processes
 
@@ -47,15 +47,15 @@ TTL = 30
 CS_NS = 1_000_000  # the contended critical section: 1 ms busy-wait
 
 TARGETS = {
-    "redis_ratio": 1.10,       # Redis ours / floor, medians (LOCATION and CACHE)
+    "redis_ratio": 1.10,  # Redis ours / floor, medians (LOCATION and CACHE)
     "db_ratio": {"postgresql": 1.15, "sqlite": 1.15, "mariadb": 1.20},  # ours / floor
     "handoff_p50_ms": 0.2,
     "handoff_p99_ms": 1.0,
     # ideal / wall under contention (4 processes, 1 ms critical sections)
     "efficiency": {"redis": 0.80, "postgresql": 0.60, "sqlite": 0.55, "mariadb": 0.55},
-    "jain": 0.95,              # our reading of "Jain close to 1, no process starved"
+    "jain": 0.95,  # our reading of "Jain close to 1, no process starved"
     "redis_wait_p99_ms": 10.0,  # contended: time from acquire() to its return
-    "repeat_share": 0.30,      # no process wins more than this share back to back
+    "repeat_share": 0.30,  # no process wins more than this share back to back
 }
 
 # Compare-and-delete, the canonical safe release of a SET NX lock.
@@ -80,6 +80,7 @@ return 0
 
 
 # -- small helpers ---------------------------------------------------------------------
+
 
 def out(line=""):
     print(line, flush=True)
@@ -141,6 +142,7 @@ def spawn_ctx():
 
 # -- lock factories shared by the handoff and throughput processes ------------------------
 
+
 def lock_factory(kind, cfg, alias, name, sleep=0.1):
     """Return ``make()`` -> (acquire(timeout) -> bool, release()) for a fresh lock object.
 
@@ -154,14 +156,19 @@ def lock_factory(kind, cfg, alias, name, sleep=0.1):
         def make():
             lk = lock(name, ttl=TTL, backend=alias)
             return (lambda timeout: lk.acquire(timeout=timeout)), lk.release
+
         return make
     import redis
 
     client = redis.Redis.from_url(cfg["redis_url"])
     if kind == "redispy":
+
         def make():
             lk = client.lock(name, timeout=TTL, sleep=sleep)
-            return (lambda timeout: lk.acquire(blocking=True, blocking_timeout=timeout)), lk.release
+            return (
+                lambda timeout: lk.acquire(blocking=True, blocking_timeout=timeout)
+            ), lk.release
+
         return make
     if kind == "floor":
         # The least a wake-up lock must do: SET NX PX; on contention BLPOP a wake list;
@@ -184,7 +191,9 @@ def lock_factory(kind, cfg, alias, name, sleep=0.1):
 
             def release():
                 check(release_script(keys=[name, wake_key], args=[token]) == 1, "floor release")
+
             return acquire, release
+
         return make
     if kind == "raw":
         return raw_token_lock(client, cfg["redis_url"], name)
@@ -194,7 +203,10 @@ def lock_factory(kind, cfg, alias, name, sleep=0.1):
         def make():
             lk = redis_lock.Lock(client, name, expire=TTL)
             # It refuses a timeout longer than its expire.
-            return (lambda timeout: lk.acquire(blocking=True, timeout=min(timeout, TTL))), lk.release
+            return (
+                lambda timeout: lk.acquire(blocking=True, timeout=min(timeout, TTL))
+            ), lk.release
+
         return make
     raise ValueError(kind)
 
@@ -220,8 +232,9 @@ def raw_token_lock(client, url, name):
 
     def command(*words):
         words = [str(w).encode() for w in words]
-        sock.sendall(b"*%d\r\n" % len(words)
-                     + b"".join(b"$%d\r\n%s\r\n" % (len(w), w) for w in words))
+        sock.sendall(
+            b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(w), w) for w in words)
+        )
 
     db = (parts.path or "/0").strip("/") or "0"
     command("SELECT", db)
@@ -244,11 +257,14 @@ def raw_token_lock(client, url, name):
         def release():
             command("RPUSH", name, 1)
             check(reader.readline() == b":1\r\n", "raw RPUSH")
+
         return acquire, release
+
     return make
 
 
 # -- 1. uncontended ----------------------------------------------------------------------
+
 
 def interleaved(variants, blocks, per_block, warmup):
     """Time ``fn()`` (one acquire+release pair) per variant, interleaved in blocks.
@@ -304,6 +320,7 @@ def redis_variants(cfg):
     def floor():
         check(r.set(floor_key, token, nx=True, px=TTL * 1000), "SET NX PX")
         check(cad(keys=[floor_key], args=[token]) == 1, "compare-and-delete")
+
     variants["floor: SET NX PX + EVALSHA compare-and-delete"] = floor
 
     name_new = f"{np}:u:ours"
@@ -312,6 +329,7 @@ def redis_variants(cfg):
         lk = lock(name_new, ttl=TTL, backend="redis")
         check(lk.acquire(blocking=False), "acquire")
         lk.release()
+
     variants["**ours**: lock() + acquire(blocking=False) + release()"] = ours
 
     name_cache = f"{np}:u:ours-cache"
@@ -320,6 +338,7 @@ def redis_variants(cfg):
         lk = lock(name_cache, ttl=TTL, backend="redis-cache")
         check(lk.acquire(blocking=False), "acquire")
         lk.release()
+
     variants["**ours**, through OPTIONS['CACHE'] (django-redis' connection)"] = ours_cache
 
     reused = lock(f"{np}:u:reused", ttl=TTL, backend="redis")
@@ -327,6 +346,7 @@ def redis_variants(cfg):
     def ours_reused():
         check(reused.acquire(blocking=False), "acquire")
         reused.release()
+
     variants["ours, one Lock object reused"] = ours_reused
 
     backend = locks["redis"]
@@ -336,6 +356,7 @@ def redis_variants(cfg):
     def backend_only():
         check(backend.acquire(b_name, b_token, float(TTL), owner).acquired, "backend.acquire")
         check(backend.release(b_name, b_token), "backend.release")
+
     variants["ours, backend.acquire/release only (no Lock layer)"] = backend_only
 
     # Our two Lua scripts alone: record the keys and args the backend passes to its
@@ -352,6 +373,7 @@ def redis_variants(cfg):
         lk = r.lock(p_name, timeout=TTL)
         check(lk.acquire(blocking=False), "redis-py Lock.acquire")
         lk.release()
+
     variants["peer: redis-py `r.lock()` (Lock)"] = redispy
 
     if have("redis_lock"):
@@ -363,6 +385,7 @@ def redis_variants(cfg):
             lk = redis_lock.Lock(r, q_name, expire=TTL)
             check(lk.acquire(blocking=False), "redis_lock.Lock.acquire")
             lk.release()
+
         variants["peer: python-redis-lock `redis_lock.Lock`"] = prl
     return variants
 
@@ -378,6 +401,7 @@ def _replay_scripts(backend, name, owner):
         def record(keys=(), args=(), client=None):
             captured[attr] = (list(keys), list(args))
             return originals[attr](keys=keys, args=args, client=client)
+
         return record
 
     token = secrets.token_hex(16)
@@ -395,6 +419,7 @@ def _replay_scripts(backend, name, owner):
     def scripts_only():
         check(acquire(keys=acq_keys, args=acq_args)[0] == 1, "acquire script")
         check(release(keys=rel_keys, args=rel_args) == 1, "release script")
+
     scripts_only()
     return scripts_only
 
@@ -415,6 +440,7 @@ def db_variants(cfg, engine):
         lk = lock(name_new, ttl=TTL, backend=engine)
         check(lk.acquire(blocking=False), "acquire")
         lk.release()
+
     ours()  # first: connects our backend (and switches SQLite to WAL, as in real use)
 
     # The floor: a dedicated autocommit raw DB-API connection, made the way the
@@ -425,9 +451,11 @@ def db_variants(cfg, engine):
     raw = wrapper.connection
     ph = "?" if wrapper.vendor == "sqlite" else "%s"
     table_name = wrapper.ops.quote_name("django_setnx_lock")
-    insert = (f"INSERT INTO {table_name} (name, token, owner, acquired_at, expires_at, "
-              f"fencing, next_token, next_since, next_seen) "
-              f"VALUES ({ph}, {ph}, {ph}, {ph}, {ph}, {ph}, '', 0, 0)")
+    insert = (
+        f"INSERT INTO {table_name} (name, token, owner, acquired_at, expires_at, "
+        f"fencing, next_token, next_since, next_seen) "
+        f"VALUES ({ph}, {ph}, {ph}, {ph}, {ph}, {ph}, '', 0, 0)"
+    )
     delete = f"DELETE FROM {table_name} WHERE name = {ph} AND token = {ph}"
     f_name, f_token = f"{np}:u:floor", secrets.token_hex(16)
     f_owner = json.dumps(current_owner(), sort_keys=True)
@@ -442,6 +470,7 @@ def db_variants(cfg, engine):
             check(cur.rowcount == 1, "DELETE")
         finally:
             cur.close()
+
     variants["floor: raw INSERT + DELETE (autocommit, same driver)"] = floor
     variants["**ours**: lock() + acquire(blocking=False) + release()"] = ours
 
@@ -452,6 +481,7 @@ def db_variants(cfg, engine):
     def backend_only():
         check(backend.acquire(b_name, b_token, float(TTL), owner).acquired, "backend.acquire")
         check(backend.release(b_name, b_token), "backend.release")
+
     variants["ours, backend.acquire/release only (no Lock layer)"] = backend_only
 
     if _setup.have_db_mutex():
@@ -462,6 +492,7 @@ def db_variants(cfg, engine):
         def dbmutex():
             with db_mutex(m_name):
                 pass
+
         variants["peer: django-db-mutex `with db_mutex(name)`"] = dbmutex
     return variants, wrapper
 
@@ -482,8 +513,11 @@ def db_uncontended_child(cfg, engine, params, conn):
 def run_db_uncontended(cfg, engine, params):
     ctx = spawn_ctx()
     parent_end, child_end = ctx.Pipe()
-    proc = ctx.Process(target=db_uncontended_child,
-                       args=(_setup.child_config(cfg), engine, params, child_end), daemon=True)
+    proc = ctx.Process(
+        target=db_uncontended_child,
+        args=(_setup.child_config(cfg), engine, params, child_end),
+        daemon=True,
+    )
     proc.start()
     child_end.close()
     try:
@@ -513,11 +547,29 @@ def uncontended_table(title, samples, cpu, floor_label, ratio_target, results_ke
             target = f"≤ {ratio_target:.2f}× {verdict(ratio <= ratio_target)}"
             key = results_key + ("-cache" if "CACHE" in label else "")
             results[key] = ratio
-        rows.append([label, fmt(med), fmt(pct(s, 99) / 1000), f"{ratio:.2f}×", target,
-                     fmt(cpu[label] / 1000)])
+        rows.append(
+            [
+                label,
+                fmt(med),
+                fmt(pct(s, 99) / 1000),
+                f"{ratio:.2f}×",
+                target,
+                fmt(cpu[label] / 1000),
+            ]
+        )
     out(f"**{title}** ({len(samples[floor_label])} pairs per row)")
     out()
-    table(["variant", "median µs", "p99 µs", "÷ floor median", "target", "client CPU µs/pair (user+sys)"], rows)
+    table(
+        [
+            "variant",
+            "median µs",
+            "p99 µs",
+            "÷ floor median",
+            "target",
+            "client CPU µs/pair (user+sys)",
+        ],
+        rows,
+    )
 
 
 def _server_us_per_pair(client, fn, pairs=1000):
@@ -526,8 +578,9 @@ def _server_us_per_pair(client, fn, pairs=1000):
     for _ in range(pairs):
         fn()
     stats = client.info("commandstats")
-    total = sum(v["usec"] for k, v in stats.items()
-                if not k.startswith(("cmdstat_info", "cmdstat_config")))
+    total = sum(
+        v["usec"] for k, v in stats.items() if not k.startswith(("cmdstat_info", "cmdstat_config"))
+    )
     return total / pairs
 
 
@@ -545,8 +598,16 @@ def redis_breakdown(cfg, samples, variants):
 
     parts = [
         ("constructing the Lock (`lock(...)` per pair)", "**ours**", "ours, one Lock"),
-        ("Lock layer: token, owner, deadline, signals, bookkeeping", "ours, one Lock", "ours, backend"),
-        ("backend Python: json.dumps(owner), keys, ttl, error wrapping", "ours, backend", "ours, our Lua"),
+        (
+            "Lock layer: token, owner, deadline, signals, bookkeeping",
+            "ours, one Lock",
+            "ours, backend",
+        ),
+        (
+            "backend Python: json.dumps(owner), keys, ttl, error wrapping",
+            "ours, backend",
+            "ours, our Lua",
+        ),
         ("our two Lua scripts vs SET NX + CAD script (Redis + wire)", "ours, our Lua", "floor"),
         ("**total ours − floor**", "**ours**", "floor"),
     ]
@@ -555,9 +616,11 @@ def redis_breakdown(cfg, samples, variants):
         ma, mb = find(a), find(b)
         if None not in (ma, mb):
             rows.append([what, fmt(ma - mb)])
-    out("**Where Redis ours − floor goes: differences between the medians above** (µs per pair; "
+    out(
+        "**Where Redis ours − floor goes: differences between the medians above** (µs per pair; "
         "differences of medians of noisy distributions: ± several µs on a quiet machine, "
-        "tens under load; the direct measurements below are steadier)")
+        "tens under load; the direct measurements below are steadier)"
+    )
     out()
     table(["part", "Δ median µs"], rows)
 
@@ -579,34 +642,59 @@ def redis_breakdown(cfg, samples, variants):
             lk = lock(name, ttl=TTL, backend="redis")
             lk.acquire(blocking=False)
             lk.release()
-        direct.append(["our Python per pair with the two script calls stubbed out "
-                       "(lock() + Lock + backend; no redis-py, no I/O)", fmt(per_call_us(stubbed), 1)])
+
+        direct.append(
+            [
+                "our Python per pair with the two script calls stubbed out "
+                "(lock() + Lock + backend; no redis-py, no I/O)",
+                fmt(per_call_us(stubbed), 1),
+            ]
+        )
     except Exception as exc:  # noqa: BLE001
         direct.append(["our Python per pair (stubbed)", f"error: {exc}"])
     finally:
         conn.acquire, conn.release = originals
     if cfg.get("redis_owned"):
         client = redis.Redis.from_url(cfg["redis_url"])
-        for label, key in (("Redis server time per pair: floor (SET + CAD script)", "floor"),
-                           ("Redis server time per pair: ours (ACQUIRE + RELEASE scripts)", "**ours**"),
-                           ("Redis server time per pair: redis-py Lock", "peer: redis-py")):
+        for label, key in (
+            ("Redis server time per pair: floor (SET + CAD script)", "floor"),
+            ("Redis server time per pair: ours (ACQUIRE + RELEASE scripts)", "**ours**"),
+            ("Redis server time per pair: redis-py Lock", "peer: redis-py"),
+        ):
             fn = next((v for k, v in variants.items() if k.startswith(key)), None)
             if fn is not None:
-                direct.append([label + " (INFO commandstats)", fmt(_server_us_per_pair(client, fn), 1)])
+                direct.append(
+                    [label + " (INFO commandstats)", fmt(_server_us_per_pair(client, fn), 1)]
+                )
     owner = current_owner()
     lk = lock("bench-micro", ttl=TTL, backend="redis")
     direct += [
-        ["`lock(name, ttl=30, backend=...)` (validation + locks[alias])",
-         fmt(per_call_us(lambda: lock("bench-micro", ttl=TTL, backend="redis")), 2)],
+        [
+            "`lock(name, ttl=30, backend=...)` (validation + locks[alias])",
+            fmt(per_call_us(lambda: lock("bench-micro", ttl=TTL, backend="redis")), 2),
+        ],
         ["`secrets.token_hex(16)`", fmt(per_call_us(lambda: secrets.token_hex(16)), 2)],
-        ["`current_owner()` (cached gethostname, getpid, current_thread)",
-         fmt(per_call_us(current_owner), 2)],
+        [
+            "`current_owner()` (cached gethostname, getpid, current_thread)",
+            fmt(per_call_us(current_owner), 2),
+        ],
         ["`socket.gethostname()` (were it not cached)", fmt(per_call_us(socket.gethostname), 2)],
-        ["`json.dumps(owner, sort_keys=True)`",
-         fmt(per_call_us(lambda: json.dumps(owner, separators=(",", ":"), sort_keys=True)), 2)],
-        ["signals: lock_acquired + lock_released `.send()` (no receivers)",
-         fmt(per_call_us(lambda: (signals.lock_acquired.send(sender=Lock, lock=lk),
-                                  signals.lock_released.send(sender=Lock, lock=lk))), 2)],
+        [
+            "`json.dumps(owner, sort_keys=True)`",
+            fmt(per_call_us(lambda: json.dumps(owner, separators=(",", ":"), sort_keys=True)), 2),
+        ],
+        [
+            "signals: lock_acquired + lock_released `.send()` (no receivers)",
+            fmt(
+                per_call_us(
+                    lambda: (
+                        signals.lock_acquired.send(sender=Lock, lock=lk),
+                        signals.lock_released.send(sender=Lock, lock=lk),
+                    )
+                ),
+                2,
+            ),
+        ],
     ]
     out("**Direct measurements** (µs; Python pieces: best of 5 timeit runs in this process)")
     out()
@@ -616,17 +704,26 @@ def redis_breakdown(cfg, samples, variants):
 def section_uncontended(cfg, p, results):
     out(f"## 1. Uncontended acquire + release (load {load()})")
     out()
-    out(f"Warm-up {p['warmup']} pairs per variant, then {p['blocks']} blocks × {p['per_block']} "
+    out(
+        f"Warm-up {p['warmup']} pairs per variant, then {p['blocks']} blocks × {p['per_block']} "
         f"pairs per variant, interleaved pair by pair (one pair of each variant in turn, "
         f"the order rotated per block); each pair timed with perf_counter_ns. ttl={TTL} s; "
-        f"same lock name every pair.")
+        f"same lock name every pair."
+    )
     out()
     if cfg.get("redis_url"):
         try:
             variants = redis_variants(cfg)
             samples, cpu = interleaved(variants, **p)
-            uncontended_table("Redis", samples, cpu, next(iter(samples)), TARGETS["redis_ratio"],
-                              "ratio:redis", results)
+            uncontended_table(
+                "Redis",
+                samples,
+                cpu,
+                next(iter(samples)),
+                TARGETS["redis_ratio"],
+                "ratio:redis",
+                results,
+            )
             ours = median(samples["**ours**: lock() + acquire(blocking=False) + release()"])
             peer = median(samples["peer: redis-py `r.lock()` (Lock)"])
             results["redis:below-peer"] = ours < peer
@@ -637,15 +734,22 @@ def section_uncontended(cfg, p, results):
         try:
             samples, cpu = run_db_uncontended(cfg, engine, p)
             title = {"sqlite": "SQLite", "postgresql": "PostgreSQL", "mariadb": "MariaDB"}[engine]
-            uncontended_table(f"{title} (measured in a child process whose Django default "
-                              f"database is {engine}, for django-db-mutex)",
-                              samples, cpu, next(iter(samples)), TARGETS["db_ratio"][engine],
-                              f"ratio:{engine}", results)
+            uncontended_table(
+                f"{title} (measured in a child process whose Django default "
+                f"database is {engine}, for django-db-mutex)",
+                samples,
+                cpu,
+                next(iter(samples)),
+                TARGETS["db_ratio"][engine],
+                f"ratio:{engine}",
+                results,
+            )
         except Exception as exc:  # noqa: BLE001
             out(f"{engine}: error\n```\n{exc}\n```\n")
 
 
 # -- 2. handoff latency ----------------------------------------------------------------
+
 
 def handoff_waiter(cfg, kind, alias, name, n, conn):
     try:
@@ -681,8 +785,11 @@ def run_handoff(cfg, kind, alias, n):
     make = lock_factory(kind, cfg, alias, name)
     ctx = spawn_ctx()
     parent_end, child_end = ctx.Pipe()
-    proc = ctx.Process(target=handoff_waiter,
-                       args=(_setup.child_config(cfg), kind, alias, name, n, child_end), daemon=True)
+    proc = ctx.Process(
+        target=handoff_waiter,
+        args=(_setup.child_config(cfg), kind, alias, name, n, child_end),
+        daemon=True,
+    )
     proc.start()
     child_end.close()
     rng = random.Random(1)
@@ -725,21 +832,39 @@ def section_handoff(cfg, p, results):
     n = p["handoffs"]
     out(f"## 2. Handoff latency (load {load()})")
     out()
-    out(f"{n} handoffs per row. The holder (this process) acquires, lets the waiter (a spawned "
+    out(
+        f"{n} handoffs per row. The holder (this process) acquires, lets the waiter (a spawned "
         f"process) enter `acquire(timeout=10)`, holds 5–25 ms more (random), stamps "
         f"perf_counter_ns right before `release()`; the waiter stamps right after its acquire "
-        f"returns. Latency = waiter stamp − holder stamp (CLOCK_MONOTONIC, shared by processes).")
+        f"returns. Latency = waiter stamp − holder stamp (CLOCK_MONOTONIC, shared by processes)."
+    )
     out()
     rows = []
     plan = []
     if cfg.get("redis_url"):
-        plan.append(("machine: a token through a Redis list, raw sockets (RPUSH → BLPOP; "
-                     "not a lock, no client library)", "raw", None, False))
-        plan.append(("floor: minimal wake-up lock (CAD+RPUSH script → BLPOP → SET NX PX)",
-                     "floor", None, False))
-        plan.append(("**ours: Redis** (direct handoff to the first waiter, BLPOP)", "ours",
-                     "redis", True))
-        plan.append(("peer: redis-py Lock (`blocking_timeout`, default sleep=0.1)", "redispy", None, False))
+        plan.append(
+            (
+                "machine: a token through a Redis list, raw sockets (RPUSH → BLPOP; "
+                "not a lock, no client library)",
+                "raw",
+                None,
+                False,
+            )
+        )
+        plan.append(
+            (
+                "floor: minimal wake-up lock (CAD+RPUSH script → BLPOP → SET NX PX)",
+                "floor",
+                None,
+                False,
+            )
+        )
+        plan.append(
+            ("**ours: Redis** (direct handoff to the first waiter, BLPOP)", "ours", "redis", True)
+        )
+        plan.append(
+            ("peer: redis-py Lock (`blocking_timeout`, default sleep=0.1)", "redispy", None, False)
+        )
         if have("redis_lock"):
             plan.append(("peer: python-redis-lock (BLPOP signal)", "prl", None, False))
     for engine in cfg["engines"]:
@@ -754,14 +879,26 @@ def section_handoff(cfg, p, results):
                 results["handoff:p50"], results["handoff:p99"] = p50, p99
                 t50 = f"≤ {TARGETS['handoff_p50_ms']} {verdict(p50 <= TARGETS['handoff_p50_ms'])}"
                 t99 = f"≤ {TARGETS['handoff_p99_ms']} {verdict(p99 <= TARGETS['handoff_p99_ms'])}"
-            rows.append([label, fmt(p50, 3), t50, fmt(p99, 3), t99, fmt(s[-1] / 1e6, 3) if s else "-",
-                         failures])
+            rows.append(
+                [
+                    label,
+                    fmt(p50, 3),
+                    t50,
+                    fmt(p99, 3),
+                    t99,
+                    fmt(s[-1] / 1e6, 3) if s else "-",
+                    failures,
+                ]
+            )
         except Exception as exc:  # noqa: BLE001
-            rows.append([label, f"error: {str(exc).strip().splitlines()[-1][:120]}", "", "", "", "", ""])
+            rows.append(
+                [label, f"error: {str(exc).strip().splitlines()[-1][:120]}", "", "", "", "", ""]
+            )
     table(["variant", "p50 ms", "target", "p99 ms", "target", "max ms", "timeouts"], rows)
 
 
 # -- 3. contended throughput -------------------------------------------------------------
+
 
 def throughput_worker(cfg, kind, alias, name, n, sleep, barrier, results, idx):
     try:
@@ -798,9 +935,11 @@ def run_throughput(cfg, kind, alias, n, procs=4, sleep=0.1):
     barrier = ctx.Barrier(procs)
     results = ctx.Queue()
     workers = [
-        ctx.Process(target=throughput_worker,
-                    args=(_setup.child_config(cfg), kind, alias, name, n, sleep, barrier, results, i),
-                    daemon=True)
+        ctx.Process(
+            target=throughput_worker,
+            args=(_setup.child_config(cfg), kind, alias, name, n, sleep, barrier, results, i),
+            daemon=True,
+        )
         for i in range(procs)
     ]
     for w in workers:
@@ -845,8 +984,10 @@ def run_header(title, detail, p):
     and the parameters ``p``."""
     out(f"# {title}")
     out()
-    out(f"- {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {os.cpu_count()} CPUs, "
-        f"load average at start **{load()}**; {detail}")
+    out(
+        f"- {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC, {os.cpu_count()} CPUs, "
+        f"load average at start **{load()}**; {detail}"
+    )
     out(f"- parameters: {p}")
     out()
 
@@ -861,8 +1002,10 @@ def throughput_stats(got):
     timeouts = sum(1 for recs in records.values() for (_, _, r) in recs if r is None)
     ideal = len(acquired) * CS_NS / 1e9
     window_end = min(dones)  # the first process to finish all of its acquisitions
-    counts = [sum(1 for (_, a, r) in records[i] if r is not None and a <= window_end)
-              for i in sorted(records)]
+    counts = [
+        sum(1 for (_, a, r) in records[i] if r is not None and a <= window_end)
+        for i in sorted(records)
+    ]
     waits = [a - q for recs in records.values() for (q, a, r) in recs]
     # Mutual exclusion: each acquisition starts after the previous one's release stamp.
     acquired.sort()
@@ -878,10 +1021,16 @@ def throughput_stats(got):
     repeat_share = max(repeats[i] / wins[i] for i in records if wins[i])
     waits.sort()
     return {
-        "wall": wall, "eff": ideal / wall if wall else float("nan"), "jain": jain(counts),
-        "counts": counts, "max_wait_ms": max(waits) / 1e6, "p50_wait_ms": median(waits) / 1e6,
-        "p99_wait_ms": pct(waits, 99) / 1e6, "repeat_share": repeat_share,
-        "overlaps": overlaps, "timeouts": timeouts,
+        "wall": wall,
+        "eff": ideal / wall if wall else float("nan"),
+        "jain": jain(counts),
+        "counts": counts,
+        "max_wait_ms": max(waits) / 1e6,
+        "p50_wait_ms": median(waits) / 1e6,
+        "p99_wait_ms": pct(waits, 99) / 1e6,
+        "repeat_share": repeat_share,
+        "overlaps": overlaps,
+        "timeouts": timeouts,
     }
 
 
@@ -889,19 +1038,35 @@ def section_throughput(cfg, p, results):
     n = p["per_proc"]
     out(f"## 3. Contended throughput and fairness (load {load()})")
     out()
-    out(f"4 spawned processes × {n} acquisitions of ONE lock, each around a 1 ms busy-wait "
+    out(
+        f"4 spawned processes × {n} acquisitions of ONE lock, each around a 1 ms busy-wait "
         f"critical section, all started on a barrier; a fresh lock object per acquisition, "
         f"acquire(timeout=60). ideal = {4 * n} × 1 ms. Jain's index is over the per-process "
         f"acquisition counts up to the moment the first process finished all {n} "
         f"(1.0 = perfectly even, 0.25 = one process got everything). "
-        f"Max/median wait = time from calling acquire to its return.")
+        f"Max/median wait = time from calling acquire to its return."
+    )
     out()
     plan = []
     if cfg.get("redis_url"):
-        plan.append(("machine: a token through a Redis list, raw sockets (not a lock)", "raw",
-                     None, 0.1, False))
-        plan.append(("floor: minimal wake-up lock (SET NX PX, BLPOP, CAD+RPUSH)", "floor", None,
-                     0.1, False))
+        plan.append(
+            (
+                "machine: a token through a Redis list, raw sockets (not a lock)",
+                "raw",
+                None,
+                0.1,
+                False,
+            )
+        )
+        plan.append(
+            (
+                "floor: minimal wake-up lock (SET NX PX, BLPOP, CAD+RPUSH)",
+                "floor",
+                None,
+                0.1,
+                False,
+            )
+        )
         plan.append(("**ours: Redis**", "ours", "redis", 0.1, True))
         plan.append(("peer: redis-py Lock (sleep=0.001)", "redispy", None, 0.001, False))
         if have("redis_lock"):
@@ -919,21 +1084,47 @@ def section_throughput(cfg, p, results):
                 t_jain = verdict(st["jain"] >= TARGETS["jain"])
                 results[f"p99_wait:{alias}"] = st["p99_wait_ms"]
                 results[f"repeat_share:{alias}"] = st["repeat_share"]
-            rows.append([
-                label, fmt(st["wall"], 2), f"{st['eff']:.2f}", t_eff, f"{st['jain']:.3f}", t_jain,
-                "/".join(map(str, st["counts"])), fmt(st["p50_wait_ms"], 2),
-                fmt(st["p99_wait_ms"], 1), fmt(st["max_wait_ms"], 1),
-                f"{st['repeat_share']:.0%}", st["overlaps"], st["timeouts"],
-            ])
+            rows.append(
+                [
+                    label,
+                    fmt(st["wall"], 2),
+                    f"{st['eff']:.2f}",
+                    t_eff,
+                    f"{st['jain']:.3f}",
+                    t_jain,
+                    "/".join(map(str, st["counts"])),
+                    fmt(st["p50_wait_ms"], 2),
+                    fmt(st["p99_wait_ms"], 1),
+                    fmt(st["max_wait_ms"], 1),
+                    f"{st['repeat_share']:.0%}",
+                    st["overlaps"],
+                    st["timeouts"],
+                ]
+            )
         except Exception as exc:  # noqa: BLE001
             rows.append([label, f"error: {str(exc).strip().splitlines()[-1][:120]}"] + [""] * 11)
-    table(["variant", "wall s", "ideal÷wall", "target", "Jain",
-           f"≥ {TARGETS['jain']}", "acquisitions per process in window", "median wait ms",
-           "p99 wait ms", "max wait ms", "most back-to-back wins (share of a process' wins)",
-           "overlaps", "timeouts"], rows)
+    table(
+        [
+            "variant",
+            "wall s",
+            "ideal÷wall",
+            "target",
+            "Jain",
+            f"≥ {TARGETS['jain']}",
+            "acquisitions per process in window",
+            "median wait ms",
+            "p99 wait ms",
+            "max wait ms",
+            "most back-to-back wins (share of a process' wins)",
+            "overlaps",
+            "timeouts",
+        ],
+        rows,
+    )
 
 
 # -- 4. state left behind by many distinct names ------------------------------------------
+
 
 def section_state(cfg, p, results):
     """Acquire and release ``state_names`` distinct names on every backend, then count
@@ -946,8 +1137,7 @@ def section_state(cfg, p, results):
 
     n = p["state_names"]
     cfg["state_names"] = n
-    out(f"## 4. State left after {n:,} distinct names, each acquired and released "
-        f"(load {load()})")
+    out(f"## 4. State left after {n:,} distinct names, each acquired and released (load {load()})")
     out()
     owner = current_owner()
     rows = []
@@ -973,8 +1163,9 @@ def section_state(cfg, p, results):
             what = f"{len(keys):,} keys under the prefix, all expiring"
         else:
             with connections[alias].cursor() as cursor:
-                cursor.execute("SELECT COUNT(*) FROM django_setnx_lock WHERE name LIKE %s",
-                               [prefix + ":%"])
+                cursor.execute(
+                    "SELECT COUNT(*) FROM django_setnx_lock WHERE name LIKE %s", [prefix + ":%"]
+                )
                 left = cursor.fetchone()[0]
             what = "rows of those names"
         results[f"state:{alias}"] = left
@@ -983,6 +1174,7 @@ def section_state(cfg, p, results):
 
 
 # -- summary -----------------------------------------------------------------------------
+
 
 def section_summary(cfg, results):
     out(f"## Targets (load {load()})")
@@ -1002,48 +1194,99 @@ def section_summary(cfg, results):
     le = lambda v, t: v <= t  # noqa: E731
     ge = lambda v, t: v >= t  # noqa: E731
     if cfg.get("redis_url"):
-        row(f"Redis: ours ≤ {TARGETS['redis_ratio']}× floor (median)", "ratio:redis",
-            TARGETS["redis_ratio"], times, le)
-        row(f"Redis through django-redis (OPTIONS['CACHE']): ours ≤ "
-            f"{TARGETS['redis_ratio']}× floor (median)", "ratio:redis-cache",
-            TARGETS["redis_ratio"], times, le)
-        row("Redis: ours below redis-py's Lock (median)", "redis:below-peer", True,
-            lambda v: "yes" if v else "no", lambda v, t: v is t)
+        row(
+            f"Redis: ours ≤ {TARGETS['redis_ratio']}× floor (median)",
+            "ratio:redis",
+            TARGETS["redis_ratio"],
+            times,
+            le,
+        )
+        row(
+            f"Redis through django-redis (OPTIONS['CACHE']): ours ≤ "
+            f"{TARGETS['redis_ratio']}× floor (median)",
+            "ratio:redis-cache",
+            TARGETS["redis_ratio"],
+            times,
+            le,
+        )
+        row(
+            "Redis: ours below redis-py's Lock (median)",
+            "redis:below-peer",
+            True,
+            lambda v: "yes" if v else "no",
+            lambda v, t: v is t,
+        )
     for engine in cfg["engines"]:
         target = TARGETS["db_ratio"][engine]
         row(f"{engine}: ours ≤ {target}× floor (median)", f"ratio:{engine}", target, times, le)
     for alias in (["redis"] if cfg.get("redis_url") else []) + cfg["engines"]:
-        row(f"{alias}: after {cfg.get('state_names', 0):,} distinct names, keys without a "
-            f"TTL / rows left", f"state:{alias}", 0, lambda v: f"{v:,}", le)
+        row(
+            f"{alias}: after {cfg.get('state_names', 0):,} distinct names, keys without a "
+            f"TTL / rows left",
+            f"state:{alias}",
+            0,
+            lambda v: f"{v:,}",
+            le,
+        )
     if cfg.get("redis_url"):
-        row(f"Redis handoff p50 ≤ {TARGETS['handoff_p50_ms']} ms", "handoff:p50",
-            TARGETS["handoff_p50_ms"], ms, le)
-        row(f"Redis handoff p99 ≤ {TARGETS['handoff_p99_ms']} ms", "handoff:p99",
-            TARGETS["handoff_p99_ms"], ms, le)
+        row(
+            f"Redis handoff p50 ≤ {TARGETS['handoff_p50_ms']} ms",
+            "handoff:p50",
+            TARGETS["handoff_p50_ms"],
+            ms,
+            le,
+        )
+        row(
+            f"Redis handoff p99 ≤ {TARGETS['handoff_p99_ms']} ms",
+            "handoff:p99",
+            TARGETS["handoff_p99_ms"],
+            ms,
+            le,
+        )
     for alias in (["redis"] if cfg.get("redis_url") else []) + cfg["engines"]:
         target = TARGETS["efficiency"][alias]
         row(f"{alias}: contended ideal÷wall ≥ {target}", f"eff:{alias}", target, plain, ge)
-        row(f"{alias}: contended Jain ≥ {TARGETS['jain']} (no process starved)", f"jain:{alias}",
-            TARGETS["jain"], plain, ge)
-        row(f"{alias}: no process wins more than {TARGETS['repeat_share']:.0%} of its "
-            f"acquisitions back to back", f"repeat_share:{alias}", TARGETS["repeat_share"],
-            lambda v: f"{v:.0%}", le)
+        row(
+            f"{alias}: contended Jain ≥ {TARGETS['jain']} (no process starved)",
+            f"jain:{alias}",
+            TARGETS["jain"],
+            plain,
+            ge,
+        )
+        row(
+            f"{alias}: no process wins more than {TARGETS['repeat_share']:.0%} of its "
+            f"acquisitions back to back",
+            f"repeat_share:{alias}",
+            TARGETS["repeat_share"],
+            lambda v: f"{v:.0%}",
+            le,
+        )
     if cfg.get("redis_url"):
-        row(f"redis: contended wait p99 ≤ {TARGETS['redis_wait_p99_ms']} ms", "p99_wait:redis",
-            TARGETS["redis_wait_p99_ms"], ms, le)
+        row(
+            f"redis: contended wait p99 ≤ {TARGETS['redis_wait_p99_ms']} ms",
+            "p99_wait:redis",
+            TARGETS["redis_wait_p99_ms"],
+            ms,
+            le,
+        )
     table(["target", "measured", "verdict"], rows)
     out("A MISS is reported, never an error: the exit status is 0 either way.")
 
 
 # -- header ------------------------------------------------------------------------------
 
+
 def versions(cfg):
     import django
     import redis
 
-    parts = [f"Python {platform.python_version()}", f"Django {django.__version__}",
-             f"redis-py {redis.__version__}" + (" + hiredis" if have("hiredis") else "")]
-    from importlib.metadata import PackageNotFoundError, version as dist_version
+    parts = [
+        f"Python {platform.python_version()}",
+        f"Django {django.__version__}",
+        f"redis-py {redis.__version__}" + (" + hiredis" if have("hiredis") else ""),
+    ]
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
 
     for dist in ("psycopg", "mysqlclient", "PyMySQL", "django-db-mutex", "python-redis-lock"):
         try:
@@ -1079,34 +1322,62 @@ def code_state():
     for path in sorted((repo / "django_setnx").rglob("*.py")):
         digest.update(path.read_bytes())
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "django_setnx"], cwd=repo,
-                               capture_output=True, text=True, timeout=10).stdout.splitlines()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "django_setnx"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.splitlines()
     except Exception:  # noqa: BLE001
         head, dirty = "?", []
-    return f"git {head}" + (f" + {len(dirty)} uncommitted file(s) in django_setnx/" if dirty else "") \
+    return (
+        f"git {head}"
+        + (f" + {len(dirty)} uncommitted file(s) in django_setnx/" if dirty else "")
         + f", django_setnx/*.py sha1 {digest.hexdigest()[:12]}"
+    )
 
 
 # -- main --------------------------------------------------------------------------------
 
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations (about a minute)")
-    parser.add_argument("--keep", action="store_true",
-                        help="keep the bench databases and SQLite file at the end")
-    parser.add_argument("--sections", default="1,2,3,4",
-                        help="comma list of sections to run (default 1,2,3,4)")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the bench databases and SQLite file at the end"
+    )
+    parser.add_argument(
+        "--sections", default="1,2,3,4", help="comma list of sections to run (default 1,2,3,4)"
+    )
     args = parser.parse_args()
     sections = {s.strip() for s in args.sections.split(",")}
 
     if args.quick:
-        params = {"warmup": 50, "blocks": 6, "per_block": 40, "handoffs": 50, "per_proc": 50,
-                  "state_names": 5_000}
+        params = {
+            "warmup": 50,
+            "blocks": 6,
+            "per_block": 40,
+            "handoffs": 50,
+            "per_proc": 50,
+            "state_names": 5_000,
+        }
     else:
-        params = {"warmup": 200, "blocks": 20, "per_block": 100, "handoffs": 200, "per_proc": 200,
-                  "state_names": 100_000}
+        params = {
+            "warmup": 200,
+            "blocks": 20,
+            "per_block": 100,
+            "handoffs": 200,
+            "per_proc": 200,
+            "state_names": 100_000,
+        }
     unc = {k: params[k] for k in ("warmup", "blocks", "per_block")}
 
     t_begin = time.monotonic()
@@ -1120,9 +1391,11 @@ def main():
         lib, servers = versions(cfg)
         out("# django-setnx core benchmarks")
         out()
-        out(f"- {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC on {socket.gethostname()}, "
+        out(
+            f"- {datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S} UTC on {socket.gethostname()}, "
             f"{os.cpu_count()} CPUs, load average (1/5/15 min) at start **{load_start}** "
-            f"(other processes may be running)")
+            f"(other processes may be running)"
+        )
         out(f"- mode: {'--quick' if args.quick else 'full'} ({json.dumps(params)})")
         out(f"- code: {code_state()}")
         out(f"- libraries: {lib}")

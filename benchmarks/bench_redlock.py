@@ -143,7 +143,8 @@ def contestants(urls, run_id):
         label = "django-setnx Redlock" if alias == "redlock" else f"compare: {path}"
         out[f"{label}, Lock API (3 masters)"] = _lock_api_op(alias, f"bench-api-{alias}-{run_id}")
         out[f"{label}, backend alone (3 masters)"] = _backend_op(
-            locks[alias], f"bench-backend-{alias}-{run_id}", owner)
+            locks[alias], f"bench-backend-{alias}-{run_id}", owner
+        )
 
     try:
         import pottery
@@ -243,20 +244,27 @@ def table(samples):
     ]
     for label in labels:
         median = statistics.median(samples[label])
-        lines.append(f"| {label} | {median / 1000:.1f} | {p99(samples[label]) / 1000:.1f} | "
-                     f"{median / floor_median:.2f}× |")
+        lines.append(
+            f"| {label} | {median / 1000:.1f} | {p99(samples[label]) / 1000:.1f} | "
+            f"{median / floor_median:.2f}× |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", type=int, default=2000, help="acquire+release per round")
-    parser.add_argument("--rounds", type=int, default=10,
-                        help="rounds; the contestants take turns every round")
-    parser.add_argument("--compare-backend", metavar="PATH", action="append", default=[],
-                        dest="compare_backends",
-                        help="also time this Redlock backend class (dotted path) on the same "
-                             "masters (repeatable)")
+    parser.add_argument(
+        "--rounds", type=int, default=10, help="rounds; the contestants take turns every round"
+    )
+    parser.add_argument(
+        "--compare-backend",
+        metavar="PATH",
+        action="append",
+        default=[],
+        dest="compare_backends",
+        help="also time this Redlock backend class (dotted path) on the same masters (repeatable)",
+    )
     args = parser.parse_args(argv)
 
     from tests.servers import RedisMasterSet
@@ -273,21 +281,29 @@ def main(argv=None):
         elapsed = time.monotonic() - started
         locks.close_all()
 
-    print(f"Uncontended acquire + release, {args.rounds} rounds x {args.ops} ops per "
-          f"contestant, interleaved ({elapsed:.1f} s; python {sys.version.split()[0]}, "
-          f"{os.cpu_count()} CPUs).\n")
+    print(
+        f"Uncontended acquire + release, {args.rounds} rounds x {args.ops} ops per "
+        f"contestant, interleaved ({elapsed:.1f} s; python {sys.version.split()[0]}, "
+        f"{os.cpu_count()} CPUs).\n"
+    )
     print(table(samples))
     labels = list(samples)
     floor = statistics.median(samples[labels[0]])
     ours = statistics.median(samples["django-setnx Redlock, Lock API (3 masters)"])
     met = "OK" if ours / floor <= TARGET_RATIO else "MISSED"
-    verdicts = [(f"\ndjango-setnx Redlock (Lock API) / floor = {ours / floor:.2f}× "
-                 f"(target <= {TARGET_RATIO}×): {met}")]
+    verdicts = [
+        (
+            f"\ndjango-setnx Redlock (Lock API) / floor = {ours / floor:.2f}× "
+            f"(target <= {TARGET_RATIO}×): {met}"
+        )
+    ]
     peer = [label for label in labels if label.startswith("pottery")]
     if peer:
         theirs = statistics.median(samples[peer[0]])
-        verdicts.append(f"pottery / django-setnx Redlock = {theirs / ours:.2f}× "
-                        f"({'faster than pottery' if ours < theirs else 'NOT faster than pottery'})")
+        verdicts.append(
+            f"pottery / django-setnx Redlock = {theirs / ours:.2f}× "
+            f"({'faster than pottery' if ours < theirs else 'NOT faster than pottery'})"
+        )
     else:
         verdicts.append("pottery not installed: pip install pottery")
     print("\n".join(verdicts))

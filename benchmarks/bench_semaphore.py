@@ -25,9 +25,20 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _setup  # noqa: E402  (puts the repository first on sys.path)
-from bench_core import (  # noqa: E402
-    check, fmt, gather, interleaved, load, median, out, pct, run_header, table, verdict)
+import _setup
+from bench_core import (
+    check,
+    fmt,
+    gather,
+    interleaved,
+    load,
+    median,
+    out,
+    pct,
+    run_header,
+    table,
+    verdict,
+)
 
 TTL = 30
 LIMIT = 5
@@ -71,8 +82,11 @@ def variants(cfg, alias):
         check(sem.acquire(blocking=False), "semaphore acquire (3 of 5 held)")
         sem.release()
 
-    return {"lock": a_lock, f"semaphore limit={LIMIT}": a_semaphore,
-            f"semaphore limit={LIMIT}, 3 held by others": a_busy_semaphore}, others
+    return {
+        "lock": a_lock,
+        f"semaphore limit={LIMIT}": a_semaphore,
+        f"semaphore limit={LIMIT}, 3 held by others": a_busy_semaphore,
+    }, others
 
 
 def section_uncontended(cfg, p, results):
@@ -92,10 +106,18 @@ def section_uncontended(cfg, p, results):
         for variant, values in samples.items():
             values.sort()
             ratio = median(values) / lock_median
-            rows.append([label, variant, fmt(median(values) / 1000), fmt(pct(values, 99) / 1000),
-                         f"{ratio:.2f}x"])
+            rows.append(
+                [
+                    label,
+                    variant,
+                    fmt(median(values) / 1000),
+                    fmt(pct(values, 99) / 1000),
+                    f"{ratio:.2f}x",
+                ]
+            )
         results.setdefault("ratio", {})[label] = (
-            median(samples[f"semaphore limit={LIMIT}"]) / lock_median)
+            median(samples[f"semaphore limit={LIMIT}"]) / lock_median
+        )
     table(["engine", "what", "p50 µs", "p99 µs", "÷ lock p50"], rows)
     out()
 
@@ -136,10 +158,26 @@ def run_throughput(cfg, alias, n, limit):
     name = f"{cfg['name_prefix']}:s:t{limit}:{alias}"
     inside, peak, guard = ctx.Value("i", 0, lock=False), ctx.Value("i", 0, lock=False), ctx.Lock()
     barrier, results = ctx.Barrier(PROCS), ctx.Queue()
-    workers = [ctx.Process(target=throughput_worker, daemon=True,
-                           args=(_setup.child_config(cfg), alias, name, limit, n, inside, peak, guard,
-                                 barrier, results, i))
-               for i in range(PROCS)]
+    workers = [
+        ctx.Process(
+            target=throughput_worker,
+            daemon=True,
+            args=(
+                _setup.child_config(cfg),
+                alias,
+                name,
+                limit,
+                n,
+                inside,
+                peak,
+                guard,
+                barrier,
+                results,
+                i,
+            ),
+        )
+        for i in range(PROCS)
+    ]
     for worker in workers:
         worker.start()
     got = gather(workers, results, barrier, time.monotonic() + 300)
@@ -147,13 +185,14 @@ def run_throughput(cfg, alias, n, limit):
     end = max(v[1] for v in got.values())
     done = [v[2] for v in got.values()]
     ideal = sum(done) * HOLD_S / limit
-    return {"wall": end - start, "eff": ideal / (end - start), "done": done,
-            "peak": peak.value}
+    return {"wall": end - start, "eff": ideal / (end - start), "done": done, "peak": peak.value}
 
 
 def section_throughput(cfg, p, results):
-    out(f"## 2. {PROCS} processes on a limit={SEM_LIMIT} semaphore, {p['n']} acquisitions "
-        f"each, {HOLD_S * 1000:g} ms held")
+    out(
+        f"## 2. {PROCS} processes on a limit={SEM_LIMIT} semaphore, {p['n']} acquisitions "
+        f"each, {HOLD_S * 1000:g} ms held"
+    )
     out()
     out(f"load average {load()}")
     out()
@@ -161,13 +200,23 @@ def section_throughput(cfg, p, results):
     for label, alias in backends(cfg):
         for limit, n in ((SEM_LIMIT, p["n"]), (1, p["n"] // 3)):
             stats = run_throughput(cfg, alias, n, limit)
-            rows.append([label, limit, f"{stats['wall']:.2f}", f"{stats['eff']:.2f}",
-                         f"{min(stats['done'])}-{max(stats['done'])}", stats["peak"]])
+            rows.append(
+                [
+                    label,
+                    limit,
+                    f"{stats['wall']:.2f}",
+                    f"{stats['eff']:.2f}",
+                    f"{min(stats['done'])}-{max(stats['done'])}",
+                    stats["peak"],
+                ]
+            )
             if limit == SEM_LIMIT:
                 results.setdefault("efficiency", {})[label] = stats["eff"]
                 results.setdefault("peak", {})[label] = stats["peak"]
-    table(["engine", "limit", "wall s", "ideal / wall", "acquisitions per process",
-           "most inside"], rows)
+    table(
+        ["engine", "limit", "wall s", "ideal / wall", "acquisitions per process", "most inside"],
+        rows,
+    )
     out()
 
 
@@ -187,21 +236,35 @@ def main():
     try:
         _setup.configure(cfg)
         _setup.migrate(cfg, notes)
-        run_header("django-setnx: semaphores",
-                   f"engines: {', '.join(label for label, _ in backends(cfg))}", p)
+        run_header(
+            "django-setnx: semaphores",
+            f"engines: {', '.join(label for label, _ in backends(cfg))}",
+            p,
+        )
         if "1" in sections:
             section_uncontended(cfg, p, results)
         if "2" in sections:
             section_throughput(cfg, p, results)
         rows = []
         for label, ratio in results.get("ratio", {}).items():
-            rows.append([f"{label}: semaphore limit={LIMIT} / lock, medians", f"{ratio:.2f}x",
-                         f"<= {TARGETS['ratio']}x", verdict(ratio <= TARGETS["ratio"])])
+            rows.append(
+                [
+                    f"{label}: semaphore limit={LIMIT} / lock, medians",
+                    f"{ratio:.2f}x",
+                    f"<= {TARGETS['ratio']}x",
+                    verdict(ratio <= TARGETS["ratio"]),
+                ]
+            )
         for label, eff in results.get("efficiency", {}).items():
             peak = results["peak"][label]
-            rows.append([f"{label}: {PROCS} processes on limit={SEM_LIMIT}, ideal / wall",
-                         f"{eff:.2f}", f">= {TARGETS['efficiency']}",
-                         verdict(eff >= TARGETS["efficiency"] and peak <= SEM_LIMIT)])
+            rows.append(
+                [
+                    f"{label}: {PROCS} processes on limit={SEM_LIMIT}, ideal / wall",
+                    f"{eff:.2f}",
+                    f">= {TARGETS['efficiency']}",
+                    verdict(eff >= TARGETS["efficiency"] and peak <= SEM_LIMIT),
+                ]
+            )
         out("## Targets")
         out()
         table(["what", "measured", "target", ""], rows)

@@ -30,7 +30,8 @@ class InTurnRedlock(RedlockBackend):
         client = self._clients.get(index)
         if client is None:
             client = self._clients[index] = redis.Redis.from_url(
-                self.locations[index], socket_timeout=self.node_timeout)
+                self.locations[index], socket_timeout=self.node_timeout
+            )
         return client
 
     def _one(self, index, server, commands):
@@ -44,8 +45,10 @@ class InTurnRedlock(RedlockBackend):
 
     def _round_trip(self, requests, timeout):
         started = time.monotonic()
-        return {index: self._one(index, server, commands)
-                for index, (server, commands) in requests.items()}, started
+        return {
+            index: self._one(index, server, commands)
+            for index, (server, commands) in requests.items()
+        }, started
 
 
 class ThreadedRedlock(InTurnRedlock):
@@ -55,6 +58,8 @@ class ThreadedRedlock(InTurnRedlock):
 
     def _round_trip(self, requests, timeout):
         started = time.monotonic()
-        futures = {index: self._pool.submit(self._one, index, server, commands)
-                   for index, (server, commands) in requests.items()}
+        futures = {
+            index: self._pool.submit(self._one, index, server, commands)
+            for index, (server, commands) in requests.items()
+        }
         return {index: future.result() for index, future in futures.items()}, started

@@ -70,7 +70,7 @@ from .validation import slot_record, validate_record_name
 try:  # Django 5.0+: "Show counts" next to the filter choices.
     from django.contrib.admin.options import IS_FACETS_VAR, ShowFacets
 except ImportError:  # Django 4.2: no facets; the Locks page offers counts on request.
-    IS_FACETS_VAR, ShowFacets = "_facets", None
+    IS_FACETS_VAR, ShowFacets = "_facets", None  # type: ignore[misc,assignment]
 
 PAGE_VAR = "p"
 SEARCH_VAR = "q"
@@ -140,17 +140,19 @@ def sort_headers(ordering, query_string):
         others = [(n, d) for n, d in ordering if n != number]
         flipped = (number, not descending) if number in position else (number, False)
         toggled = [flipped if n == number else (n, d) for n, d in ordering]
-        headers.append({
-            "text": text,
-            "class_attrib": " ".join(classes),
-            "sortable": True,
-            "sorted": number in position,
-            "ascending": descending is False,
-            "sort_priority": position.get(number, -1) + 1,
-            "url_primary": query_string(**{ORDER_VAR: format_ordering([flipped, *others])}),
-            "url_remove": query_string(**{ORDER_VAR: format_ordering(others)}),
-            "url_toggle": query_string(**{ORDER_VAR: format_ordering(toggled)}),
-        })
+        headers.append(
+            {
+                "text": text,
+                "class_attrib": " ".join(classes),
+                "sortable": True,
+                "sorted": number in position,
+                "ascending": descending is False,
+                "sort_priority": position.get(number, -1) + 1,
+                "url_primary": query_string(**{ORDER_VAR: format_ordering([flipped, *others])}),
+                "url_remove": query_string(**{ORDER_VAR: format_ordering(others)}),
+                "url_toggle": query_string(**{ORDER_VAR: format_ordering(toggled)}),
+            }
+        )
     return headers
 
 
@@ -213,7 +215,9 @@ class LockRecordAdmin(admin.ModelAdmin):
         ]
 
     def _url(self, what):
-        return reverse(f"{self.admin_site.name}:{self.opts.app_label}_{self.opts.model_name}_{what}")
+        return reverse(
+            f"{self.admin_site.name}:{self.opts.app_label}_{self.opts.model_name}_{what}"
+        )
 
     # -- shared helpers -----------------------------------------------------------
 
@@ -235,8 +239,12 @@ class LockRecordAdmin(admin.ModelAdmin):
         """An "Are you sure?" page (``locks/<template>``), whose cancel link goes back
         to the list as it was."""
         context = self._context(
-            request, title=_("Are you sure?"), subtitle=None,
-            cancel_url=self._preserved(request, self._url("changelist")), **context)
+            request,
+            title=_("Are you sure?"),
+            subtitle=None,
+            cancel_url=self._preserved(request, self._url("changelist")),
+            **context,
+        )
         request.current_app = self.admin_site.name
         return TemplateResponse(request, f"admin/django_setnx/locks/{template}", context)
 
@@ -245,7 +253,8 @@ class LockRecordAdmin(admin.ModelAdmin):
         the list, as ``_changelist_filters`` otherwise (Django's
         ``add_preserved_filters``)."""
         return add_preserved_filters(
-            {"preserved_filters": self.get_preserved_filters(request), "opts": self.opts}, url)
+            {"preserved_filters": self.get_preserved_filters(request), "opts": self.opts}, url
+        )
 
     def _back_to_list(self, request):
         """A redirect to the list, with the query string it was left with."""
@@ -267,7 +276,9 @@ class LockRecordAdmin(admin.ModelAdmin):
         if info.is_held:
             expires_text = _("in %(duration)s") % {"duration": format_duration(expires_in)}
         else:
-            expires_text = _("expired %(duration)s ago") % {"duration": format_duration(-expires_in)}
+            expires_text = _("expired %(duration)s ago") % {
+                "duration": format_duration(-expires_in)
+            }
         return {
             "info": info,
             "name": info.display_name,
@@ -319,7 +330,8 @@ class LockRecordAdmin(admin.ModelAdmin):
         if mode is None:
             return False, False
         shown = mode is ShowFacets.ALWAYS or (
-            mode is ShowFacets.ALLOW and IS_FACETS_VAR in request.GET)
+            mode is ShowFacets.ALLOW and IS_FACETS_VAR in request.GET
+        )
         return shown, mode is ShowFacets.ALLOW
 
     # -- the list -----------------------------------------------------------------
@@ -339,8 +351,10 @@ class LockRecordAdmin(admin.ModelAdmin):
             if backend_filter in aliases:
                 params[BACKEND_VAR] = backend_filter
             else:
-                notes.append(_("There is no lock backend %(alias)r; showing every backend.")
-                             % {"alias": backend_filter})
+                notes.append(
+                    _("There is no lock backend %(alias)r; showing every backend.")
+                    % {"alias": backend_filter}
+                )
                 backend_filter = None
         state = request.GET.get(STATE_VAR) or None
         if state is not None:
@@ -369,35 +383,57 @@ class LockRecordAdmin(admin.ModelAdmin):
             try:
                 compile_glob(glob)
             except ValueError as exc:
-                notes.append(_("%(error)s Searching for the text as typed instead.")
-                             % {"error": exc})
+                notes.append(
+                    _("%(error)s Searching for the text as typed instead.") % {"error": exc}
+                )
                 glob = f"*{escape(query)}*"
                 # Text longer than any name is in no name: say so rather than search
                 # for it (its glob may be longer than compile_glob accepts).
                 matches_nothing = len(query) > MAX_NAME_LENGTH
                 if matches_nothing:
-                    notes.append(_("No lock name is longer than %(limit)s characters: "
-                                   "nothing contains these %(length)s.")
-                                 % {"limit": MAX_NAME_LENGTH, "length": len(query)})
+                    notes.append(
+                        _(
+                            "No lock name is longer than %(limit)s characters: "
+                            "nothing contains these %(length)s."
+                        )
+                        % {"limit": MAX_NAME_LENGTH, "length": len(query)}
+                    )
         backends, load_errors = self._backends(aliases)
-        selected = [(alias, backend) for alias, backend in backends
-                    if backend_filter in (None, alias) and not matches_nothing]
-        page = LockPage(selected, state=state, glob=glob, number=number,
-                        ordering=[(SORTABLE[n], descending) for n, descending in columns])
-        errors = {**{alias: error for alias, error in load_errors.items()
-                     if backend_filter in (None, alias)}, **page.errors}
+        selected = [
+            (alias, backend)
+            for alias, backend in backends
+            if backend_filter in (None, alias) and not matches_nothing
+        ]
+        page = LockPage(
+            selected,
+            state=state,
+            glob=glob,
+            number=number,
+            ordering=[(SORTABLE[n], descending) for n, descending in columns],
+        )
+        errors = {
+            **{
+                alias: error
+                for alias, error in load_errors.items()
+                if backend_filter in (None, alias)
+            },
+            **page.errors,
+        }
         if page.partially_sorted:
-            notes.append(ngettext(
-                "Only partly sorted: the backend %(aliases)s has more than %(limit)s "
-                "matching locks. The first %(limit)s it returned are sorted with the "
-                "others; the rest follow, unsorted, after them. Filter or search to "
-                "narrow the list for a complete order.",
-                "Only partly sorted: the backends %(aliases)s have more than %(limit)s "
-                "matching locks each. The first %(limit)s each returned are sorted with "
-                "the others; the rest follow, unsorted, after them. Filter or search to "
-                "narrow the list for a complete order.",
-                len(page.partially_sorted),
-            ) % {"aliases": ", ".join(page.partially_sorted), "limit": paging.SORT_LIMIT})
+            notes.append(
+                ngettext(
+                    "Only partly sorted: the backend %(aliases)s has more than %(limit)s "
+                    "matching locks. The first %(limit)s it returned are sorted with the "
+                    "others; the rest follow, unsorted, after them. Filter or search to "
+                    "narrow the list for a complete order.",
+                    "Only partly sorted: the backends %(aliases)s have more than %(limit)s "
+                    "matching locks each. The first %(limit)s each returned are sorted with "
+                    "the others; the rest follow, unsorted, after them. Filter or search to "
+                    "narrow the list for a complete order.",
+                    len(page.partially_sorted),
+                )
+                % {"aliases": ", ".join(page.partially_sorted), "limit": paging.SORT_LIMIT}
+            )
 
         def query_string(**changes):
             new = {**params, **changes}
@@ -407,8 +443,14 @@ class LockRecordAdmin(admin.ModelAdmin):
         if show_counts:
             # Each filter's counts apply the other filter and the search, as
             # Django's facets do; a backend that failed is not asked again.
-            counts = state_counts([(alias, backend) for alias, backend in backends
-                                   if alias not in errors and not matches_nothing], glob)
+            counts = state_counts(
+                [
+                    (alias, backend)
+                    for alias, backend in backends
+                    if alias not in errors and not matches_nothing
+                ],
+                glob,
+            )
 
         def with_count(display, count):
             return display if count is None else f"{display} ({count})"
@@ -419,24 +461,36 @@ class LockRecordAdmin(admin.ModelAdmin):
             return None if None in wanted else sum(wanted)
 
         def state_count(value):
-            wanted = [counts.get(alias, {}).get(value)
-                      for alias in ([backend_filter] if backend_filter else aliases)]
+            wanted = [
+                counts.get(alias, {}).get(value)
+                for alias in ([backend_filter] if backend_filter else aliases)
+            ]
             return None if None in wanted else sum(wanted)
 
         def choices(var, selected, options, count):
             """A filter's links: "All", then each ``(value, label)`` of ``options``,
             with ``count(value)`` when counts are shown."""
-            return [{"display": _("All"), "selected": selected is None,
-                     "query_string": query_string(**{var: None, PAGE_VAR: None})}] + [
-                {"display": with_count(label, count(value) if show_counts else None),
-                 "selected": selected == value,
-                 "query_string": query_string(**{var: value, PAGE_VAR: None})}
-                for value, label in options]
+            return [
+                {
+                    "display": _("All"),
+                    "selected": selected is None,
+                    "query_string": query_string(**{var: None, PAGE_VAR: None}),
+                }
+            ] + [
+                {
+                    "display": with_count(label, count(value) if show_counts else None),
+                    "selected": selected == value,
+                    "query_string": query_string(**{var: value, PAGE_VAR: None}),
+                }
+                for value, label in options
+            ]
 
-        backend_choices = choices(BACKEND_VAR, backend_filter,
-                                  [(alias, alias) for alias in aliases], backend_count)
-        state_choices = choices(STATE_VAR, state, ((HELD, _("Held")), (STALE, _("Stale"))),
-                                state_count)
+        backend_choices = choices(
+            BACKEND_VAR, backend_filter, [(alias, alias) for alias in aliases], backend_count
+        )
+        state_choices = choices(
+            STATE_VAR, state, ((HELD, _("Held")), (STALE, _("Stale"))), state_count
+        )
 
         page_links = []
         if page.num_pages is not None and page.num_pages > 1:
@@ -445,13 +499,20 @@ class LockRecordAdmin(admin.ModelAdmin):
                 if i == Paginator.ELLIPSIS:
                     page_links.append({"ellipsis": True, "text": i})
                 else:
-                    page_links.append({"number": i, "current": i == number,
-                                       "query_string": query_string(**{PAGE_VAR: i})})
+                    page_links.append(
+                        {
+                            "number": i,
+                            "current": i == number,
+                            "query_string": query_string(**{PAGE_VAR: i}),
+                        }
+                    )
 
         facet_links = {}
         if counts_optional:
-            facet_links = {"add_counts_query": query_string(**{IS_FACETS_VAR: "True"}),
-                           "remove_counts_query": query_string(**{IS_FACETS_VAR: None})}
+            facet_links = {
+                "add_counts_query": query_string(**{IS_FACETS_VAR: "True"}),
+                "remove_counts_query": query_string(**{IS_FACETS_VAR: None}),
+            }
         headers = sort_headers(columns, query_string)
         context = self._context(
             request,
@@ -472,7 +533,9 @@ class LockRecordAdmin(admin.ModelAdmin):
             search_hidden=[(k, v) for k, v in params.items() if k != SEARCH_VAR],
             has_filters=True,
             has_active_filters=bool(backend_filter or state),
-            clear_filters_query=query_string(**{BACKEND_VAR: None, STATE_VAR: None, PAGE_VAR: None}),
+            clear_filters_query=query_string(
+                **{BACKEND_VAR: None, STATE_VAR: None, PAGE_VAR: None}
+            ),
             counts_optional=counts_optional,
             show_counts=show_counts,
             **facet_links,
@@ -481,8 +544,11 @@ class LockRecordAdmin(admin.ModelAdmin):
                 {"title": _("state"), "choices": state_choices},
             ],
             backend_filter=backend_filter,
-            clear_url=self._preserved(request, self._url("clear") + (
-                "?" + urlencode({BACKEND_VAR: backend_filter}) if backend_filter else "")),
+            clear_url=self._preserved(
+                request,
+                self._url("clear")
+                + ("?" + urlencode({BACKEND_VAR: backend_filter}) if backend_filter else ""),
+            ),
             selected_var=SELECTED_VAR,
             action_var=ACTION_VAR,
             release_action=RELEASE_ACTION,
@@ -548,16 +614,22 @@ class LockRecordAdmin(admin.ModelAdmin):
         return self._confirm_release(request, values)
 
     def _nothing_selected(self, request):
-        messages.warning(request, _(
-            "Items must be selected in order to perform actions on them. No items "
-            "have been changed."))
+        messages.warning(
+            request,
+            _(
+                "Items must be selected in order to perform actions on them. No items "
+                "have been changed."
+            ),
+        )
         return self._back_to_list(request)
 
     def _confirm_release(self, request, values):
         try:
             selection = self._parse_all(values, with_token=False)
         except BadSelection as exc:
-            return HttpResponseBadRequest(f"Invalid lock selection: {exc}", content_type="text/plain")
+            return HttpResponseBadRequest(
+                f"Invalid lock selection: {exc}", content_type="text/plain"
+            )
         if not selection:
             return self._nothing_selected(request)
 
@@ -575,21 +647,32 @@ class LockRecordAdmin(admin.ModelAdmin):
                 row["confirm_value"] = json.dumps([alias, name, info.fencing_token])
                 found.append(row)
         return self._confirmation(
-            request, "release_confirmation.html", found=found, gone=gone, errors=errors,
-            lock_var=LOCK_VAR, release_url=self._preserved(request, self._url("release")))
+            request,
+            "release_confirmation.html",
+            found=found,
+            gone=gone,
+            errors=errors,
+            lock_var=LOCK_VAR,
+            release_url=self._preserved(request, self._url("release")),
+        )
 
     def _do_release(self, request):
         try:
             selection = self._parse_all(request.POST.getlist(LOCK_VAR), with_token=True)
         except BadSelection as exc:
-            return HttpResponseBadRequest(f"Invalid lock selection: {exc}", content_type="text/plain")
+            return HttpResponseBadRequest(
+                f"Invalid lock selection: {exc}", content_type="text/plain"
+            )
         backends, load_errors = self._backends(sorted({alias for alias, _n, _t in selection}))
         backends = dict(backends)
         released, changed, gone = [], [], []
         for alias, name, token in selection:
             if alias not in backends:
-                messages.error(request, _("Lock backend %(alias)r cannot be loaded: %(error)s")
-                               % {"alias": alias, "error": load_errors.get(alias, "")})
+                messages.error(
+                    request,
+                    _("Lock backend %(alias)r cannot be loaded: %(error)s")
+                    % {"alias": alias, "error": load_errors.get(alias, "")},
+                )
                 continue
             try:
                 outcome = release_if_unchanged(backends[alias], name, token)
@@ -599,30 +682,46 @@ class LockRecordAdmin(admin.ModelAdmin):
             if outcome.status == ReleaseOutcome.RELEASED:
                 self.log_force_release(request, alias, outcome.info)
                 lock_force_released.send(
-                    sender=type(locks[alias]), backend=alias, name=name, info=outcome.info,
+                    sender=type(locks[alias]),
+                    backend=alias,
+                    name=name,
+                    info=outcome.info,
                     user=request.user,
                 )
                 released.append(f"{alias}: {name}")
             elif outcome.status == ReleaseOutcome.CHANGED:
                 changed.append(
                     _("%(alias)s: %(name)s (fencing token now %(token)s)")
-                    % {"alias": alias, "name": name, "token": outcome.current.fencing_token})
+                    % {"alias": alias, "name": name, "token": outcome.current.fencing_token}
+                )
             else:
                 gone.append(f"{alias}: {name}")
         if released:
-            messages.success(request, ngettext(
-                "Force-released %(count)d lock: %(names)s.",
-                "Force-released %(count)d locks: %(names)s.",
-                len(released)) % {"count": len(released), "names": ", ".join(released)})
+            messages.success(
+                request,
+                ngettext(
+                    "Force-released %(count)d lock: %(names)s.",
+                    "Force-released %(count)d locks: %(names)s.",
+                    len(released),
+                )
+                % {"count": len(released), "names": ", ".join(released)},
+            )
         if changed:
-            messages.warning(request, ngettext(
-                "Not released, it changed hands since you confirmed: %(names)s.",
-                "Not released, they changed hands since you confirmed: %(names)s.",
-                len(changed)) % {"names": ", ".join(changed)})
+            messages.warning(
+                request,
+                ngettext(
+                    "Not released, it changed hands since you confirmed: %(names)s.",
+                    "Not released, they changed hands since you confirmed: %(names)s.",
+                    len(changed),
+                )
+                % {"names": ", ".join(changed)},
+            )
         if gone:
-            messages.info(request, ngettext(
-                "Already gone: %(names)s.", "Already gone: %(names)s.", len(gone))
-                % {"names": ", ".join(gone)})
+            messages.info(
+                request,
+                ngettext("Already gone: %(names)s.", "Already gone: %(names)s.", len(gone))
+                % {"names": ", ".join(gone)},
+            )
         return self._back_to_list(request)
 
     def log_force_release(self, request, alias, info):
@@ -666,8 +765,12 @@ class LockRecordAdmin(admin.ModelAdmin):
         for bad, error in load_errors.items():
             backends.append({"alias": bad, "error": error})
         return self._confirmation(
-            request, "clear_confirmation.html", backends=backends, backend_filter=alias,
-            clear_url=self._preserved(request, self._url("clear")))
+            request,
+            "clear_confirmation.html",
+            backends=backends,
+            backend_filter=alias,
+            clear_url=self._preserved(request, self._url("clear")),
+        )
 
     def _do_clear(self, request, selected):
         content_type = ContentType.objects.get_for_model(LockRecord)
@@ -675,8 +778,11 @@ class LockRecordAdmin(admin.ModelAdmin):
             try:
                 result = locks[alias].clear()
             except LockBackendError as exc:
-                messages.error(request, _("Could not clear stale locks of %(alias)r: %(error)s")
-                               % {"alias": alias, "error": exc})
+                messages.error(
+                    request,
+                    _("Could not clear stale locks of %(alias)r: %(error)s")
+                    % {"alias": alias, "error": exc},
+                )
                 continue
             if not result.count:
                 messages.info(request, _("No stale locks on %(alias)r.") % {"alias": alias})
@@ -692,18 +798,25 @@ class LockRecordAdmin(admin.ModelAdmin):
                 change_message=(
                     f"Cleared {result.count} stale locks on backend {alias!r}: "
                     + ", ".join(repr(n) for n in shown)
-                    + (f" and {more} more" if more else "") + "."
+                    + (f" and {more} more" if more else "")
+                    + "."
                 ),
             )
-            messages.success(request, ngettext(
-                "Cleared %(count)d stale lock on %(alias)r.",
-                "Cleared %(count)d stale locks on %(alias)r.",
-                result.count) % {"count": result.count, "alias": alias})
+            messages.success(
+                request,
+                ngettext(
+                    "Cleared %(count)d stale lock on %(alias)r.",
+                    "Cleared %(count)d stale locks on %(alias)r.",
+                    result.count,
+                )
+                % {"count": result.count, "alias": alias},
+            )
         if self.get_preserved_filters(request) or len(selected) != 1:
             return self._back_to_list(request)
         # Reached without the list's query string: show the backend just cleared.
         return HttpResponseRedirect(
-            self._url("changelist") + "?" + urlencode({BACKEND_VAR: selected[0]}))
+            self._url("changelist") + "?" + urlencode({BACKEND_VAR: selected[0]})
+        )
 
 
 admin.site.register(LockRecord, LockRecordAdmin)

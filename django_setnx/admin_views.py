@@ -48,8 +48,9 @@ class LockPage:
     locks a sorted listing could sort only partly.
     """
 
-    def __init__(self, backends, *, state=None, glob=None, number=1, per_page=PER_PAGE,
-                 ordering=()):
+    def __init__(
+        self, backends, *, state=None, glob=None, number=1, per_page=PER_PAGE, ordering=()
+    ):
         self.number = number
         self.per_page = per_page
         self.errors = {}
@@ -101,7 +102,7 @@ class LockPage:
         every backend merged, then the rest of the partly sorted ones."""
         if len(backends) == 1:
             # One backend: its own listing is the page's.
-            (alias, backend), = backends
+            ((alias, backend),) = backends
             page = self._page(alias, backend, start, want)
             if page is None:
                 return [], []
@@ -149,8 +150,8 @@ class ReleaseOutcome:
 
     def __init__(self, status, info=None, current=None):
         self.status = status
-        self.info = info          # the LockInfo removed (RELEASED)
-        self.current = current    # the LockInfo found instead (CHANGED)
+        self.info = info  # the LockInfo removed (RELEASED)
+        self.current = current  # the LockInfo found instead (CHANGED)
 
 
 def release_if_unchanged(backend, name, fencing_token):

@@ -27,16 +27,23 @@ _SETTING_HINT = (
 def check_setnx_locks(app_configs=None, **kwargs):
     config = get_lock_settings()
     if not isinstance(config, dict):
-        return [Error(f"SETNX_LOCKS must be a dict of aliases, not {type(config).__name__}.",
-                      hint=_SETTING_HINT, id="django_setnx.E001")]
+        return [
+            Error(
+                f"SETNX_LOCKS must be a dict of aliases, not {type(config).__name__}.",
+                hint=_SETTING_HINT,
+                id="django_setnx.E001",
+            )
+        ]
     errors = []
     if DEFAULT_LOCK_ALIAS not in config:
-        errors.append(Error(
-            f"SETNX_LOCKS does not define the {DEFAULT_LOCK_ALIAS!r} alias "
-            f"(defined: {', '.join(map(repr, config)) or 'none'}).",
-            hint="lock() uses 'default' unless given backend=...; define it.",
-            id="django_setnx.E002",
-        ))
+        errors.append(
+            Error(
+                f"SETNX_LOCKS does not define the {DEFAULT_LOCK_ALIAS!r} alias "
+                f"(defined: {', '.join(map(repr, config)) or 'none'}).",
+                hint="lock() uses 'default' unless given backend=...; define it.",
+                id="django_setnx.E002",
+            )
+        )
     for alias, params in config.items():
         errors.extend(_check_alias(alias, params))
     return errors
@@ -45,57 +52,88 @@ def check_setnx_locks(app_configs=None, **kwargs):
 def _check_alias(alias, params):
     where = f"SETNX_LOCKS[{alias!r}]"
     if not isinstance(params, dict) or not isinstance(params.get("BACKEND"), str):
-        return [Error(f"{where} must be a dict with a 'BACKEND' dotted path, got {params!r}.",
-                      hint=_SETTING_HINT, id="django_setnx.E003")]
+        return [
+            Error(
+                f"{where} must be a dict with a 'BACKEND' dotted path, got {params!r}.",
+                hint=_SETTING_HINT,
+                id="django_setnx.E003",
+            )
+        ]
     try:
         backend_cls = import_string(params["BACKEND"])
     except ImportError as exc:
-        return [Error(f"{where}['BACKEND'] {params['BACKEND']!r} cannot be imported: {exc}",
-                      id="django_setnx.E004")]
+        return [
+            Error(
+                f"{where}['BACKEND'] {params['BACKEND']!r} cannot be imported: {exc}",
+                id="django_setnx.E004",
+            )
+        ]
     errors = [
-        Warning(f"{where} has an unknown key {key!r}; it is ignored.",
-                hint=_did_you_mean(key, ALIAS_KEYS), id="django_setnx.W001")
-        for key in params if key not in ALIAS_KEYS
+        Warning(
+            f"{where} has an unknown key {key!r}; it is ignored.",
+            hint=_did_you_mean(key, ALIAS_KEYS),
+            id="django_setnx.W001",
+        )
+        for key in params
+        if key not in ALIAS_KEYS
     ]
     options = params.get("OPTIONS", {})
     if options is None:
         options = {}
     if not isinstance(options, dict):
-        errors.append(Error(f"{where}['OPTIONS'] must be a dict, got {params['OPTIONS']!r}.",
-                            id="django_setnx.E006"))
+        errors.append(
+            Error(
+                f"{where}['OPTIONS'] must be a dict, got {params['OPTIONS']!r}.",
+                id="django_setnx.E006",
+            )
+        )
         return errors
     max_ttl = None
     if "MAX_TTL" in options:
         try:
-            max_ttl = validate_ttl(options["MAX_TTL"], what=f"{where}['OPTIONS']['MAX_TTL']",
-                                   maximum=MAX_TTL_LIMIT,
-                                   where="the most any backend accepts: 10 years")
+            max_ttl = validate_ttl(
+                options["MAX_TTL"],
+                what=f"{where}['OPTIONS']['MAX_TTL']",
+                maximum=MAX_TTL_LIMIT,
+                where="the most any backend accepts: 10 years",
+            )
         except (TypeError, ValueError) as exc:
             errors.append(Error(str(exc), id="django_setnx.E008"))
     else:
         max_ttl = getattr(backend_cls, "default_max_ttl", None)
     if "TTL" in params:
         try:
-            validate_ttl(params["TTL"], what=f"{where}['TTL']", maximum=max_ttl,
-                         where=f"{where}['OPTIONS']['MAX_TTL']")
+            validate_ttl(
+                params["TTL"],
+                what=f"{where}['TTL']",
+                maximum=max_ttl,
+                where=f"{where}['OPTIONS']['MAX_TTL']",
+            )
         except (TypeError, ValueError) as exc:
             errors.append(Error(str(exc), id="django_setnx.E005"))
     known = getattr(backend_cls, "option_names", None)
     if known is not None:
         errors.extend(
-            Warning(f"{where}['OPTIONS'] has an unknown key {key!r}; it is ignored.",
-                    hint=_did_you_mean(key, sorted(known)), id="django_setnx.W002")
-            for key in options if key not in known
+            Warning(
+                f"{where}['OPTIONS'] has an unknown key {key!r}; it is ignored.",
+                hint=_did_you_mean(key, sorted(known)),
+                id="django_setnx.W002",
+            )
+            for key in options
+            if key not in known
         )
     check_params = getattr(backend_cls, "check_params", None)
     if check_params is None:
-        errors.append(Error(f"{where}['BACKEND'] {params['BACKEND']!r} is not a lock backend "
-                            f"(it has no check_params; subclass BaseLockBackend).",
-                            id="django_setnx.E007"))
+        errors.append(
+            Error(
+                f"{where}['BACKEND'] {params['BACKEND']!r} is not a lock backend "
+                f"(it has no check_params; subclass BaseLockBackend).",
+                id="django_setnx.E007",
+            )
+        )
     else:
         errors.extend(check_params(alias, params))
     return errors
-
 
 
 def _did_you_mean(key, known):

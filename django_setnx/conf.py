@@ -5,6 +5,8 @@ settings each time it is called, and the handler caches the result until a
 ``setting_changed`` signal for ``SETNX_LOCKS`` resets it.
 """
 
+from typing import Any
+
 from django.conf import settings
 
 DEFAULT_LOCK_ALIAS = "default"
@@ -30,7 +32,7 @@ DEFAULT_MAX_TTL = 30 * 86400.0
 MAX_NAME_LENGTH = 200
 
 
-def get_lock_settings():
+def get_lock_settings() -> Any:
     """Return the ``SETNX_LOCKS`` dict, or the built-in default when it is unset."""
     configured = getattr(settings, "SETNX_LOCKS", None)
     # An explicit but malformed value (``{}``, a list) is reported by the system

@@ -72,8 +72,11 @@ def owned_by(info, pid, host=None, **fields):
     """Whether the lock ``info`` was taken by process ``pid`` of ``host`` (default:
     this host), with every owner field of ``fields`` equal."""
     owner = info.owner if isinstance(info.owner, dict) else {}
-    return (owner.get("host") == (host or this_host()) and owner.get("pid") == pid
-            and all(owner.get(key) == value for key, value in fields.items()))
+    return (
+        owner.get("host") == (host or this_host())
+        and owner.get("pid") == pid
+        and all(owner.get(key) == value for key, value in fields.items())
+    )
 
 
 def free(alias, info, reason):
@@ -84,10 +87,17 @@ def free(alias, info, reason):
     removed = backend.delete(info.name, fencing_token=info.fencing_token)
     if removed is None:
         return None
-    logger.warning("Freed lock %r on %r (fencing token %s) of %s: %s", info.name, alias,
-                   info.fencing_token, _describe(info.owner), reason)
-    lock_force_released.send(sender=type(backend), backend=alias, name=info.name,
-                             info=removed, user=None, reason=reason)
+    logger.warning(
+        "Freed lock %r on %r (fencing token %s) of %s: %s",
+        info.name,
+        alias,
+        info.fencing_token,
+        _describe(info.owner),
+        reason,
+    )
+    lock_force_released.send(
+        sender=type(backend), backend=alias, name=info.name, info=removed, user=None, reason=reason
+    )
     return removed
 
 
@@ -100,8 +110,12 @@ def free_locks_of_pid(pid, reason, *, host=None, aliases=None):
     Reads every lock of each backend (``list()``): meant for the rare death of a
     worker, not for a hot path."""
     if not wait_for_exit(pid):
-        logger.warning("Process %s did not exit within %s s: its locks are left to their "
-                       "ttl (%s)", pid, EXIT_WAIT, reason)
+        logger.warning(
+            "Process %s did not exit within %s s: its locks are left to their ttl (%s)",
+            pid,
+            EXIT_WAIT,
+            reason,
+        )
         return []
     freed = []
     for alias in aliases or list(locks):
@@ -114,14 +128,20 @@ def free_locks_of_pid(pid, reason, *, host=None, aliases=None):
                     if removed is not None:
                         freed.append(removed)
         except LockBackendError:
-            logger.warning("Could not free the locks of process %s on %r (%s)", pid, alias,
-                           reason, exc_info=True)
+            logger.warning(
+                "Could not free the locks of process %s on %r (%s)",
+                pid,
+                alias,
+                reason,
+                exc_info=True,
+            )
     return freed
 
 
 def in_background(function, *args, **kwargs):
     """Run ``function`` in a daemon thread: an observer (a worker's main loop,
     gunicorn's arbiter) must not wait for a process to exit. Returns the thread."""
+
     def run():
         try:
             function(*args, **kwargs)
@@ -137,4 +157,5 @@ def _describe(owner):
     if not isinstance(owner, dict):
         return repr(owner)
     return f"pid {owner.get('pid')} on {owner.get('host')}" + (
-        f" ({owner['guards']})" if owner.get("guards") else "")
+        f" ({owner['guards']})" if owner.get("guards") else ""
+    )

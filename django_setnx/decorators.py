@@ -29,9 +29,9 @@ import asyncio
 import contextvars
 import functools
 import inspect
+import logging
 import math
 import string
-import logging
 import threading
 import weakref
 from collections.abc import AsyncIterator
@@ -147,7 +147,8 @@ class LockName:
             name = self.template(*args, **kwargs)
             if not isinstance(name, str):
                 raise TypeError(
-                    f"The lock name callable {self.template!r} returned {name!r}, not a str.")
+                    f"The lock name callable {self.template!r} returned {name!r}, not a str."
+                )
             return name
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
@@ -228,13 +229,13 @@ def default_contention_response(request, lock, status=409, retry_after=None):
     """
     request, http_request = find_request((request,))
     seconds = retry_after_seconds(lock, retry_after, request)
-    detail = (f"The resource is busy (a lock is held by another request). "
-              f"Retry in {seconds} s.")
+    detail = f"The resource is busy (a lock is held by another request). Retry in {seconds} s."
     if _wants_json(http_request, request is not http_request):
         response = JsonResponse({"detail": detail, "retry_after": seconds}, status=status)
     else:
-        response = HttpResponse(detail + "\n", status=status,
-                                content_type="text/plain; charset=utf-8")
+        response = HttpResponse(
+            detail + "\n", status=status, content_type="text/plain; charset=utf-8"
+        )
     response["Retry-After"] = str(seconds)
     return response
 
@@ -272,8 +273,9 @@ def _refuse_reentry(lk, func):
     # copies the context, but waiting there for the lock is waiting for another task
     # (``active`` also clears the mark once that call has ended).
     runner = _current_runner()
-    if any(held.active and held.key == key and held.runner == runner
-           for held in _in_progress.get()):
+    if any(
+        held.active and held.key == key and held.runner == runner for held in _in_progress.get()
+    ):
         raise LockError(
             f"Lock {lk.name!r} is already held by this thread or task, in a call to "
             f"{qualname(func)} that has not returned (a recursive call?); locks are not "
@@ -298,9 +300,21 @@ def _leave(entered):
 # -- the decorator ----------------------------------------------------------------------
 
 
-def locked(name, ttl=None, *, timeout=0, backend=DEFAULT_LOCK_ALIAS, on_contention=None,
-           auto_renew=False, status=409, retry_after=None, unlocked_methods=UNLOCKED_METHODS,
-           release_on_commit=True, using=None, limit=None):
+def locked(
+    name,
+    ttl=None,
+    *,
+    timeout=0,
+    backend=DEFAULT_LOCK_ALIAS,
+    on_contention=None,
+    auto_renew=False,
+    status=409,
+    retry_after=None,
+    unlocked_methods=UNLOCKED_METHODS,
+    release_on_commit=True,
+    using=None,
+    limit=None,
+):
     """Decorate a callable so that each call runs while holding a lock (or, with
     ``limit``, one of the ``limit`` slots of a semaphore).
 
@@ -344,22 +358,32 @@ def locked(name, ttl=None, *, timeout=0, backend=DEFAULT_LOCK_ALIAS, on_contenti
             validate_limit(limit)
         except (TypeError, ValueError) as exc:
             raise ImproperlyConfigured(str(exc)) from exc
-    if on_contention is not None and on_contention not in (RAISE, SKIP) \
-            and not callable(on_contention):
+    if (
+        on_contention is not None
+        and on_contention not in (RAISE, SKIP)
+        and not callable(on_contention)
+    ):
         raise ImproperlyConfigured(
             f"on_contention must be 'raise', 'skip' or a callable, got {on_contention!r}."
         )
     if retry_after is not None and not callable(retry_after):
-        if isinstance(retry_after, bool) or not isinstance(retry_after, (int, float)) \
-                or not math.isfinite(retry_after) or retry_after < 0:
+        if (
+            isinstance(retry_after, bool)
+            or not isinstance(retry_after, (int, float))
+            or not math.isfinite(retry_after)
+            or retry_after < 0
+        ):
             raise ImproperlyConfigured(
                 f"retry_after must be None, a number of seconds >= 0 or a callable, got "
-                f"{retry_after!r}.")
+                f"{retry_after!r}."
+            )
     if isinstance(unlocked_methods, str) or not all(
-            isinstance(method, str) for method in unlocked_methods or ()):
+        isinstance(method, str) for method in unlocked_methods or ()
+    ):
         raise ImproperlyConfigured(
             f"unlocked_methods must be a sequence of HTTP method names such as "
-            f"('HEAD', 'OPTIONS'), got {unlocked_methods!r}.")
+            f"('HEAD', 'OPTIONS'), got {unlocked_methods!r}."
+        )
     unlocked = frozenset(method.upper() for method in unlocked_methods or ())
     using = database_aliases(using)
 
@@ -378,11 +402,19 @@ def locked(name, ttl=None, *, timeout=0, backend=DEFAULT_LOCK_ALIAS, on_contenti
             request, http_request = find_request(args)
             if http_request is not None and http_request.method in unlocked:
                 return None, request, http_request
-            guards = (f"{http_request.method} {http_request.path} ({dotted})"
-                      if http_request is not None else dotted)
-            options = {"backend": backend, "timeout": timeout, "auto_renew": auto_renew,
-                       "guards": guards, "release_on_commit": release_on_commit,
-                       "using": using}
+            guards = (
+                f"{http_request.method} {http_request.path} ({dotted})"
+                if http_request is not None
+                else dotted
+            )
+            options = {
+                "backend": backend,
+                "timeout": timeout,
+                "auto_renew": auto_renew,
+                "guards": guards,
+                "release_on_commit": release_on_commit,
+                "using": using,
+            }
             if limit is None:
                 lk = Lock(make_name(args, kwargs), ttl, **options)
             else:
@@ -468,6 +500,7 @@ def _function_wrapper(func, begin, contended):
 def _coroutine_wrapper(func, begin, contended, returns_awaitable=False):
     """``async def`` functions, and (``returns_awaitable``) sync callables whose
     result is awaited by the caller: held until that result has been awaited."""
+
     @functools.wraps(func)
     async def wrapper(*args, **kwargs):
         lk, request, http_request = begin(args, kwargs)
@@ -567,8 +600,11 @@ def _hold_while_streaming(response, lk):
         try:
             release()
         except LockError:
-            logger.warning("Lock %r of a streaming response was lost before the response "
-                           "was closed", lk.name, exc_info=True)
+            logger.warning(
+                "Lock %r of a streaming response was lost before the response was closed",
+                lk.name,
+                exc_info=True,
+            )
 
     async def arelease(exc=None):
         if not state["released"]:
@@ -583,6 +619,7 @@ def _hold_while_streaming(response, lk):
         return response
     content = response.streaming_content
     if getattr(response, "is_async", False) or isinstance(content, AsyncIterator):
+
         async def stream():
             try:
                 async for chunk in content:
@@ -592,6 +629,7 @@ def _hold_while_streaming(response, lk):
                 raise
             await arelease()
     else:
+
         def stream():
             try:
                 yield from content
@@ -599,5 +637,6 @@ def _hold_while_streaming(response, lk):
                 release(exc)
                 raise
             release()
+
     response.streaming_content = stream()
     return response

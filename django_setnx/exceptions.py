@@ -11,6 +11,8 @@ attributes: ``args`` holds exactly the constructor's arguments (both rebuild an
 exception as ``cls(*args)``), and ``str()`` is the message.
 """
 
+from __future__ import annotations
+
 from django.core.exceptions import ImproperlyConfigured
 
 
@@ -20,14 +22,16 @@ class LockError(Exception):
     #: The text ``str()`` returns; subclasses compose it from their arguments.
     message = ""
 
-    def __str__(self):
+    def __str__(self) -> str:
         return self.message or super().__str__()
 
 
 class LockNotAcquired(LockError):
     """The lock could not be acquired within the timeout (``with lock(...)``)."""
 
-    def __init__(self, name, timeout=None, message=None):
+    def __init__(
+        self, name: str, timeout: float | None = None, message: str | None = None
+    ) -> None:
         super().__init__(name, timeout, message)
         self.name = name
         self.timeout = timeout
@@ -46,7 +50,7 @@ class LockNotOwned(LockError):
     was taken over by another owner (its token no longer matches).
     """
 
-    def __init__(self, name, message=None):
+    def __init__(self, name: str, message: str | None = None) -> None:
         super().__init__(name, message)
         self.name = name
         self.message = message or f"Lock {name!r} is not owned by this Lock object."
@@ -59,7 +63,7 @@ class LockBackendError(LockError):
     argument), without the alias.
     """
 
-    def __init__(self, alias, message):
+    def __init__(self, alias: str, message: str) -> None:
         super().__init__(alias, message)
         self.alias = alias
         self.reason = message

@@ -72,7 +72,7 @@ class Glob:
 
     __slots__ = ("pattern", "_segments", "_starred", "_regexes", "_lengths", "literal_prefix")
 
-    def __init__(self, pattern):
+    def __init__(self, pattern: str) -> None:
         self.pattern = pattern
         self._segments, self._starred = _parse(pattern)
         self._regexes = [_segment_regex(segment) for segment in self._segments]
@@ -92,7 +92,7 @@ class Glob:
         """True if the pattern matches exactly one name (no wildcard at all)."""
         return not self._starred and all(isinstance(a, str) for a in self._segments[0])
 
-    def match(self, name):
+    def match(self, name: str) -> bool:
         regexes, lengths = self._regexes, self._lengths
         if not self._starred:
             return regexes[0].fullmatch(name) is not None
@@ -192,7 +192,7 @@ def _parse_class(pattern, start):
     return _Class(negate, frozenset(chars), tuple(ranges)), i
 
 
-def compile_glob(pattern):
+def compile_glob(pattern: str) -> Glob:
     """Return a :class:`Glob` for ``pattern``; raises ValueError/TypeError naming a
     malformed one. ``None`` and ``""`` are not patterns: callers treat them as "all"."""
     return Glob(pattern)

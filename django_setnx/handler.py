@@ -1,6 +1,9 @@
 """``locks["alias"]``: the configured lock backends, as ``caches["alias"]`` is for caches."""
 
+from __future__ import annotations
+
 import threading
+from typing import TYPE_CHECKING, Any
 
 from django.core.signals import setting_changed
 from django.utils.connection import BaseConnectionHandler
@@ -9,8 +12,15 @@ from django.utils.module_loading import import_string
 from .conf import get_lock_settings
 from .exceptions import InvalidLockBackendError
 
+if TYPE_CHECKING:
+    from .backends.base import BaseLockBackend
 
-class LockHandler(BaseConnectionHandler):
+    _Handler = BaseConnectionHandler["BaseLockBackend"]
+else:  # generic for the type checker only (django-stubs)
+    _Handler = BaseConnectionHandler
+
+
+class LockHandler(_Handler):
     """Creates each configured backend on first use and keeps it for the process.
 
     Unlike ``CacheHandler`` the instances are shared by every thread: backends are
@@ -22,15 +32,15 @@ class LockHandler(BaseConnectionHandler):
     settings_name = "SETNX_LOCKS"
     exception_class = InvalidLockBackendError
 
-    def __init__(self, settings=None):
+    def __init__(self, settings: dict[str, Any] | None = None) -> None:
         super().__init__(settings)
         # BaseConnectionHandler overwrites _settings with the configured value on
         # first read; keep what we were given so reset() can read settings afresh.
         self._given_settings = settings
-        self._backends = {}
+        self._backends: dict[str, BaseLockBackend] = {}
         self._creating = threading.Lock()
 
-    def configure_settings(self, settings):
+    def configure_settings(self, settings: dict[str, Any] | None) -> dict[str, Any]:
         settings = get_lock_settings() if settings is None else settings
         if not isinstance(settings, dict):
             raise self.exception_class(
@@ -39,7 +49,7 @@ class LockHandler(BaseConnectionHandler):
             )
         return settings
 
-    def create_connection(self, alias):
+    def create_connection(self, alias: str) -> BaseLockBackend:
         params = self.settings[alias]
         if not isinstance(params, dict) or not params.get("BACKEND"):
             raise self.exception_class(
@@ -52,9 +62,10 @@ class LockHandler(BaseConnectionHandler):
             raise self.exception_class(
                 f"Could not load lock backend {params['BACKEND']!r} for alias {alias!r}: {exc}"
             ) from exc
-        return backend_cls(alias, params)
+        backend: BaseLockBackend = backend_cls(alias, params)
+        return backend
 
-    def __getitem__(self, alias):
+    def __getitem__(self, alias: str) -> BaseLockBackend:
         try:
             return self._backends[alias]
         except KeyError:
@@ -71,24 +82,20 @@ class LockHandler(BaseConnectionHandler):
                 backend = self._backends[alias] = self.create_connection(alias)
         return backend
 
-    def __setitem__(self, alias, backend):
+    def __setitem__(self, alias: str, backend: BaseLockBackend) -> None:
         self._backends[alias] = backend
 
-    def __delitem__(self, alias):
+    def __delitem__(self, alias: str) -> None:
         del self._backends[alias]
 
-    def all(self, initialized_only=False):
-        return [
-            self[alias]
-            for alias in self
-            if not initialized_only or alias in self._backends
-        ]
+    def all(self, initialized_only: bool = False) -> list[BaseLockBackend]:
+        return [self[alias] for alias in self if not initialized_only or alias in self._backends]
 
-    def close_all(self):
+    def close_all(self) -> None:
         for backend in list(self._backends.values()):
             backend.close()
 
-    def reset(self):
+    def reset(self) -> None:
         """Close every backend and forget the settings (after they changed)."""
         self.close_all()
         self._backends = {}
@@ -99,7 +106,7 @@ class LockHandler(BaseConnectionHandler):
 locks = LockHandler()
 
 
-def _reset_on_setting_changed(*, setting, **kwargs):
+def _reset_on_setting_changed(*, setting: str, **kwargs: Any) -> None:
     if setting in ("SETNX_LOCKS", "DATABASES", "CACHES"):
         locks.reset()
 

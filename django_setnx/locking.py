@@ -9,19 +9,24 @@ lock API, identical for every backend:
 - ``auto_renew`` in a background thread that marks the lock lost if it cannot keep it.
 """
 
+from __future__ import annotations
+
 import logging
 import os
 import secrets
 import socket
 import threading
 import time
+from collections.abc import Generator, Sequence
+from types import TracebackType
+from typing import Any
 
 from asgiref.sync import sync_to_async
 
 from . import signals
+from .backends.base import AcquireResult, LockInfo
 from .conf import DEFAULT_LOCK_ALIAS
 from .exceptions import LockBackendError, LockError, LockNotAcquired, LockNotOwned
-from .backends.base import AcquireResult
 from .handler import locks
 from .transactions import database_aliases, deferred_lock, release_after_commit
 from .validation import validate_name, validate_timeout, validate_ttl
@@ -33,14 +38,14 @@ _MARK_LOST_GUARD = threading.Lock()
 _HOSTNAME = None
 
 
-def _hostname():
+def _hostname() -> str:
     global _HOSTNAME
     if _HOSTNAME is None:
         _HOSTNAME = socket.gethostname()
     return _HOSTNAME
 
 
-def current_owner(guards=None):
+def current_owner(guards: str | None = None) -> dict[str, Any]:
     """The owner record written with each acquire: who holds the lock, and what for."""
     thread = threading.current_thread()
     owner = {"host": _hostname(), "pid": os.getpid(), "thread": f"{thread.name} ({thread.ident})"}
@@ -52,7 +57,7 @@ def current_owner(guards=None):
 _thread_owners = threading.local()
 
 
-def _forget_thread_owners():
+def _forget_thread_owners() -> None:
     # A forked child is another pid: its threads build their records anew.
     global _thread_owners
     _thread_owners = threading.local()
@@ -61,7 +66,7 @@ def _forget_thread_owners():
 os.register_at_fork(after_in_child=_forget_thread_owners)
 
 
-def _owner_record(guards, extra):
+def _owner_record(guards: str | None, extra: dict[str, Any]) -> dict[str, Any]:
     """The owner record of an acquire. The plain one (no guards, no extra fields) is
     built once per thread and shared by its acquires, so that backends can reuse its
     encoding (the Redis backends cache it by content); nothing writes to it."""
@@ -80,9 +85,19 @@ class Lock:
     by one thread (or task) at a time, like ``threading.Lock`` held across a block.
     """
 
-    def __init__(self, name, ttl=None, *, backend=DEFAULT_LOCK_ALIAS, timeout=None,
-                 blocking=True, auto_renew=False, guards=None, release_on_commit=False,
-                 using=None):
+    def __init__(
+        self,
+        name: str,
+        ttl: float | None = None,
+        *,
+        backend: str = DEFAULT_LOCK_ALIAS,
+        timeout: float | None = None,
+        blocking: bool = True,
+        auto_renew: bool = False,
+        guards: str | None = None,
+        release_on_commit: bool = False,
+        using: str | Sequence[str] | None = None,
+    ) -> None:
         self.name = validate_name(name)
         self.backend_alias = backend
         # Resolving the alias now makes an unknown alias fail here, before any write.
@@ -92,33 +107,37 @@ class Lock:
         self.blocking = bool(blocking)
         self.auto_renew = bool(auto_renew)
         if guards is not None and not isinstance(guards, str):
-            raise TypeError(f"guards must be a str describing what the lock protects, got {guards!r}.")
+            raise TypeError(
+                f"guards must be a str describing what the lock protects, got {guards!r}."
+            )
         self.guards = guards
         self.release_on_commit = bool(release_on_commit)
         self.using = database_aliases(using)
-        self.fencing_token = None
+        self.fencing_token: int | None = None
         self.lost = False
-        self._token = None
+        self._token: str | None = None
         #: The name of the backend record this object holds or last held: the lock's
         #: own name (a semaphore's is the name of one of its slots).
-        self._record = self.name
-        self._renewer = None
+        self._record: str | None = self.name
+        self._renewer: _Renewer | None = None
         #: Extra fields of the owner record (integrations: a Celery task's id).
-        self.owner_extra = {}
+        self.owner_extra: dict[str, Any] = {}
         self._borrowed = False
 
     @property
-    def identity(self):
+    def identity(self) -> tuple[Any, ...]:
         """What makes two Lock objects the same lock: ``(backend alias, name)``."""
         return (self.backend_alias, self.name)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "lost" if self.lost else ("acquired" if self._token else "unlocked")
         return f"<Lock {self.name!r} backend={self.backend_alias!r} ttl={self.ttl:g} {state}>"
 
     # -- acquire ------------------------------------------------------------------
 
-    def _prepare_acquire(self, blocking, timeout):
+    def _prepare_acquire(
+        self, blocking: bool | None, timeout: object
+    ) -> tuple[str, dict[str, Any], float | None]:
         if self._token is not None and not self.lost:
             raise LockError(
                 f"Lock {self.name!r} is already acquired by this Lock object; release it "
@@ -134,7 +153,7 @@ class Lock:
         deadline = None if timeout is None else time.monotonic() + timeout
         return secrets.token_hex(16), _owner_record(self.guards, self.owner_extra), deadline
 
-    def _acquired(self, token, result, written_after):
+    def _acquired(self, token: str, result: AcquireResult, written_after: float) -> None:
         self._token = token
         self.fencing_token = result.fencing_token
         self.lost = False
@@ -143,19 +162,20 @@ class Lock:
             # than ``written_after`` (monotonic): the renewer must mark the lock lost
             # by then unless it has extended it.
             self._renewer = _Renewer(
-                self, valid_until=written_after + self.backend.validity(self.ttl))
+                self, valid_until=written_after + self.backend.validity(self.ttl)
+            )
             self._renewer.start()
         logger.debug("Acquired lock %r (fencing token %s)", self.name, self.fencing_token)
         signals.lock_acquired.send(sender=Lock, lock=self)
 
-    def _contended(self, result, calls):
+    def _contended(self, result: AcquireResult, calls: _CallClock) -> None:
         """The first refusal of an acquire: logged and signalled once per acquire."""
         if not calls.signalled:
             calls.signalled = True
             logger.debug("Lock %r is contended (retry after %s s)", self.name, result.retry_after)
             signals.lock_contended.send(sender=Lock, lock=self, retry_after=result.retry_after)
 
-    def acquire(self, blocking=None, timeout=_UNSET):
+    def acquire(self, blocking: bool | None = None, timeout: object = _UNSET) -> bool:
         """Acquire the lock, waiting up to ``timeout`` seconds (``None``: forever).
 
         ``blocking=False`` is ``timeout=0``. Without arguments the values given to
@@ -164,6 +184,7 @@ class Lock:
         """
         token, owner, steps, calls = self._begin_acquire(blocking, timeout)
         backend = self.backend
+        result: Any
         try:
             step, record, arg = next(steps)
             while step is not None:
@@ -182,10 +203,11 @@ class Lock:
             raise
         return self._won(token, record, arg, calls)
 
-    async def aacquire(self, blocking=None, timeout=_UNSET):
+    async def aacquire(self, blocking: bool | None = None, timeout: object = _UNSET) -> bool:
         """Async twin of :meth:`acquire`; waiting does not block the event loop."""
         token, owner, steps, calls = self._begin_acquire(blocking, timeout)
         backend = self.backend
+        result: Any
         try:
             step, record, arg = next(steps)
             while step is not None:
@@ -204,13 +226,17 @@ class Lock:
             raise
         return self._won(token, record, arg, calls)
 
-    def _begin_acquire(self, blocking, timeout):
+    def _begin_acquire(
+        self, blocking: bool | None, timeout: object
+    ) -> tuple[str, dict[str, Any], Steps, _CallClock]:
         """``(token, owner, steps, calls)`` of a new acquire: see _acquire_steps."""
         token, owner, deadline = self._prepare_acquire(blocking, timeout)
         calls = _CallClock()
         return token, owner, self._acquire_steps(calls, deadline), calls
 
-    def _won(self, token, record, result, calls):
+    def _won(
+        self, token: str, record: str | None, result: AcquireResult | None, calls: _CallClock
+    ) -> bool:
         """The end of an acquire: ``result`` is the winning AcquireResult of the
         record named ``record``, or None."""
         if result is None:
@@ -219,7 +245,7 @@ class Lock:
         self._acquired(token, result, calls.earliest_write())
         return True
 
-    def _acquire_steps(self, calls, deadline):
+    def _acquire_steps(self, calls: _CallClock, deadline: float | None) -> Steps:
         """The backend calls of one acquire, for :meth:`acquire` and :meth:`aacquire`
         alike (they differ only in how they make a call): a generator that yields
         ``(step, record name, argument)`` for each call to make, ``(_ACQUIRE,
@@ -230,7 +256,9 @@ class Lock:
         result = yield from self._steps_on(self.name, calls, deadline)
         yield None, self.name, result
 
-    def _steps_on(self, record, calls, deadline):
+    def _steps_on(
+        self, record: str, calls: _CallClock, deadline: float | None
+    ) -> Generator[Step, Any, AcquireResult | None]:
         """The attempts on one record until it is won (returns the AcquireResult) or
         ``deadline`` (monotonic) passes (returns None), queued meanwhile where the
         backend queues waiters; see :meth:`_acquire_steps`."""
@@ -238,7 +266,7 @@ class Lock:
         max_wait = _remaining(deadline)
         while True:
             calls.tick()
-            result = yield _ACQUIRE, record, max_wait
+            result: AcquireResult = yield _ACQUIRE, record, max_wait
             if result.acquired:
                 calls.queued = None
                 return result
@@ -252,18 +280,21 @@ class Lock:
                     return None
                 calls.tick()
                 # Handed to us just before we gave up: ours after all.
-                handed = yield _STOP_WAITING, record, None
+                handed: AcquireResult | None = yield _STOP_WAITING, record, None
                 calls.queued = None
                 return handed
             calls.tick()
-            handed = yield _WAIT, record, {"attempt": attempt, "max_wait": max_wait,
-                                           "retry_after": result.retry_after}
+            handed = yield (
+                _WAIT,
+                record,
+                {"attempt": attempt, "max_wait": max_wait, "retry_after": result.retry_after},
+            )
             if handed is not None:  # a release handed the lock to us
                 calls.queued = None
                 return handed
             attempt += 1
 
-    def adopt(self, token):
+    def adopt(self, token: str) -> bool:
         """Take over an acquisition made elsewhere under ``token``: for integrations
         in which one process acquires and another holds (a Celery enqueuer and the
         worker that runs the task). Extends the lock to now + ttl.
@@ -274,14 +305,14 @@ class Lock:
         """
         self._prepare_acquire(blocking=False, timeout=0)
         started = time.monotonic()
-        if not self.backend.extend(self._record, token, self.ttl):
+        if not self.backend.extend(self.name, token, self.ttl):
             return False
-        info = self.backend.get(self._record)
+        info = self.backend.get(self.name)
         fencing = info.fencing_token if info is not None else None
         self._acquired(token, AcquireResult.won(fencing or 0), started)
         return True
 
-    def take_token(self, token):
+    def take_token(self, token: str) -> None:
         """Make this object the holder of an acquisition made elsewhere under ``token``
         without any round trip, so that :meth:`release` frees it (token-checked, with
         the lock signals): for integrations that release what another process took
@@ -290,7 +321,7 @@ class Lock:
             raise LockError(f"Lock {self.name!r} is already acquired by this Lock object.")
         self._token, self.lost = token, False
 
-    def _stop_waiting(self, record, token):
+    def _stop_waiting(self, record: str, token: str) -> AcquireResult | None:
         """Leave the backend's queue of ``record``; returns the AcquireResult if it
         was handed to us meanwhile. A failure here only delays others (our place
         lapses)."""
@@ -300,34 +331,45 @@ class Lock:
             logger.warning("Could not withdraw from the waiters of %r", self.name, exc_info=True)
             return None
 
-    async def _astop_waiting(self, record, token):
+    async def _astop_waiting(self, record: str, token: str) -> AcquireResult | None:
         try:
             return await self.backend.astop_waiting(record, token)
         except LockBackendError:
             logger.warning("Could not withdraw from the waiters of %r", self.name, exc_info=True)
             return None
 
-    def _abandon(self, record, token):
+    def _abandon(self, record: str, token: str) -> None:
         """After an error or interruption while queued for ``record``: withdraw, and
         release a lock handed to us that the caller will never know it holds."""
         try:
             if self._stop_waiting(record, token) is not None:
                 self.backend.release(record, token)
-        except Exception:  # noqa: BLE001 - the error in flight is the one to report
+        except Exception:
             logger.warning("Could not give up the lock handed to %r", self.name, exc_info=True)
 
     # -- release ------------------------------------------------------------------
 
-    def _check_held_by_us(self, action):
+    def _held(self) -> tuple[str, str]:
+        """``(record name, token)`` of the acquisition this object holds; only called
+        once that is known (a typing aid, not a check)."""
+        assert self._record is not None and self._token is not None
+        return self._record, self._token
+
+    def _check_held_by_us(self, action: str) -> tuple[str, str]:
+        """``(record name, token)`` of the acquisition this object holds, or raise
+        LockNotOwned (freeing a lost one first, on release)."""
         if self._token is None:
-            raise LockNotOwned(self.name, f"Cannot {action} lock {self.name!r}: it is not acquired.")
+            raise LockNotOwned(
+                self.name, f"Cannot {action} lock {self.name!r}: it is not acquired."
+            )
         if self.lost:
             if action == "release":
                 self._release_lost()
             self._token = None
             raise self._lost_error(action)
+        return self._held()
 
-    def _lost_error(self, action):
+    def _lost_error(self, action: str) -> LockNotOwned:
         return LockNotOwned(
             self.name,
             f"Cannot {action} lock {self.name!r}: it was lost (expired and taken over, "
@@ -339,26 +381,26 @@ class Lock:
     # make the next holder wait out its ttl. Token-checked, so it never touches
     # another holder's lock; a failure changes nothing for the caller.
 
-    def _release_lost(self):
+    def _release_lost(self) -> None:
         self._stop_renewer()
         try:
-            self.backend.release(self._record, self._token)
+            self.backend.release(*self._held())
         except LockError:
             logger.debug("Could not free lost lock %r", self.name, exc_info=True)
 
-    async def _arelease_lost(self):
+    async def _arelease_lost(self) -> None:
         self._stop_renewer()
         try:
-            await self.backend.arelease(self._record, self._token)
+            await self.backend.arelease(*self._held())
         except LockError:
             logger.debug("Could not free lost lock %r", self.name, exc_info=True)
 
-    def _stop_renewer(self):
+    def _stop_renewer(self) -> None:
         renewer, self._renewer = self._renewer, None
         if renewer is not None:
             renewer.stop()
 
-    def _released(self, released):
+    def _released(self, released: bool) -> None:
         self._token = None
         if not released:
             self._mark_lost()
@@ -370,57 +412,55 @@ class Lock:
         logger.debug("Released lock %r", self.name)
         signals.lock_released.send(sender=Lock, lock=self)
 
-    def release(self):
+    def release(self) -> None:
         """Release the lock now. Raises LockNotOwned if this object no longer holds it.
 
         Always immediate, even with ``release_on_commit``: that option only delays
         the release at the end of a ``with`` block (see :meth:`__exit__`).
         """
-        self._check_held_by_us("release")
+        record, token = self._check_held_by_us("release")
         self._stop_renewer()
-        self._released(self.backend.release(self._record, self._token))
+        self._released(self.backend.release(record, token))
 
-    async def arelease(self):
+    async def arelease(self) -> None:
         """Async twin of :meth:`release`."""
         if self.lost and self._token is not None:
             await self._arelease_lost()
             self._token = None
             raise self._lost_error("release")
-        self._check_held_by_us("release")
+        record, token = self._check_held_by_us("release")
         self._stop_renewer()
-        self._released(await self.backend.arelease(self._record, self._token))
+        self._released(await self.backend.arelease(record, token))
 
     # -- extend -------------------------------------------------------------------
 
-    def _validate_ttl(self, ttl):
+    def _validate_ttl(self, ttl: object) -> float:
         # Checked here, before anything is sent, against the backend's documented
         # maximum (OPTIONS["MAX_TTL"]); the backends check again before they write.
         return validate_ttl(ttl, maximum=self.backend.max_ttl, where=self.backend.max_ttl_setting)
 
-    def _extend_ttl(self, ttl):
+    def _extend_ttl(self, ttl: float | None) -> float:
         return self.ttl if ttl is None else self._validate_ttl(ttl)
 
-    def _extended(self, extended):
+    def _extended(self, extended: bool) -> None:
         if not extended:
             self._mark_lost()
             raise LockNotOwned(
                 self.name, f"Cannot extend lock {self.name!r}: it expired and was taken over."
             )
 
-    def extend(self, ttl=None):
+    def extend(self, ttl: float | None = None) -> None:
         """Set the expiry to now + ``ttl`` (default: the lock's ttl), by the backend's
         clock. Raises LockNotOwned if the lock was lost."""
-        self._check_held_by_us("extend")
-        ttl = self._extend_ttl(ttl)
-        self._extended(self.backend.extend(self._record, self._token, ttl))
+        record, token = self._check_held_by_us("extend")
+        self._extended(self.backend.extend(record, token, self._extend_ttl(ttl)))
 
-    async def aextend(self, ttl=None):
+    async def aextend(self, ttl: float | None = None) -> None:
         """Async twin of :meth:`extend`."""
-        self._check_held_by_us("extend")
-        ttl = self._extend_ttl(ttl)
-        self._extended(await self.backend.aextend(self._record, self._token, ttl))
+        record, token = self._check_held_by_us("extend")
+        self._extended(await self.backend.aextend(record, token, self._extend_ttl(ttl)))
 
-    def _mark_lost(self):
+    def _mark_lost(self) -> None:
         # The renewer, the watchdog and the owner's own extend() or release() can all
         # find the lock gone; the check-and-set is guarded so lock_lost is sent
         # exactly once per acquisition.
@@ -433,53 +473,58 @@ class Lock:
 
     # -- inspection ---------------------------------------------------------------
 
-    def locked(self):
+    def locked(self) -> bool:
         """Return True if anyone holds the lock now (a stale record does not count)."""
         info = self.backend.get(self.name)
         return info is not None and info.is_held
 
-    def owned(self):
+    def owned(self) -> bool:
         """Return True if this Lock object holds the lock now (checked with the backend)."""
         if self._token is None or self.lost:
             return False
-        return self.backend.owns(self._record, self._token)
+        return self.backend.owns(*self._held())
 
-    def info(self):
+    def info(self) -> LockInfo | None:
         """Return the backend's :class:`~django_setnx.backends.base.LockInfo`, or None."""
         return self.backend.get(self.name)
 
-    async def alocked(self):
+    async def alocked(self) -> bool:
         info = await self.backend.aget(self.name)
         return info is not None and info.is_held
 
-    async def aowned(self):
+    async def aowned(self) -> bool:
         if self._token is None or self.lost:
             return False
-        return await self.backend.aowns(self._record, self._token)
+        return await self.backend.aowns(*self._held())
 
-    async def ainfo(self):
+    async def ainfo(self) -> LockInfo | None:
         return await self.backend.aget(self.name)
 
     # -- context managers ---------------------------------------------------------
 
-    def __enter__(self):
+    def __enter__(self) -> Lock:
         if self._borrow_deferred():
             return self
         if not self.acquire():
             raise LockNotAcquired(self.name, self.timeout if self.blocking else 0)
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.release_at_exit(exc)
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> Lock:
         if self._borrow_deferred():
             return self
         if not await self.aacquire():
             raise LockNotAcquired(self.name, self.timeout if self.blocking else 0)
         return self
 
-    def _borrow_deferred(self):
+    def _borrow_deferred(self) -> bool:
         """With ``release_on_commit``: a block that finds this very lock held by an
         earlier block of the same transaction, waiting for COMMIT to be released,
         runs under it (it would otherwise wait for itself). True if borrowed."""
@@ -493,15 +538,20 @@ class Lock:
         self._borrowed = True
         return True
 
-    def _return_borrowed(self):
+    def _return_borrowed(self) -> None:
         """The end of a borrowing block: the pending release covers it."""
         self._token = None
         self._borrowed = False
 
-    async def __aexit__(self, exc_type, exc, tb):
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.arelease_at_exit(exc)
 
-    def release_at_exit(self, exc=None):
+    def release_at_exit(self, exc: BaseException | None = None) -> None:
         """Release at the end of a guarded block (``with``, ``@locked``, a task body).
 
         With ``release_on_commit`` and an open transaction on one of the ``using``
@@ -517,7 +567,7 @@ class Lock:
         except (LockNotOwned, LockBackendError):
             self._failed_at_exit(exc)
 
-    async def arelease_at_exit(self, exc=None):
+    async def arelease_at_exit(self, exc: BaseException | None = None) -> None:
         """Async twin of :meth:`release_at_exit`."""
         if self._released_elsewhere():
             return
@@ -526,7 +576,7 @@ class Lock:
         except (LockNotOwned, LockBackendError):
             self._failed_at_exit(exc)
 
-    def _released_elsewhere(self):
+    def _released_elsewhere(self) -> bool:
         """Whether release_at_exit leaves the release to someone else: a borrowed lock
         goes back to its lender, and with ``release_on_commit`` an open transaction
         releases it after its commit (or at once after a rollback)."""
@@ -535,22 +585,31 @@ class Lock:
             return True
         return self.release_on_commit and release_after_commit(self, self.using)
 
-    def _failed_at_exit(self, exc):
+    def _failed_at_exit(self, exc: BaseException | None) -> None:
         """A release at exit failed (the error being handled): re-raise it, unless the
         block is already raising ``exc``, which it must not mask."""
+        # Called from the caller's except block: the bare raise re-raises its error.
         if exc is None:
-            raise
-        logger.warning("Could not release lock %r while handling %r", self.name, exc,
-                       exc_info=True)
+            raise  # noqa: PLE0704
+        logger.warning(
+            "Could not release lock %r while handling %r",
+            self.name,
+            exc,
+            exc_info=True,  # noqa: LOG014 - inside the caller's except block
+        )
 
 
-def _remaining(deadline):
+def _remaining(deadline: float | None) -> float | None:
     """Seconds left until ``deadline`` (a monotonic time), or None for no deadline."""
     return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 #: The backend calls Lock._acquire_steps asks for.
 _ACQUIRE, _WAIT, _STOP_WAITING, _GET = "acquire", "wait", "stop_waiting", "get"
+#: One backend call of an acquire: ``(step, record name, argument)``; ``(None, record,
+#: result)`` ends it (see Lock._acquire_steps).
+Step = tuple[Any, Any, Any]
+Steps = Generator[Step, Any, None]
 
 
 class _CallClock:
@@ -565,17 +624,19 @@ class _CallClock:
 
     __slots__ = ("current", "previous", "queued", "signalled")
 
-    def __init__(self):
-        self.current = self.previous = None
+    def __init__(self) -> None:
+        self.current: float | None = None
+        self.previous: float | None = None
         #: The record whose waiters the caller is among, or None.
-        self.queued = None
+        self.queued: str | None = None
         #: Whether the acquire's first refusal was signalled (lock_contended).
         self.signalled = False
 
-    def tick(self):
+    def tick(self) -> None:
         self.previous, self.current = self.current, time.monotonic()
 
-    def earliest_write(self):
+    def earliest_write(self) -> float:
+        assert self.current is not None  # ticked before every call
         return self.current if self.previous is None else self.previous
 
 
@@ -588,19 +649,19 @@ class _Renewer(threading.Thread):
     hanging extend takes to return.
     """
 
-    def __init__(self, lock, valid_until):
+    def __init__(self, lock: Lock, valid_until: float) -> None:
         super().__init__(name=f"django-setnx renew {lock.name[:40]}", daemon=True)
         self.lock = lock
-        self.token = lock._token
+        self.record, self.token = lock._held()
         self.interval = lock.ttl / 3
         self.valid_until = valid_until
         self._stop_event = threading.Event()
 
-    def start(self):
+    def start(self) -> None:
         _watchdog.watch(self, self.valid_until)
         super().start()
 
-    def stop(self):
+    def stop(self) -> None:
         self._stop_event.set()
         _watchdog.unwatch(self)
         if threading.current_thread() is not self:
@@ -608,20 +669,20 @@ class _Renewer(threading.Thread):
             # extend is token-checked and finds the released record gone.
             self.join(timeout=min(self.lock.ttl, STOP_JOIN_TIMEOUT))
 
-    def expired(self):
+    def expired(self) -> None:
         """Called when ``valid_until`` passed without a renewal."""
         _watchdog.unwatch(self)
         if not self._stop_event.is_set():
             self._stop_event.set()
             self.lock._mark_lost()
 
-    def run(self):
+    def run(self) -> None:
         lk = self.lock
         wait = self.interval
         while not self._stop_event.wait(wait):
             started = time.monotonic()
             try:
-                renewed = lk.backend.extend(lk._record, self.token, lk.ttl)
+                renewed = lk.backend.extend(self.record, self.token, lk.ttl)
             except LockError:
                 logger.warning("Could not renew lock %r", lk.name, exc_info=True)
                 left = self.valid_until - time.monotonic()
@@ -654,28 +715,30 @@ class _Watchdog:
     a forked child (threads do not survive a fork).
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._reset()
 
-    def _reset(self):
+    def _reset(self) -> None:
         self._cond = threading.Condition()
-        self._deadlines = {}
-        self._thread = None
+        self._deadlines: dict[_Renewer, float] = {}
+        self._thread: threading.Thread | None = None
 
-    def watch(self, renewer, deadline):
+    def watch(self, renewer: _Renewer, deadline: float) -> None:
         with self._cond:
             self._deadlines[renewer] = deadline
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="django-setnx watchdog",
-                                                daemon=True)
-                self._thread.start()
+                thread = threading.Thread(
+                    target=self._run, name="django-setnx watchdog", daemon=True
+                )
+                thread.start()
+                self._thread = thread
             self._cond.notify()
 
-    def unwatch(self, renewer):
+    def unwatch(self, renewer: _Renewer) -> None:
         with self._cond:
             self._deadlines.pop(renewer, None)
 
-    def _run(self):
+    def _run(self) -> None:
         cond = self._cond
         while True:
             with cond:
@@ -690,7 +753,7 @@ class _Watchdog:
             for renewer in due:  # outside the condition: signal receivers may block
                 try:
                     renewer.expired()
-                except Exception:  # noqa: BLE001 - a receiver's error must not stop us
+                except Exception:
                     logger.exception("lock_lost receiver failed")
 
 
@@ -698,8 +761,18 @@ _watchdog = _Watchdog()
 os.register_at_fork(after_in_child=_watchdog._reset)
 
 
-def lock(name, ttl=None, *, backend=DEFAULT_LOCK_ALIAS, timeout=None, blocking=True,
-         auto_renew=False, guards=None, release_on_commit=False, using=None):
+def lock(
+    name: str,
+    ttl: float | None = None,
+    *,
+    backend: str = DEFAULT_LOCK_ALIAS,
+    timeout: float | None = None,
+    blocking: bool = True,
+    auto_renew: bool = False,
+    guards: str | None = None,
+    release_on_commit: bool = False,
+    using: str | Sequence[str] | None = None,
+) -> Lock:
     """Return a :class:`Lock` for ``name`` in ``backend``; nothing is written yet.
 
     ``ttl`` (seconds) defaults to the backend's ``TTL`` setting (60 s). ``timeout``
@@ -711,6 +784,14 @@ def lock(name, ttl=None, *, backend=DEFAULT_LOCK_ALIAS, timeout=None, blocking=T
     Raises TypeError/ValueError for a bad name, ttl or timeout and
     ImproperlyConfigured (InvalidLockBackendError) for an unknown alias.
     """
-    return Lock(name, ttl, backend=backend, timeout=timeout, blocking=blocking,
-                auto_renew=auto_renew, guards=guards, release_on_commit=release_on_commit,
-                using=using)
+    return Lock(
+        name,
+        ttl,
+        backend=backend,
+        timeout=timeout,
+        blocking=blocking,
+        auto_renew=auto_renew,
+        guards=guards,
+        release_on_commit=release_on_commit,
+        using=using,
+    )

@@ -24,9 +24,15 @@ class LockRecord(models.Model):
     # column (MySQL's insert id then carries the acquire's fencing token back).
     name = models.CharField(_("name"), max_length=MAX_NAME_LENGTH, primary_key=True)
     token = models.CharField(_("token"), max_length=64)
-    owner = models.TextField(_("owner"), default="{}", help_text=_("JSON: host, pid, thread, guards."))
-    acquired_at = models.BigIntegerField(_("acquired at"), help_text=_("Milliseconds since the epoch, database clock."))
-    expires_at = models.BigIntegerField(_("expires at"), help_text=_("Milliseconds since the epoch, database clock."))
+    owner = models.TextField(
+        _("owner"), default="{}", help_text=_("JSON: host, pid, thread, guards.")
+    )
+    acquired_at = models.BigIntegerField(
+        _("acquired at"), help_text=_("Milliseconds since the epoch, database clock.")
+    )
+    expires_at = models.BigIntegerField(
+        _("expires at"), help_text=_("Milliseconds since the epoch, database clock.")
+    )
     fencing = models.BigIntegerField(_("fencing token"), default=0)
     # The waiter next in line (see backends/database.py, "Fairness"): the token of
     # the longest-waiting caller, when it started waiting (its own clock, ms; only

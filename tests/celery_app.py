@@ -74,10 +74,17 @@ app.conf.update(
 
 def record(log, tag, event, task, **extra):
     """Append one JSON line to ``log`` (one write, so lines never interleave)."""
-    line = json.dumps({
-        "tag": tag, "event": event, "t": time.time(), "pid": os.getpid(),
-        "task_id": task.request.id, "retries": task.request.retries, **extra,
-    })
+    line = json.dumps(
+        {
+            "tag": tag,
+            "event": event,
+            "t": time.time(),
+            "pid": os.getpid(),
+            "task_id": task.request.id,
+            "retries": task.request.retries,
+            **extra,
+        }
+    )
     with open(log, "a") as f:
         f.write(line + "\n")
 
@@ -86,8 +93,7 @@ def already_started(log, task_id):
     """True if ``log`` shows an earlier start of the task ``task_id``."""
     try:
         with open(log) as f:
-            return any(json.loads(line).get("task_id") == task_id
-                       for line in f if line.strip())
+            return any(json.loads(line).get("task_id") == task_id for line in f if line.strip())
     except FileNotFoundError:
         return False
 
@@ -111,37 +117,64 @@ def _register(alias):
 
     # Run-exclusive, one task per contention policy.
     for policy in ("skip", "retry", "raise"):
+
         def exclusive(self, key, log, tag, duration):
             return work(self, log, tag, duration)
 
-        app.task(name=f"setnx_tests.exclusive_{policy}.{alias}", lock_name="celery-test:{key}",
-                 lock_ttl=10, on_contention=policy, lock_retry_countdown=1,
-                 lock_max_retries=10, **opts)(exclusive)
+        app.task(
+            name=f"setnx_tests.exclusive_{policy}.{alias}",
+            lock_name="celery-test:{key}",
+            lock_ttl=10,
+            on_contention=policy,
+            lock_retry_countdown=1,
+            lock_max_retries=10,
+            **opts,
+        )(exclusive)
 
     # Enqueue-once, one task per policy.
     for policy in ("raise", "drop"):
+
         def once(self, key, log, tag, duration):
             return work(self, log, tag, duration)
 
-        app.task(name=f"setnx_tests.once_{policy}.{alias}", once_policy=policy,
-                 once_name="celery-once-test:{key}", once_ttl=30, **opts)(once)
+        app.task(
+            name=f"setnx_tests.once_{policy}.{alias}",
+            once_policy=policy,
+            once_name="celery-once-test:{key}",
+            once_ttl=30,
+            **opts,
+        )(once)
 
     # Both locks; raises after its work.
     def both_failing(self, key, log, tag, duration):
         return work(self, log, tag, duration, fail=True)
 
-    app.task(name=f"setnx_tests.both_failing.{alias}", lock_name="celery-test:{key}",
-             lock_ttl=10, once_policy="raise", once_ttl=30, **opts)(both_failing)
+    app.task(
+        name=f"setnx_tests.both_failing.{alias}",
+        lock_name="celery-test:{key}",
+        lock_ttl=10,
+        once_policy="raise",
+        once_ttl=30,
+        **opts,
+    )(both_failing)
 
     # Fails and retries until its retries are exhausted.
     def flaky(self, key, log, tag, duration, countdown):
         work(self, log, tag, duration)
-        raise self.retry(exc=RuntimeError(f"{tag} attempt {self.request.retries}"),
-                         countdown=countdown)
+        raise self.retry(
+            exc=RuntimeError(f"{tag} attempt {self.request.retries}"), countdown=countdown
+        )
 
-    app.task(name=f"setnx_tests.flaky.{alias}", lock_name="celery-test:{key}", lock_ttl=10,
-             once_policy="raise", once_name="celery-once-test:{key}", once_ttl=30,
-             max_retries=2, **opts)(flaky)
+    app.task(
+        name=f"setnx_tests.flaky.{alias}",
+        lock_name="celery-test:{key}",
+        lock_ttl=10,
+        once_policy="raise",
+        once_name="celery-once-test:{key}",
+        once_ttl=30,
+        max_retries=2,
+        **opts,
+    )(flaky)
 
     # Holds both locks with short ttls; the test SIGKILLs its worker mid-run. A
     # redelivered message (acks_late) finishes quickly the second time.
@@ -150,44 +183,78 @@ def _register(alias):
             duration = 0.2
         return work(self, log, tag, duration)
 
-    app.task(name=f"setnx_tests.crash.{alias}", lock_name="celery-test:{key}",
-             lock_ttl=CRASH_TTL, once_policy="raise", once_name="celery-once-test:{key}",
-             once_ttl=CRASH_TTL, **opts)(crash)
+    app.task(
+        name=f"setnx_tests.crash.{alias}",
+        lock_name="celery-test:{key}",
+        lock_ttl=CRASH_TTL,
+        once_policy="raise",
+        once_name="celery-once-test:{key}",
+        once_ttl=CRASH_TTL,
+        **opts,
+    )(crash)
 
     # As crash, acknowledged late: a killed worker's message is delivered again.
-    app.task(name=f"setnx_tests.crash_late.{alias}", lock_name="celery-test:{key}",
-             lock_ttl=CRASH_TTL, once_policy="raise", once_name="celery-once-test:{key}",
-             once_ttl=CRASH_TTL, acks_late=True, **opts)(crash)
-
+    app.task(
+        name=f"setnx_tests.crash_late.{alias}",
+        lock_name="celery-test:{key}",
+        lock_ttl=CRASH_TTL,
+        once_policy="raise",
+        once_name="celery-once-test:{key}",
+        once_ttl=CRASH_TTL,
+        acks_late=True,
+        **opts,
+    )(crash)
 
     # Both locks with a long ttl (60 s): the dead-owner tests kill its pool child
     # (SIGKILL, or a hard time_limit given per call) and expect the locks back at once.
     def hang(self, key, log, tag, duration):
         return work(self, log, tag, duration)
 
-    app.task(name=f"setnx_tests.hang.{alias}", lock_name="celery-test:{key}", lock_ttl=60,
-             once_policy="raise", once_name="celery-once-test:{key}", once_ttl=60,
-             **opts)(hang)
+    app.task(
+        name=f"setnx_tests.hang.{alias}",
+        lock_name="celery-test:{key}",
+        lock_ttl=60,
+        once_policy="raise",
+        once_name="celery-once-test:{key}",
+        once_ttl=60,
+        **opts,
+    )(hang)
 
     # As hang, with a semaphore of two slots as its run lock (lock_limit=2).
-    app.task(name=f"setnx_tests.hang_limited.{alias}", lock_name="celery-test:{key}",
-             lock_limit=2, lock_ttl=60, **opts)(hang)
+    app.task(
+        name=f"setnx_tests.hang_limited.{alias}",
+        lock_name="celery-test:{key}",
+        lock_limit=2,
+        lock_ttl=60,
+        **opts,
+    )(hang)
 
     # Enqueue-once tasks that return their key: canvases (chains, groups, chords).
     for policy in ("raise", "drop"):
+
         def once_value(self, key, pause=0):
             time.sleep(pause)  # still running while a duplicate is enqueued
             return key
 
-        app.task(name=f"setnx_tests.once_value_{policy}.{alias}", once_policy=policy,
-                 once_name="celery-once-test:{key}", once_ttl=30, **opts)(once_value)
+        app.task(
+            name=f"setnx_tests.once_value_{policy}.{alias}",
+            once_policy=policy,
+            once_name="celery-once-test:{key}",
+            once_ttl=30,
+            **opts,
+        )(once_value)
 
     # A periodic task: "raise" by default; the beat entry asks for "drop".
     def periodic(self, key, log, duration):
         return work(self, log, "tick", duration)
 
-    app.task(name=f"setnx_tests.periodic.{alias}", once_policy="raise",
-             once_name="celery-once-test:{key}", once_ttl=30, **opts)(periodic)
+    app.task(
+        name=f"setnx_tests.periodic.{alias}",
+        once_policy="raise",
+        once_name="celery-once-test:{key}",
+        once_ttl=30,
+        **opts,
+    )(periodic)
 
 
 @app.task(name="setnx_tests.echo", shared=False)

@@ -138,8 +138,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     write = terminalreporter.write_line
     terminalreporter.section("backends covered")
-    engines = {alias: params.get("ENGINE", "").rsplit(".", 1)[-1]
-               for alias, params in settings.DATABASES.items()}
+    engines = {
+        alias: params.get("ENGINE", "").rsplit(".", 1)[-1]
+        for alias, params in settings.DATABASES.items()
+    }
     for alias, lock_params in settings.SETNX_LOCKS.items():
         counts = _backend_outcomes.get(alias)
         if not counts:
@@ -150,7 +152,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         if isinstance(location, (list, tuple)):
             location = f"{len(location)} masters"
         where = engines.get(database, "") if database else str(location)
-        tally = ", ".join(f"{counts[k]} {k}" for k in ("passed", "failed", "skipped") if counts.get(k))
+        tally = ", ".join(
+            f"{counts[k]} {k}" for k in ("passed", "failed", "skipped") if counts.get(k)
+        )
         write(f"{alias:<10} {backend:<16} {where:<50} {tally}")
     missing = sorted(set(settings.TEST_BACKENDS) - {"sqlite"} - set(_backend_outcomes))
     if missing:

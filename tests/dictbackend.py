@@ -17,9 +17,16 @@ def _now_ms():
 
 class DictBackend(BaseLockBackend):
     def _info(self, name, record, now):
-        return LockInfo.from_record(name, self.alias, now, owner=record["owner"],
-                                    acquired=record["acquired"], expires=record["expires"],
-                                    fencing=record["fencing"], raw=record)
+        return LockInfo.from_record(
+            name,
+            self.alias,
+            now,
+            owner=record["owner"],
+            acquired=record["acquired"],
+            expires=record["expires"],
+            fencing=record["fencing"],
+            raw=record,
+        )
 
     def acquire(self, name, token, ttl, owner, wait=0.0):
         ttl_ms = self.check_ttl(ttl)
@@ -29,8 +36,13 @@ class DictBackend(BaseLockBackend):
             if record is not None and record["expires"] > now:
                 return AcquireResult.lost(retry_after=(record["expires"] - now) / 1000)
             fencing = max(time.time_ns() // 1000, (record or {}).get("fencing", 0) + 1)
-            _records[name] = {"token": token, "owner": dict(owner), "acquired": now,
-                              "expires": now + ttl_ms, "fencing": fencing}
+            _records[name] = {
+                "token": token,
+                "owner": dict(owner),
+                "acquired": now,
+                "expires": now + ttl_ms,
+                "fencing": fencing,
+            }
             return AcquireResult.won(fencing)
 
     def release(self, name, token):
@@ -52,7 +64,9 @@ class DictBackend(BaseLockBackend):
     def owns(self, name, token):
         with _guard:
             record = _records.get(name)
-            return record is not None and record["token"] == token and record["expires"] > _now_ms()
+            return (
+                record is not None and record["token"] == token and record["expires"] > _now_ms()
+            )
 
     def get(self, name):
         with _guard:
@@ -76,8 +90,9 @@ class DictBackend(BaseLockBackend):
             del _records[name]
             return info
 
-    def clear(self, *, include_held=False, name_glob=None, older_than=None, dry_run=False,
-              progress=None):
+    def clear(
+        self, *, include_held=False, name_glob=None, older_than=None, dry_run=False, progress=None
+    ):
         result = ClearResult(self.alias)
         for info in list(self.list(name_glob=name_glob)):
             if (include_held or info.is_stale) and (dry_run or self.delete(info.name)):

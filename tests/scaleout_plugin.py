@@ -50,8 +50,9 @@ def trust(urls, prefix="setnx-test", **options):
     evict keys)."""
     from django_setnx.backends.redlock import RedlockBackend
 
-    backend = RedlockBackend("trust", {"LOCATION": list(urls), "KEY_PREFIX": prefix,
-                                       "OPTIONS": options})
+    backend = RedlockBackend(
+        "trust", {"LOCATION": list(urls), "KEY_PREFIX": prefix, "OPTIONS": options}
+    )
     try:
         marked = backend.trust_nodes()
     finally:
@@ -153,8 +154,9 @@ def make_masters():
 @pytest.fixture(scope="module")
 def sentinel_set():
     _require_redis()
-    with RedisSentinelSet("mymaster", replicas=1, sentinels=3, quorum=2, down_after_ms=1000,
-                          failover_timeout_ms=3000) as servers:
+    with RedisSentinelSet(
+        "mymaster", replicas=1, sentinels=3, quorum=2, down_after_ms=1000, failover_timeout_ms=3000
+    ) as servers:
         yield servers
 
 

@@ -84,13 +84,21 @@ class RedisServer:
         return [
             self.binary,
             *self.extra_args,
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
-            "--dir", self.dir,
-            "--save", "",
-            "--appendonly", "no",
-            "--rename-command", "KEYS", "",
-            "--logfile", "redis.log",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            self.dir,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--rename-command",
+            "KEYS",
+            "",
+            "--logfile",
+            "redis.log",
         ]
 
     def start(self):
@@ -98,8 +106,11 @@ class RedisServer:
         if self.running:
             return self
         self.process = subprocess.Popen(
-            self.command(), cwd=self.dir, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            self.command(),
+            cwd=self.dir,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
         )
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
@@ -210,8 +221,18 @@ class SentinelServer(RedisServer):
     ``KEYS`` is not renamed (Sentinel's command table has no KEYS to rename).
     """
 
-    def __init__(self, master_name, master_port, *, quorum=2, down_after_ms=1000,
-                 failover_timeout_ms=3000, port=None, binary=None, startup_timeout=10.0):
+    def __init__(
+        self,
+        master_name,
+        master_port,
+        *,
+        quorum=2,
+        down_after_ms=1000,
+        failover_timeout_ms=3000,
+        port=None,
+        binary=None,
+        startup_timeout=10.0,
+    ):
         super().__init__(port=port, binary=binary, startup_timeout=startup_timeout)
         self.master_name = master_name
         self.config = Path(self.dir) / "sentinel.conf"
@@ -228,11 +249,17 @@ class SentinelServer(RedisServer):
 
     def command(self):
         return [
-            self.binary, str(self.config), "--sentinel",
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
-            "--dir", self.dir,
-            "--logfile", "redis.log",
+            self.binary,
+            str(self.config),
+            "--sentinel",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            self.dir,
+            "--logfile",
+            "redis.log",
         ]
 
 
@@ -284,15 +311,29 @@ class RedisSentinelSet(_ServerSet):
     sentinel which master it currently reports.
     """
 
-    def __init__(self, master_name="mymaster", *, replicas=1, sentinels=3, quorum=2,
-                 down_after_ms=1000, failover_timeout_ms=3000):
+    def __init__(
+        self,
+        master_name="mymaster",
+        *,
+        replicas=1,
+        sentinels=3,
+        quorum=2,
+        down_after_ms=1000,
+        failover_timeout_ms=3000,
+    ):
         self.master_name = master_name
         self.master = RedisServer()
-        self.replicas = [RedisServer("--replicaof", "127.0.0.1", self.master.port)
-                         for _ in range(replicas)]
+        self.replicas = [
+            RedisServer("--replicaof", "127.0.0.1", self.master.port) for _ in range(replicas)
+        ]
         self.sentinels = [
-            SentinelServer(master_name, self.master.port, quorum=quorum,
-                           down_after_ms=down_after_ms, failover_timeout_ms=failover_timeout_ms)
+            SentinelServer(
+                master_name,
+                self.master.port,
+                quorum=quorum,
+                down_after_ms=down_after_ms,
+                failover_timeout_ms=failover_timeout_ms,
+            )
             for _ in range(sentinels)
         ]
         self.servers = [self.master, *self.replicas, *self.sentinels]
@@ -318,16 +359,20 @@ class RedisSentinelSet(_ServerSet):
 
         def synced():
             info = redis.Redis(port=self.master.port, socket_timeout=1).info("replication")
-            online = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
-                      and v.get("state") == "online"]
+            online = [
+                v
+                for k, v in info.items()
+                if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online"
+            ]
             return len(online) == len(self.replicas)
 
         def sentinels_ready():
             for sentinel in self.sentinels:
                 client = redis.Redis(port=sentinel.port, socket_timeout=1)
                 state = client.sentinel_master(self.master_name)
-                if (int(state.get("num-other-sentinels", 0)) < len(self.sentinels) - 1
-                        or int(state.get("num-slaves", 0)) < len(self.replicas)):
+                if int(state.get("num-other-sentinels", 0)) < len(self.sentinels) - 1 or int(
+                    state.get("num-slaves", 0)
+                ) < len(self.replicas):
                     return False
             return True
 
@@ -392,8 +437,15 @@ class RedisClusterSet(_ServerSet):
 
     def __init__(self, primaries=3, *, node_timeout_ms=2000):
         self.servers = [
-            RedisServer("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                        "--cluster-node-timeout", node_timeout_ms, port=free_cluster_port())
+            RedisServer(
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                node_timeout_ms,
+                port=free_cluster_port(),
+            )
             for _ in range(primaries)
         ]
 
@@ -415,14 +467,26 @@ class RedisClusterSet(_ServerSet):
         if cli:
             addresses = [f"127.0.0.1:{s.port}" for s in self.servers]
             done = subprocess.run(
-                [cli, "--cluster", "create", *addresses, "--cluster-replicas", "0",
-                 "--cluster-yes"],
-                stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout, check=False,
+                [
+                    cli,
+                    "--cluster",
+                    "create",
+                    *addresses,
+                    "--cluster-replicas",
+                    "0",
+                    "--cluster-yes",
+                ],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=timeout,
+                check=False,
             )
             if done.returncode != 0:
-                raise RuntimeError(f"redis-cli --cluster create failed: "
-                                   f"{done.stdout.decode(errors='replace')}"
-                                   f"{done.stderr.decode(errors='replace')}")
+                raise RuntimeError(
+                    f"redis-cli --cluster create failed: "
+                    f"{done.stdout.decode(errors='replace')}"
+                    f"{done.stderr.decode(errors='replace')}"
+                )
         else:
             self._create_with_redis_py()
         self.wait_until_ok(timeout)
@@ -455,8 +519,9 @@ class RedisClusterSet(_ServerSet):
                     info = info.decode()
                 if isinstance(info, str):
                     info = dict(line.split(":", 1) for line in info.split() if ":" in line)
-                if (str(info.get("cluster_state")) != "ok"
-                        or int(info.get("cluster_known_nodes", 0)) != len(self.servers)):
+                if str(info.get("cluster_state")) != "ok" or int(
+                    info.get("cluster_known_nodes", 0)
+                ) != len(self.servers):
                     return False
             return True
 
@@ -504,10 +569,12 @@ class ReplyDroppingProxy:
             with self._lock:
                 self._sockets += [client, upstream]
             pair = {"drop": False}
-            threading.Thread(target=self._requests, args=(client, upstream, pair),
-                             daemon=True).start()
-            threading.Thread(target=self._replies, args=(upstream, client, pair),
-                             daemon=True).start()
+            threading.Thread(
+                target=self._requests, args=(client, upstream, pair), daemon=True
+            ).start()
+            threading.Thread(
+                target=self._replies, args=(upstream, client, pair), daemon=True
+            ).start()
 
     def _requests(self, client, upstream, pair):
         try:

@@ -22,6 +22,7 @@ import pytest
 from django.conf import settings
 from django.contrib import admin
 from django.contrib.admin.models import DELETION, LogEntry
+
 try:
     from django.contrib.admin.options import ShowFacets
 except ImportError:  # Django 4.2: the admin has no facets ("Show counts").
@@ -34,8 +35,8 @@ from django.utils import timezone, translation
 
 from django_setnx import lock, locks, semaphore
 from django_setnx.backends import paging
-from django_setnx.backends.database import DatabaseBackend
 from django_setnx.backends.base import STALE
+from django_setnx.backends.database import DatabaseBackend
 from django_setnx.globs import search_to_glob
 from django_setnx.models import LockRecord
 from django_setnx.signals import lock_force_released
@@ -58,7 +59,8 @@ def make_user(username, *codenames):
     user = User.objects.create_user(username, password="pw", is_staff=True)
     for codename in codenames:
         user.user_permissions.add(
-            Permission.objects.get(content_type__app_label="django_setnx", codename=codename))
+            Permission.objects.get(content_type__app_label="django_setnx", codename=codename)
+        )
     return user
 
 
@@ -151,11 +153,18 @@ def test_staff_without_permission_is_refused(name):
     hold("default", name)
     client = logged_in(make_user("nobody"))
     assert client.get(reverse(LIST_URL)).status_code == 403
-    assert client.get(reverse(RELEASE_URL), {"lock": json.dumps(["default", name])}).status_code == 403
+    assert (
+        client.get(reverse(RELEASE_URL), {"lock": json.dumps(["default", name])}).status_code
+        == 403
+    )
     assert client.get(reverse(CLEAR_URL)).status_code == 403
-    response = client.post(reverse(RELEASE_URL), {
-        "lock": confirm_value("default", name, locks["default"].get(name).fencing_token),
-        "post": "yes"})
+    response = client.post(
+        reverse(RELEASE_URL),
+        {
+            "lock": confirm_value("default", name, locks["default"].get(name).fencing_token),
+            "post": "yes",
+        },
+    )
     assert response.status_code == 403
     assert locks["default"].get(name) is not None
     # The release permission alone (without view) does not open the actions either.
@@ -189,11 +198,19 @@ def test_view_only_user_sees_the_list_but_cannot_release(alias, name, viewer):
     assert reverse(CLEAR_URL) not in content
     # Forged POSTs: refused, nothing released.
     selection = json.dumps([alias, name])
-    assert client.post(list_url(), {"action": "release_selected",
-                                    "_selected_action": [selection]}).status_code == 403
+    assert (
+        client.post(
+            list_url(), {"action": "release_selected", "_selected_action": [selection]}
+        ).status_code
+        == 403
+    )
     assert client.get(reverse(RELEASE_URL), {"lock": selection}).status_code == 403
-    assert client.post(reverse(RELEASE_URL), {
-        "lock": confirm_value(alias, name, info), "post": "yes"}).status_code == 403
+    assert (
+        client.post(
+            reverse(RELEASE_URL), {"lock": confirm_value(alias, name, info), "post": "yes"}
+        ).status_code
+        == 403
+    )
     assert client.post(reverse(CLEAR_URL), {"post": "yes"}).status_code == 403
     assert locks[alias].get(name) is not None
     assert not LogEntry.objects.exists()
@@ -214,8 +231,9 @@ def test_release_through_the_confirmation_page(alias, name, releaser, force_rele
     assert "Force-release selected locks" in content
 
     # The list's form posts the selection: the answer is the confirmation page.
-    response = client.post(list_url(), {"action": "release_selected",
-                                        "_selected_action": [json.dumps([alias, name])]})
+    response = client.post(
+        list_url(), {"action": "release_selected", "_selected_action": [json.dumps([alias, name])]}
+    )
     assert response.status_code == 200
     assert "Are you sure" in response.content.decode()
     # ... which can also be reached with GET.
@@ -224,11 +242,15 @@ def test_release_through_the_confirmation_page(alias, name, releaser, force_rele
     content = response.content.decode()
     assert f"fencing token {token}" in content
     assert [row["confirm_value"] for row in response.context["found"]] == [
-        confirm_value(alias, name, token)]
+        confirm_value(alias, name, token)
+    ]
     assert locks[alias].get(name) is not None  # nothing happens before the POST
 
-    response = client.post(reverse(RELEASE_URL), {
-        "lock": confirm_value(alias, name, token), "post": "yes"}, follow=True)
+    response = client.post(
+        reverse(RELEASE_URL),
+        {"lock": confirm_value(alias, name, token), "post": "yes"},
+        follow=True,
+    )
     assert response.redirect_chain[-1][0] == reverse(LIST_URL)
     assert locks[alias].get(name) is None
     assert "Force-released 1 lock" in response.content.decode()
@@ -262,8 +284,11 @@ def test_release_is_refused_when_the_lock_changed_hands(alias, name, releaser, f
     now = locks[alias].get(name).fencing_token
     assert now > shown
 
-    response = client.post(reverse(RELEASE_URL), {
-        "lock": confirm_value(alias, name, shown), "post": "yes"}, follow=True)
+    response = client.post(
+        reverse(RELEASE_URL),
+        {"lock": confirm_value(alias, name, shown), "post": "yes"},
+        follow=True,
+    )
     assert response.status_code == 200
     assert locks[alias].get(name).fencing_token == now  # the new holder keeps it
     assert "changed hands" in response.content.decode()
@@ -276,8 +301,11 @@ def test_release_of_a_lock_already_gone(alias, name, releaser):
     lk = hold(alias, name)
     token = locks[alias].get(name).fencing_token
     lk.release()
-    response = logged_in(releaser).post(reverse(RELEASE_URL), {
-        "lock": confirm_value(alias, name, token), "post": "yes"}, follow=True)
+    response = logged_in(releaser).post(
+        reverse(RELEASE_URL),
+        {"lock": confirm_value(alias, name, token), "post": "yes"},
+        follow=True,
+    )
     assert "Already gone" in response.content.decode()
     assert not LogEntry.objects.exists()
 
@@ -290,8 +318,13 @@ def test_csrf_is_enforced(name, releaser):
     client = logged_in(releaser, enforce_csrf_checks=True)
     data = {"lock": confirm_value(alias, name, token), "post": "yes"}
     assert client.post(reverse(RELEASE_URL), data).status_code == 403
-    assert client.post(list_url(), {"action": "release_selected",
-                                    "_selected_action": [json.dumps([alias, name])]}).status_code == 403
+    assert (
+        client.post(
+            list_url(),
+            {"action": "release_selected", "_selected_action": [json.dumps([alias, name])]},
+        ).status_code
+        == 403
+    )
     assert client.post(reverse(CLEAR_URL), {"post": "yes"}).status_code == 403
     assert locks[alias].get(name) is not None
     # With the token of the confirmation page's form, it goes through.
@@ -303,16 +336,19 @@ def test_csrf_is_enforced(name, releaser):
 
 
 @transactional
-@pytest.mark.parametrize("value", [
-    "not json",
-    json.dumps(["no-such-backend", "x", 1]),
-    json.dumps(["default", "", 1]),
-    json.dumps(["default", "a\x00b", 1]),
-    json.dumps(["default", "x" * 201, 1]),
-    json.dumps(["default", "x", "1"]),
-    json.dumps(["default", "x"]),
-    json.dumps({"alias": "default"}),
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "not json",
+        json.dumps(["no-such-backend", "x", 1]),
+        json.dumps(["default", "", 1]),
+        json.dumps(["default", "a\x00b", 1]),
+        json.dumps(["default", "x" * 201, 1]),
+        json.dumps(["default", "x", "1"]),
+        json.dumps(["default", "x"]),
+        json.dumps({"alias": "default"}),
+    ],
+)
 def test_invalid_selections_are_rejected(value, releaser):
     client = logged_in(releaser)
     assert client.post(reverse(RELEASE_URL), {"lock": value, "post": "yes"}).status_code == 400
@@ -347,8 +383,11 @@ def test_names_are_escaped_everywhere(alias, releaser):
         assert XSS_ESCAPED in content
         assert "<b>guard</b>" not in content
 
-    response = client.post(reverse(RELEASE_URL), {
-        "lock": confirm_value(alias, name, token), "post": "yes"}, follow=True)
+    response = client.post(
+        reverse(RELEASE_URL),
+        {"lock": confirm_value(alias, name, token), "post": "yes"},
+        follow=True,
+    )
     content = response.content.decode()
     assert locks[alias].get(name) is None
     assert "Force-released 1 lock" in content
@@ -441,10 +480,10 @@ def test_search(alias, viewer):
 
     assert search("report") == [report]
     assert search(f"{tag}:e") == [email]
-    assert search(f"{tag}:*:2") == [email]          # a glob: the whole name
+    assert search(f"{tag}:*:2") == [email]  # a glob: the whole name
     assert search("email") == [email]
-    assert search("emai?") == []                    # a glob must match the whole name
-    assert search("[x]") == [odd]                   # metacharacters are literal in a substring
+    assert search("emai?") == []  # a glob must match the whole name
+    assert search("[x]") == [odd]  # metacharacters are literal in a substring
     assert search("x]*?\\") == [odd]  # a malformed glob (a lone \\ at the end): text as typed
     assert search("*x]*?\\*") == []  # a glob ending in a literal star: no name does
     assert search("*x]\\*\\?\\\\*") == [odd]  # a glob, for the whole name
@@ -463,8 +502,12 @@ def test_hostile_search_patterns_answer_promptly(alias, viewer):
     for n in long_names:
         hold(alias, n)
     client = logged_in(viewer)
-    for pattern in ["*?*?*?*?*?*?*?*?#", "*a*a*a*a*a*a*a*a*a*a*a*a*a*b", "?" * 500 + "*",
-                    f"{tag}:" + "*a" * 200 + "*"]:
+    for pattern in [
+        "*?*?*?*?*?*?*?*?#",
+        "*a*a*a*a*a*a*a*a*a*a*a*a*a*b",
+        "?" * 500 + "*",
+        f"{tag}:" + "*a" * 200 + "*",
+    ]:
         response = client.get(list_url(backend=alias, q=pattern))
         assert response.status_code == 200
         assert listed_names(response) == [], pattern
@@ -575,8 +618,10 @@ def test_go_without_a_known_action_warns_and_keeps_the_list(alias, name, release
     hold(alias, name)
     listed = {"backend": alias, "state": "held", "q": name[-6:], "o": "-5", "p": "1"}
     client = logged_in(releaser)
-    response = client.post(list_url(**listed), {
-        "action": action, "index": "0", "_selected_action": [json.dumps([alias, name])]})
+    response = client.post(
+        list_url(**listed),
+        {"action": action, "index": "0", "_selected_action": [json.dumps([alias, name])]},
+    )
     assert response.status_code == 302
     assert query_of(response["Location"]) == (reverse(LIST_URL), listed)
     page = client.get(response["Location"])
@@ -596,7 +641,8 @@ def test_go_with_nothing_ticked_warns_and_keeps_the_list(releaser):
         assert query_of(response["Location"]) == (reverse(LIST_URL), listed)
         assert message_texts(client.get(response["Location"])) == [
             "Items must be selected in order to perform actions on them. No items have "
-            "been changed."]
+            "been changed."
+        ]
 
 
 @transactional
@@ -604,13 +650,17 @@ def test_action_warnings_are_django_s_own_translations(name, releaser):
     hold("default", name)
     client = logged_in(releaser)
     with translation.override("fr"):
-        response = client.post(list_url(), {
-            "action": "", "_selected_action": [json.dumps(["default", name])]}, follow=True)
+        response = client.post(
+            list_url(),
+            {"action": "", "_selected_action": [json.dumps(["default", name])]},
+            follow=True,
+        )
         assert message_texts(response) == ["Aucune action sélectionnée."]
         response = client.post(list_url(), {"action": "release_selected"}, follow=True)
         assert message_texts(response) == [
             "Des éléments doivent être sélectionnés afin d’appliquer les actions. Aucun "
-            "élément n’a été modifié."]
+            "élément n’a été modifié."
+        ]
 
 
 # -- the list's filters survive an action ------------------------------------------------
@@ -637,9 +687,14 @@ def test_force_release_comes_back_to_the_same_list(alias, releaser):
         hold(alias, n)
     listed = {"backend": alias, "state": "held", "q": tag, "o": "-1", "p": "1"}
     client = logged_in(releaser)
-    confirmation = client.post(list_url(**listed), {
-        "action": "release_selected", "index": "0",
-        "_selected_action": [json.dumps([alias, names[0]])]})
+    confirmation = client.post(
+        list_url(**listed),
+        {
+            "action": "release_selected",
+            "index": "0",
+            "_selected_action": [json.dumps([alias, names[0]])],
+        },
+    )
     assert confirmation.status_code == 200
     preserved = {"_changelist_filters": urlencode(listed)}
     # "No, take me back" goes back to the list as it was.
@@ -656,8 +711,9 @@ def test_force_release_comes_back_to_the_same_list(alias, releaser):
     assert listed_names(page) == [names[2], names[1]]
     assert "Force-released 1 lock" in page.content.decode()
     # The confirmation page reached by GET keeps the list the same way.
-    confirmation = client.get(reverse(RELEASE_URL), {
-        "lock": json.dumps([alias, names[1]]), **preserved})
+    confirmation = client.get(
+        reverse(RELEASE_URL), {"lock": json.dumps([alias, names[1]]), **preserved}
+    )
     assert query_of(link_href(confirmation, "button cancel-link")) == (reverse(LIST_URL), listed)
     assert query_of(form_action(confirmation, 'name="post"')) == (reverse(RELEASE_URL), preserved)
 
@@ -671,8 +727,10 @@ def test_clear_stale_comes_back_to_the_same_list(alias, releaser):
     client = logged_in(releaser)
     page = client.get(list_url(**listed))
     clear_link = page.context["clear_url"]
-    assert query_of(clear_link) == (reverse(CLEAR_URL), {
-        "backend": alias, "_changelist_filters": urlencode(listed)})
+    assert query_of(clear_link) == (
+        reverse(CLEAR_URL),
+        {"backend": alias, "_changelist_filters": urlencode(listed)},
+    )
     confirmation = client.get(clear_link)
     assert confirmation.context["backends"] == [{"alias": alias, "count": 1}]
     assert query_of(link_href(confirmation, "button cancel-link")) == (reverse(LIST_URL), listed)
@@ -689,8 +747,10 @@ def test_clear_stale_comes_back_to_the_same_list(alias, releaser):
 
 def shown_time(moment_ms, zone):
     moment = datetime.datetime.fromtimestamp(moment_ms / 1000, tz=zone)
-    return (f'<time datetime="{moment.isoformat(timespec="seconds")}">'
-            f'{moment.replace(tzinfo=None).isoformat(" ", "seconds")}</time>')
+    return (
+        f'<time datetime="{moment.isoformat(timespec="seconds")}">'
+        f"{moment.replace(tzinfo=None).isoformat(' ', 'seconds')}</time>"
+    )
 
 
 @transactional
@@ -701,15 +761,20 @@ def test_times_are_in_the_current_time_zone_and_say_so(alias, name, releaser):
         client = logged_in(releaser)
         zone = zoneinfo.ZoneInfo("Asia/Kathmandu")
         content = client.get(list_url(backend=alias)).content.decode()
-        assert (shown_time(info.acquired_at_ms, zone)
-                + ' <span class="timezone">Asia/Kathmandu</span>') in content
-        assert (shown_time(info.expires_at_ms, zone)
-                + ' <span class="timezone">Asia/Kathmandu</span>') in content
+        assert (
+            shown_time(info.acquired_at_ms, zone) + ' <span class="timezone">Asia/Kathmandu</span>'
+        ) in content
+        assert (
+            shown_time(info.expires_at_ms, zone) + ' <span class="timezone">Asia/Kathmandu</span>'
+        ) in content
         with timezone.override(zoneinfo.ZoneInfo("America/St_Johns")):
-            content = client.get(reverse(RELEASE_URL), {"lock": json.dumps([alias, name])}
-                                 ).content.decode()
-        assert (shown_time(info.expires_at_ms, zoneinfo.ZoneInfo("America/St_Johns"))
-                + ' <span class="timezone">America/St_Johns</span>') in content
+            content = client.get(
+                reverse(RELEASE_URL), {"lock": json.dumps([alias, name])}
+            ).content.decode()
+        assert (
+            shown_time(info.expires_at_ms, zoneinfo.ZoneInfo("America/St_Johns"))
+            + ' <span class="timezone">America/St_Johns</span>'
+        ) in content
 
 
 @transactional
@@ -729,8 +794,9 @@ def test_times_are_utc_and_say_so_without_use_tz(alias, name, releaser):
         kathmandu = zoneinfo.ZoneInfo("Asia/Kathmandu")
         assert shown_time(info.acquired_at_ms, kathmandu) not in content
         assert shown_time(info.expires_at_ms, kathmandu) not in content
-        content = client.get(reverse(RELEASE_URL), {"lock": json.dumps([alias, name])}
-                             ).content.decode()
+        content = client.get(
+            reverse(RELEASE_URL), {"lock": json.dumps([alias, name])}
+        ).content.decode()
         assert shown_time(info.expires_at_ms, utc) + label in content
 
 
@@ -740,7 +806,8 @@ def test_an_absurd_expiry_written_by_hand_is_listed_not_a_crash(name, viewer):
     hold) is listed as an unreadable, stale lock with its raw fields, in any time
     zone: the page never fails on it, and "clear stale" removes it."""
     LockRecord.objects.using("default").create(
-        name=name, token="written-by-hand", owner="{}", acquired_at=0, expires_at=2**62)
+        name=name, token="written-by-hand", owner="{}", acquired_at=0, expires_at=2**62
+    )
     with override_settings(USE_TZ=True, TIME_ZONE="Asia/Kathmandu"):
         response = logged_in(viewer).get(list_url(backend="default"))
     assert response.status_code == 200
@@ -753,17 +820,28 @@ def test_an_absurd_expiry_written_by_hand_is_listed_not_a_crash(name, viewer):
 # -- sorting ------------------------------------------------------------------------------
 
 #: The ``o`` column numbers (Django's: the action checkbox is column 0).
-SORT_COLUMNS = {"name": 1, "backend": 2, "state": 3, "fencing_token": 5,
-                "acquired_at": 6, "expires_at": 7}
+SORT_COLUMNS = {
+    "name": 1,
+    "backend": 2,
+    "state": 3,
+    "fencing_token": 5,
+    "acquired_at": 6,
+    "expires_at": 7,
+}
 #: Distinct even where a collation ignores case and accents (MySQL's unique index),
 #: and in a different order by code point than by those collations.
 WORDS = ["Bravo", "alpha", "élan", "Zeta", "yankee", "_under", "Échelle", "delta", "Ω", "ß"]
 
 
 def sort_value(info, field):
-    return {"name": info.name, "backend": info.backend, "state": info.state,
-            "fencing_token": info.fencing_token, "acquired_at": info.acquired_at_ms,
-            "expires_at": info.expires_at_ms}[field]
+    return {
+        "name": info.name,
+        "backend": info.backend,
+        "state": info.state,
+        "fencing_token": info.fencing_token,
+        "acquired_at": info.acquired_at_ms,
+        "expires_at": info.expires_at_ms,
+    }[field]
 
 
 def expected_order(infos, field, descending):
@@ -811,7 +889,8 @@ def test_sorting_by_every_column_across_backends_and_pages(alias, other, viewer)
             # One backend alone: its own page of the same order.
             alone = client.get(list_url(o=o, backend=alias, p=1))
             assert listed_pairs(alone) == expected_order(
-                [i for i in infos if i.backend == alias], field, descending)
+                [i for i in infos if i.backend == alias], field, descending
+            )
 
 
 @transactional
@@ -851,7 +930,13 @@ def test_sortable_headers_use_django_s_markup_and_links(viewer):
     response = client.get(list_url(o="4.x.99.-2.2"))
     assert response.status_code == 200
     assert [h["sort_priority"] for h in response.context["headers"] if h["sortable"]] == [
-        0, 1, 0, 0, 0, 0]
+        0,
+        1,
+        0,
+        0,
+        0,
+        0,
+    ]
     assert response.context["headers"][1]["ascending"] is False
 
 
@@ -950,8 +1035,11 @@ def test_filter_counts(alias, other, viewer):
     assert counts[alias] == f"{alias} (2)" and counts[other] == f"{other} (0)"
     assert choice_labels(response, "state") == ["All", "Held (4)", "Stale (2)"]
     # Links keep the counts on.
-    assert all("_facets=True" in c["query_string"]
-               for s in response.context["filter_specs"] for c in s["choices"])
+    assert all(
+        "_facets=True" in c["query_string"]
+        for s in response.context["filter_specs"]
+        for c in s["choices"]
+    )
     assert response.context["remove_counts_query"] == f"?state=stale&q={quote(tag)}"
 
 
@@ -1006,10 +1094,13 @@ def test_names_sort_by_code_point_whatever_the_database_collation(pg_alias, view
     """A PostgreSQL database created with a linguistic collation (en_US and the
     like: "alpha" before "Bravo") still sorts names as the other backends do, by
     code point, so that the merged order holds."""
+
     def set_collation(collation):
         with connections[pg_alias].cursor() as cursor:
-            cursor.execute("ALTER TABLE django_setnx_lock ALTER COLUMN name "
-                           f'TYPE varchar(200) COLLATE "{collation}"')
+            cursor.execute(
+                "ALTER TABLE django_setnx_lock ALTER COLUMN name "
+                f'TYPE varchar(200) COLLATE "{collation}"'
+            )
 
     set_collation("en-x-icu")
     try:
@@ -1022,7 +1113,8 @@ def test_names_sort_by_code_point_whatever_the_database_collation(pg_alias, view
         assert expected[:2] == [f"{tag}:Bravo", f"{tag}:Zeta"]
         assert listed_names(client.get(list_url(backend=pg_alias, o="1"))) == expected
         assert listed_names(client.get(list_url(q=f"{tag}:*", o="-1"))) == sorted(
-            [*expected, f"{tag}:Charlie"], reverse=True)
+            [*expected, f"{tag}:Charlie"], reverse=True
+        )
     finally:
         locks["locmem"].clear(include_held=True)
         set_collation("default")
@@ -1040,23 +1132,29 @@ def _write_unreadable(alias, name):
             cursor.execute(
                 f"INSERT INTO {LockRecord._meta.db_table} (name, token, owner, acquired_at, "
                 "expires_at, fencing, next_token, next_since, next_seen) "
-                "VALUES (%s, 'by-hand', 'not json', 0, %s, 0, '', 0, 0)", [name, 10 ** 17])
+                "VALUES (%s, 'by-hand', 'not json', 0, %s, 0, '', 0, 0)",
+                [name, 10**17],
+            )
     else:
         from django_setnx.backends.redis import lock_keys
 
-        backend.connection.client.hset(lock_keys(backend.key_prefix, name)[0],
-                                       mapping={"token": "by-hand", "expires": "soon"})
+        backend.connection.client.hset(
+            lock_keys(backend.key_prefix, name)[0], mapping={"token": "by-hand", "expires": "soon"}
+        )
 
 
-UNREADABLE_ALIASES = [a for a in settings.CONTRACT_ALIASES
-                      if settings.SETNX_LOCKS[a]["BACKEND"].endswith(
-                          ("DatabaseBackend", "RedisBackend"))]
+UNREADABLE_ALIASES = [
+    a
+    for a in settings.CONTRACT_ALIASES
+    if settings.SETNX_LOCKS[a]["BACKEND"].endswith(("DatabaseBackend", "RedisBackend"))
+]
 
 
 @transactional
 @pytest.mark.parametrize("unreadable_alias", UNREADABLE_ALIASES)
-def test_an_unreadable_record_is_listed_and_can_be_force_released(unreadable_alias, releaser,
-                                                                   force_released):
+def test_an_unreadable_record_is_listed_and_can_be_force_released(
+    unreadable_alias, releaser, force_released
+):
     alias, name = unreadable_alias, f"by-hand:{uuid.uuid4().hex}"
     _write_unreadable(alias, name)
     client = logged_in(releaser)
@@ -1064,9 +1162,11 @@ def test_an_unreadable_record_is_listed_and_can_be_force_released(unreadable_ali
     assert listed_names(response) == [name]
     response = client.get(reverse(RELEASE_URL), {"lock": json.dumps([alias, name])})
     assert [row["confirm_value"] for row in response.context["found"]] == [
-        confirm_value(alias, name, 0)]
-    response = client.post(reverse(RELEASE_URL), {
-        "lock": confirm_value(alias, name, 0), "post": "yes"}, follow=True)
+        confirm_value(alias, name, 0)
+    ]
+    response = client.post(
+        reverse(RELEASE_URL), {"lock": confirm_value(alias, name, 0), "post": "yes"}, follow=True
+    )
     assert "Force-released 1 lock" in response.content.decode()
     assert locks[alias].get(name) is None
     assert LogEntry.objects.get().object_repr == f"{alias}: {name}"
@@ -1081,8 +1181,7 @@ def test_a_third_party_backend_appears_with_no_admin_code(viewer, releaser, forc
     """A backend written against the base class alone (tests/dictbackend.py): the
     admin lists it, sorts it with the others, counts it and force-releases its
     locks, through BaseLockBackend.page(), get() and delete(fencing_token=)."""
-    configured = {**settings.SETNX_LOCKS,
-                  "third": {"BACKEND": "tests.dictbackend.DictBackend"}}
+    configured = {**settings.SETNX_LOCKS, "third": {"BACKEND": "tests.dictbackend.DictBackend"}}
     with override_settings(SETNX_LOCKS=configured):
         tag = uuid.uuid4().hex[:6]
         held = [hold("third", f"{tag}:b{i}") for i in range(3)]
@@ -1093,8 +1192,11 @@ def test_a_third_party_backend_appears_with_no_admin_code(viewer, releaser, forc
         assert listed_names(response) == [f"{tag}:a-stale", *(f"{tag}:b{i}" for i in range(3))]
         assert choice_labels(response, "state") == ["All", "Held (3)", "Stale (1)"]
         response = client.get(list_url(q=f"{tag}:*", o="-1"))
-        assert listed_names(response) == [f"{tag}:c-default", *(f"{tag}:b{i}" for i in (2, 1, 0)),
-                                          f"{tag}:a-stale"]
+        assert listed_names(response) == [
+            f"{tag}:c-default",
+            *(f"{tag}:b{i}" for i in (2, 1, 0)),
+            f"{tag}:a-stale",
+        ]
         response = client.get(list_url(q=f"{tag}:*", state="stale", backend="third"))
         assert listed_names(response) == [f"{tag}:a-stale"]
 
@@ -1102,13 +1204,19 @@ def test_a_third_party_backend_appears_with_no_admin_code(viewer, releaser, forc
         token = locks["third"].get(name).fencing_token
         # A stale fencing token releases nothing ...
         client = logged_in(releaser)
-        response = client.post(reverse(RELEASE_URL), {
-            "lock": confirm_value("third", name, token - 1), "post": "yes"}, follow=True)
+        response = client.post(
+            reverse(RELEASE_URL),
+            {"lock": confirm_value("third", name, token - 1), "post": "yes"},
+            follow=True,
+        )
         assert locks["third"].get(name).fencing_token == token
         assert force_released == []
         # ... the one shown does.
-        response = client.post(reverse(RELEASE_URL), {
-            "lock": confirm_value("third", name, token), "post": "yes"}, follow=True)
+        response = client.post(
+            reverse(RELEASE_URL),
+            {"lock": confirm_value("third", name, token), "post": "yes"},
+            follow=True,
+        )
         assert "Force-released 1 lock" in response.content.decode()
         assert locks["third"].get(name) is None
         assert [(s["backend"], s["name"]) for s in force_released] == [("third", name)]
@@ -1124,24 +1232,26 @@ def test_a_third_party_backend_appears_with_no_admin_code(viewer, releaser, forc
 def test_a_semaphore_is_one_heading_with_its_holders(alias, releaser, force_released):
     tag = uuid.uuid4().hex[:8]
     name = f"{tag}:exports"
-    holders = [semaphore(name, 5, ttl=300, backend=alias, guards=f"export {i}")
-               for i in range(3)]
+    holders = [semaphore(name, 5, ttl=300, backend=alias, guards=f"export {i}") for i in range(3)]
     assert all(sem.acquire(blocking=False) for sem in holders)
     client = logged_in(releaser)
     response = client.get(list_url(q=tag, backend=alias))
     rows = response.context["rows"]
     assert rows[0] == {"semaphore": name, "backend": alias, "held": 3, "limit": 5}
     assert sorted(row["name"] for row in rows[1:]) == sorted(
-        f"{name} [slot {sem.slot}/5]" for sem in holders)
+        f"{name} [slot {sem.slot}/5]" for sem in holders
+    )
     content = response.content.decode()
     assert "3/5 held" in content and content.count('class="semaphore-heading"') == 1
 
     # Force-release one holder: only its slot goes, fencing-checked.
     victim = holders[1]
     record = victim.info()
-    response = client.post(reverse(RELEASE_URL), {
-        "lock": confirm_value(alias, record.name, record.fencing_token), "post": "yes"},
-        follow=True)
+    response = client.post(
+        reverse(RELEASE_URL),
+        {"lock": confirm_value(alias, record.name, record.fencing_token), "post": "yes"},
+        follow=True,
+    )
     assert "Force-released 1 lock" in response.content.decode()
     assert not victim.owned() and holders[0].owned() and holders[2].owned()
     assert LogEntry.objects.get().object_repr == f"{alias}: {name} [slot {victim.slot}/5]"

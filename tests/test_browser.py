@@ -43,8 +43,12 @@ STALE_NAME = "browser:stale-sync"
 
 
 def _chromium():
-    candidates = [os.environ.get("SETNX_CHROMIUM", ""), "/usr/bin/chromium",
-                  shutil.which("chromium") or "", shutil.which("chromium-browser") or ""]
+    candidates = [
+        os.environ.get("SETNX_CHROMIUM", ""),
+        "/usr/bin/chromium",
+        shutil.which("chromium") or "",
+        shutil.which("chromium-browser") or "",
+    ]
     for candidate in candidates:
         if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
@@ -58,8 +62,10 @@ def _missing():
     except ImportError:
         return "the playwright package is not installed (pip install playwright)"
     if _chromium() is None:
-        return ("no Chromium binary at /usr/bin/chromium (apt-get install chromium; "
-                "or set SETNX_CHROMIUM=/path/to/chromium)")
+        return (
+            "no Chromium binary at /usr/bin/chromium (apt-get install chromium; "
+            "or set SETNX_CHROMIUM=/path/to/chromium)"
+        )
     return None
 
 
@@ -73,8 +79,9 @@ def browser_page():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=_chromium(), headless=True,
-                                     args=CHROMIUM_ARGS)
+        browser = pw.chromium.launch(
+            executable_path=_chromium(), headless=True, args=CHROMIUM_ARGS
+        )
         try:
             context = browser.new_context(viewport={"width": 1440, "height": 900})
             page = context.new_page()
@@ -126,20 +133,27 @@ def seeded_locks(transactional_db):
 
 @pytest.fixture
 def admin_user(transactional_db, django_user_model):
-    return django_user_model.objects.create_superuser(USERNAME, "browser@example.invalid", PASSWORD)
+    return django_user_model.objects.create_superuser(
+        USERNAME, "browser@example.invalid", PASSWORD
+    )
 
 
 def _list_with(**query):
     """A wait_for_url() predicate: the Locks page with exactly this query."""
+
     def matches(url):
         parts = urlsplit(url)
-        return (parts.path == "/admin/django_setnx/lockrecord/"
-                and dict(parse_qsl(parts.query)) == query)
+        return (
+            parts.path == "/admin/django_setnx/lockrecord/"
+            and dict(parse_qsl(parts.query)) == query
+        )
+
     return matches
 
 
-def test_force_release_a_stale_lock_in_the_browser(server_url, admin_user, seeded_locks,
-                                                   browser_page):
+def test_force_release_a_stale_lock_in_the_browser(
+    server_url, admin_user, seeded_locks, browser_page
+):
     page = browser_page
     base = server_url
 
@@ -201,7 +215,8 @@ def _log_in(page, base):
 
 
 def test_sort_counts_and_the_list_kept_across_actions_in_the_browser(
-        server_url, admin_user, seeded_locks, browser_page):
+    server_url, admin_user, seeded_locks, browser_page
+):
     """Show counts, filter, sort by a header and reverse it, "Go" without an
     action, cancel a confirmation, confirm one: the list stays as it was left."""
     page = browser_page

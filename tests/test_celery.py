@@ -45,8 +45,12 @@ pytestmark = pytest.mark.autocommit
 # ---------------------------------------------------------------------------
 
 eager_app = Celery("setnx_eager", set_as_current=False)
-eager_app.conf.update(task_always_eager=True, task_eager_propagates=False,
-                      broker_url="memory://", result_backend="cache+memory://")
+eager_app.conf.update(
+    task_always_eager=True,
+    task_eager_propagates=False,
+    broker_url="memory://",
+    result_backend="cache+memory://",
+)
 eager_app.finalize()
 
 
@@ -85,8 +89,12 @@ def test_run_lock_name_is_filled_from_arguments(alias, name):
 
 
 def test_callable_names_and_index_lookups(alias, name):
-    @eager_task(lock_name=lambda account, **kw: f"{name}:{account['pk']}", lock_backend=alias,
-                once_policy="raise", once_name=name + ":once:{account[pk]}")
+    @eager_task(
+        lock_name=lambda account, **kw: f"{name}:{account['pk']}",
+        lock_backend=alias,
+        once_policy="raise",
+        once_name=name + ":once:{account[pk]}",
+    )
     def sync(account):
         return held(alias, f"{name}:42"), held(alias, f"{name}:once:42")
 
@@ -96,32 +104,38 @@ def test_callable_names_and_index_lookups(alias, name):
 
 def test_bad_templates_and_options_fail_at_definition():
     with pytest.raises(ImproperlyConfigured, match="invoice_id"):
+
         @eager_task(lock_name="x:{invoice_id}")
         def charge(order_id):
             pass
 
     with pytest.raises(ImproperlyConfigured, match="positional"):
+
         @eager_task(once_policy="raise", once_name="x:{0}")
         def sync(shop_id):
             pass
 
     with pytest.raises(ImproperlyConfigured, match="on_contention"):
+
         @eager_task(lock_name="x", on_contention="wait")
         def a():
             pass
 
     with pytest.raises(ImproperlyConfigured, match="once_policy"):
+
         @eager_task(once_policy="skip")
         def b():
             pass
 
     with pytest.raises(ImproperlyConfigured, match="lock_ttl"):
+
         @eager_task(lock_name="x", lock_ttl=0)
         def c():
             pass
 
     # ``self`` of a bound task is not an argument of the call.
     with pytest.raises(ImproperlyConfigured, match="self"):
+
         @eager_task(bind=True, lock_name="x:{self}")
         def d(self, n):
             pass
@@ -146,8 +160,14 @@ def test_abstract_subclass_carries_options(alias, name):
 def test_contention_policies(alias, name, policy):
     attempts = []
 
-    @eager_task(bind=True, lock_name=name, lock_backend=alias, on_contention=policy,
-                lock_retry_countdown=0, lock_max_retries=2)
+    @eager_task(
+        bind=True,
+        lock_name=name,
+        lock_backend=alias,
+        on_contention=policy,
+        lock_retry_countdown=0,
+        lock_max_retries=2,
+    )
     def job(self):
         attempts.append(self.request.retries)
         return "ran"
@@ -196,6 +216,7 @@ def test_lock_limit_runs_at_most_that_many(alias, name):
 def test_bad_lock_limits_fail_at_definition():
     for limit, message in ((0, "from 1 to 1000, got 0"), ("2", "not str")):
         with pytest.raises(ImproperlyConfigured, match=message):
+
             @eager_task(lock_name="x", lock_limit=limit)
             def job():
                 pass
@@ -205,8 +226,14 @@ def test_retry_on_contention_runs_once_free(alias, name):
     attempts = []
     holder = lock(name, ttl=30, backend=alias)
 
-    @eager_task(bind=True, lock_name=name, lock_backend=alias, on_contention="retry",
-                lock_retry_countdown=0, lock_max_retries=3)
+    @eager_task(
+        bind=True,
+        lock_name=name,
+        lock_backend=alias,
+        on_contention="retry",
+        lock_retry_countdown=0,
+        lock_max_retries=3,
+    )
     def job(self):
         attempts.append(self.request.retries)
         return "ran"
@@ -255,8 +282,13 @@ def test_lock_timeout_waits(alias, name):
 def test_enqueue_once_refuses_duplicates(alias, name, policy):
     inner = {}
 
-    @eager_task(bind=True, once_policy=policy, once_name=name + ":{shop_id}",
-                lock_backend=alias, once_ttl=30)
+    @eager_task(
+        bind=True,
+        once_policy=policy,
+        once_name=name + ":{shop_id}",
+        lock_backend=alias,
+        once_ttl=30,
+    )
     def sync(self, shop_id, nested=True):
         info = locks[alias].get(f"{name}:{shop_id}")
         inner["info"] = info
@@ -304,8 +336,7 @@ def test_enqueue_once_default_names(alias, name):
 
 
 def test_failure_releases_both_locks(alias, name):
-    @eager_task(lock_name=name, once_policy="raise", once_name=name + ":once",
-                lock_backend=alias)
+    @eager_task(lock_name=name, once_policy="raise", once_name=name + ":once", lock_backend=alias)
     def boom():
         assert held(alias, name) and held(alias, name + ":once")
         raise RuntimeError("boom")
@@ -319,12 +350,17 @@ def test_failure_releases_both_locks(alias, name):
 def test_retry_keeps_once_lock_until_exhausted(alias, name):
     seen = []
 
-    @eager_task(bind=True, lock_name=name, once_policy="raise", once_name=name + ":once",
-                lock_backend=alias, max_retries=2)
+    @eager_task(
+        bind=True,
+        lock_name=name,
+        once_policy="raise",
+        once_name=name + ":once",
+        lock_backend=alias,
+        max_retries=2,
+    )
     def flaky(self):
         once = locks[alias].get(name + ":once")
-        seen.append((self.request.retries, once.is_held, once.fencing_token,
-                     held(alias, name)))
+        seen.append((self.request.retries, once.is_held, once.fencing_token, held(alias, name)))
         raise self.retry(exc=RuntimeError("flaky"), countdown=0)
 
     result = flaky.delay()
@@ -378,10 +414,12 @@ def test_once_ttl_covers_countdown(alias, name):
 
 
 def test_app_wide_task_class(alias, name):
-    app = Celery("setnx_cls", set_as_current=False,
-                 task_cls="django_setnx.contrib.celery:ExclusiveTask")
-    app.conf.update(task_always_eager=True, broker_url="memory://",
-                    result_backend="cache+memory://")
+    app = Celery(
+        "setnx_cls", set_as_current=False, task_cls="django_setnx.contrib.celery:ExclusiveTask"
+    )
+    app.conf.update(
+        task_always_eager=True, broker_url="memory://", result_backend="cache+memory://"
+    )
     app.finalize()
 
     @app.task(shared=False)
@@ -418,10 +456,14 @@ def test_django_task_class_is_kept(alias, name):
         assert ran == [] and locks[alias].get(f"{name}:1") is None
     assert ran == [1]
 
-    app = Celery("setnx_cls_django", set_as_current=False,
-                 task_cls="django_setnx.contrib.celery:ExclusiveTask")
-    app.conf.update(task_always_eager=True, broker_url="memory://",
-                    result_backend="cache+memory://")
+    app = Celery(
+        "setnx_cls_django",
+        set_as_current=False,
+        task_cls="django_setnx.contrib.celery:ExclusiveTask",
+    )
+    app.conf.update(
+        task_always_eager=True, broker_url="memory://", result_backend="cache+memory://"
+    )
 
     @app.task(shared=False)
     def plain(n):
@@ -447,8 +489,7 @@ def test_mixin_on_a_task_class_of_ones_own(alias, name):
     class ExclusiveAuditedTask(ExclusiveTaskMixin, AuditedTask):
         pass
 
-    @eager_task(base=ExclusiveAuditedTask, once_policy="raise", once_name=name,
-                lock_backend=alias)
+    @eager_task(base=ExclusiveAuditedTask, once_policy="raise", once_name=name, lock_backend=alias)
     def job():
         return "ran"
 
@@ -479,6 +520,7 @@ def test_long_derived_once_names_are_bounded(alias, name):
 def test_once_policy_given_per_call_is_held_and_released_by_the_run(alias, name):
     """A task without a once_policy of its own, enqueued with one (as a beat entry's
     options do): the run adopts and releases the lock the message carries."""
+
     @eager_task(once_name=name + ":{n}", lock_backend=alias)
     def job(n):
         return locks[alias].get(f"{name}:{n}")
@@ -506,8 +548,11 @@ def test_a_revoked_message_releases_its_once_lock_with_signals(alias, name):
         headers = {ONCE_TOKEN_HEADER: holder._token, ONCE_NAME_HEADER: name}
 
     released = []
-    lock_released.connect(lambda lock, **kw: released.append(lock.name), weak=False,
-                          dispatch_uid="test-revoke-signal")
+    lock_released.connect(
+        lambda lock, **kw: released.append(lock.name),
+        weak=False,
+        dispatch_uid="test-revoke-signal",
+    )
     try:
         assert _release_once_of(job, Message()) is True
     finally:
@@ -529,8 +574,9 @@ def test_argument_digest_with_mixed_key_types(alias, name):
     same = job.once_lock_name(({"b": 2, (3, 4): None, 1: "a"},), {})
     other = job.once_lock_name(({1: "a", "b": 3, (3, 4): None},), {})
     assert first == same != other
-    assert job.once_lock_name(({1: "a"},), {"items": {2, "x"}}) == \
-        job.once_lock_name(({1: "a"},), {"items": {"x", 2}})
+    assert job.once_lock_name(({1: "a"},), {"items": {2, "x"}}) == job.once_lock_name(
+        ({1: "a"},), {"items": {"x", 2}}
+    )
     assert job.delay({1: "a", "b": 2}).get() == 1
 
 
@@ -538,11 +584,18 @@ def test_enqueue_once_locks_send_signals(alias, name):
     from django_setnx.signals import lock_acquired, lock_released
 
     events = []
-    lock_acquired.connect(lambda lock, **kw: events.append(("acquired", lock.name)),
-                          weak=False, dispatch_uid="test-once-signals-a")
-    lock_released.connect(lambda lock, **kw: events.append(("released", lock.name)),
-                          weak=False, dispatch_uid="test-once-signals-r")
+    lock_acquired.connect(
+        lambda lock, **kw: events.append(("acquired", lock.name)),
+        weak=False,
+        dispatch_uid="test-once-signals-a",
+    )
+    lock_released.connect(
+        lambda lock, **kw: events.append(("released", lock.name)),
+        weak=False,
+        dispatch_uid="test-once-signals-r",
+    )
     try:
+
         @eager_task(once_policy="raise", once_name=name, lock_backend=alias)
         def job():
             return 1
@@ -574,11 +627,19 @@ def pytest_generate_tests(metafunc):
         if "redis" in settings.CONTRACT_ALIASES:
             metafunc.parametrize("worker_alias", WORKER_ALIASES)
         else:
-            metafunc.parametrize("worker_alias", [pytest.param(
-                None, marks=pytest.mark.skip(
-                    reason="the Celery worker tests use the suite's Redis as broker, and "
-                           "'redis' is not in settings.CONTRACT_ALIASES "
-                           "(SETNX_TEST_BACKENDS)"))])
+            metafunc.parametrize(
+                "worker_alias",
+                [
+                    pytest.param(
+                        None,
+                        marks=pytest.mark.skip(
+                            reason="the Celery worker tests use the suite's Redis as broker, and "
+                            "'redis' is not in settings.CONTRACT_ALIASES "
+                            "(SETNX_TEST_BACKENDS)"
+                        ),
+                    )
+                ],
+            )
 
 
 @pytest.fixture(scope="module")
@@ -694,8 +755,9 @@ def test_two_workers_never_overlap(workers, worker_alias, tmp_path, policy):
     job = celery_task(f"exclusive_{policy}", worker_alias)
     key, log = uuid.uuid4().hex, str(tmp_path / "runs.jsonl")
     # The same lock name, one message per worker, at once: they race for the lock.
-    results = [job.apply_async((key, log, tag, 1.0), queue=w.queue)
-               for tag, w in (("a", w1), ("b", w2))]
+    results = [
+        job.apply_async((key, log, tag, 1.0), queue=w.queue) for tag, w in (("a", w1), ("b", w2))
+    ]
     values = [get(r, workers) for r in results]
     intervals = assert_no_overlap(log)
     states = sorted(r.state for r in results)
@@ -830,8 +892,9 @@ def test_expired_message_releases_once_lock(workers, worker_alias, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["crash", "crash_late"])
-def test_sigkill_mid_task_locks_expire_after_ttl(workers, victim_worker, worker_alias, tmp_path,
-                                                 kind):
+def test_sigkill_mid_task_locks_expire_after_ttl(
+    workers, victim_worker, worker_alias, tmp_path, kind
+):
     from tests.celery_app import CRASH_TTL
 
     _, w2 = workers
@@ -853,8 +916,12 @@ def test_sigkill_mid_task_locks_expire_after_ttl(workers, victim_worker, worker_
     victim_worker.kill()
     killed = time.monotonic()
     assert held(worker_alias, run_name)  # nobody released it
-    wait_until(lambda: not held(worker_alias, run_name) and not held(worker_alias, once_name),
-               CRASH_TTL + 2, "the dead worker's locks to expire", workers)
+    wait_until(
+        lambda: not held(worker_alias, run_name) and not held(worker_alias, once_name),
+        CRASH_TTL + 2,
+        "the dead worker's locks to expire",
+        workers,
+    )
     assert time.monotonic() - killed <= CRASH_TTL + 0.5
 
     if kind == "crash":
@@ -869,8 +936,12 @@ def test_sigkill_mid_task_locks_expire_after_ttl(workers, victim_worker, worker_
         # expired run lock, re-adopts its own enqueue-once lock (the same token, from
         # the headers: a record that expired but was not taken over) and releases both.
         victim_worker.start().wait_ready(job.app)
-        wait_until(lambda: any(r[2]["task_id"] == victim.id for r in runs(log)), 30,
-                   "the redelivered run", [victim_worker])
+        wait_until(
+            lambda: any(r[2]["task_id"] == victim.id for r in runs(log)),
+            30,
+            "the redelivered run",
+            [victim_worker],
+        )
         assert get(victim, workers) == "victim"
         ((_, _, rec),) = runs(log)
         assert rec["pid"] == victim_worker.pid and rec["task_id"] == victim.id
@@ -921,8 +992,9 @@ def wait_for_exit(pid, workers):
 
 
 @pytest.mark.parametrize("death", ["time_limit", "sigkill", "revoke"])
-def test_a_lost_pool_child_frees_its_locks_at_once(workers, prefork_worker, worker_alias,
-                                                   tmp_path, death):
+def test_a_lost_pool_child_frees_its_locks_at_once(
+    workers, prefork_worker, worker_alias, tmp_path, death
+):
     """A run killed for its hard time limit, SIGKILLed (the OOM killer, kill -9) or
     revoked with terminate=True: the worker's main process frees its run lock and its
     enqueue-once lock within 2 s of the death, not after their 60 s ttl, and the next
@@ -932,37 +1004,46 @@ def test_a_lost_pool_child_frees_its_locks_at_once(workers, prefork_worker, work
 
     options = {"time_limit": 2} if death == "time_limit" else {}
     job, key, log, run_name, once_name, run = start_hang(
-        worker_alias, prefork_worker, tmp_path, **options)
+        worker_alias, prefork_worker, tmp_path, **options
+    )
     if death == "sigkill":
         os.kill(run.owner["pid"], signal.SIGKILL)
     elif death == "revoke":
         job.app.control.revoke(run.owner["celery_task_id"], terminate=True, signal="SIGKILL")
     dead = wait_for_exit(run.owner["pid"], [prefork_worker])
-    wait_until(lambda: not held(worker_alias, run_name) and not held(worker_alias, once_name),
-               5, "the dead run's locks to be freed", [prefork_worker])
+    wait_until(
+        lambda: not held(worker_alias, run_name) and not held(worker_alias, once_name),
+        5,
+        "the dead run's locks to be freed",
+        [prefork_worker],
+    )
     assert time.monotonic() - dead <= 2.0
     assert prefork_worker.alive
     if death != "time_limit":
         # (Past its time limit the child is sent SIGTERM first: the run then unwinds
         # and releases its own locks, unless it is stuck; then SIGKILL, and this.)
         # (The record goes first, then the line is logged: wait for it.)
-        wait_until(lambda: "Freed lock" in prefork_worker.log_tail(20000), 5,
-                   "the log line of the freed lock", [prefork_worker])
+        wait_until(
+            lambda: "Freed lock" in prefork_worker.log_tail(20000),
+            5,
+            "the log line of the freed lock",
+            [prefork_worker],
+        )
     _, w2 = workers
     successor = job.apply_async((key, log, "successor", 0.1), queue=w2.queue)
     assert get(successor, workers) == "successor"
 
 
 def test_a_lock_that_changed_hands_is_never_freed_for_a_dead_run(
-        workers, prefork_worker, worker_alias, tmp_path):
+    workers, prefork_worker, worker_alias, tmp_path
+):
     """Between the run's start and its child's death, both of its locks pass to other
     holders: the dead-owner cleanup leaves them alone (fencing-checked, and only
     records naming the dead run's task id)."""
     import os
     import signal
 
-    _job, _key, _log, run_name, once_name, run = start_hang(worker_alias, prefork_worker,
-                                                            tmp_path)
+    _job, _key, _log, run_name, once_name, run = start_hang(worker_alias, prefork_worker, tmp_path)
     backend = locks[worker_alias]
     successors = []
     for name in (run_name, once_name):
@@ -981,8 +1062,9 @@ def test_a_lock_that_changed_hands_is_never_freed_for_a_dead_run(
     assert "Freed lock" not in prefork_worker.log_tail(20000)
 
 
-def test_a_lost_pool_child_frees_its_semaphore_slot_at_once(workers, prefork_worker,
-                                                              worker_alias, tmp_path):
+def test_a_lost_pool_child_frees_its_semaphore_slot_at_once(
+    workers, prefork_worker, worker_alias, tmp_path
+):
     """``lock_limit=2``: the dead run's slot is freed within 2 s, the other slot's
     holder is left alone."""
     import os
@@ -1000,8 +1082,9 @@ def test_a_lost_pool_child_frees_its_semaphore_slot_at_once(workers, prefork_wor
     assert run.name == slot_record(other.name, 3 - other.slot) and run.owner["limit"] == 2
     os.kill(run.owner["pid"], signal.SIGKILL)
     dead = wait_for_exit(run.owner["pid"], [prefork_worker])
-    wait_until(lambda: len(other.holders()) == 1, 5, "the dead run's slot to be freed",
-               [prefork_worker])
+    wait_until(
+        lambda: len(other.holders()) == 1, 5, "the dead run's slot to be freed", [prefork_worker]
+    )
     assert time.monotonic() - dead <= 2.0
     assert other.owned()
     other.release()
@@ -1029,9 +1112,10 @@ def test_duplicate_step_of_a_chain(workers, worker_alias, policy):
     key = uuid.uuid4().hex
     holder = hold_once(worker_alias, key)
     try:
-        result = chain(app.tasks["setnx_tests.echo"].si("first").set(queue=w1.queue),
-                       celery_task(f"once_value_{policy}", worker_alias).si(key)
-                       .set(queue=w1.queue)).apply_async()
+        result = chain(
+            app.tasks["setnx_tests.echo"].si("first").set(queue=w1.queue),
+            celery_task(f"once_value_{policy}", worker_alias).si(key).set(queue=w1.queue),
+        ).apply_async()
         value = get(result, workers)
         assert result.parent.state == "SUCCESS" and result.parent.result == "first"
         if policy == "drop":
@@ -1064,8 +1148,12 @@ def test_duplicate_members_of_a_group_and_a_chord(workers, worker_alias, policy)
         assert values[1] is None and result.results[1].state == "SUCCESS"
     else:
         assert result.results[1].state == "FAILURE" and isinstance(values[1], AlreadyQueued)
-    wait_until(lambda: locks[worker_alias].get(f"celery-once-test:{key}") is None, 10,
-               "the first member's once lock to be released", workers)
+    wait_until(
+        lambda: locks[worker_alias].get(f"celery-once-test:{key}") is None,
+        10,
+        "the first member's once lock to be released",
+        workers,
+    )
 
     key = uuid.uuid4().hex
     members = [once_value.si(key, 1.0).set(queue=w1.queue) for _ in range(2)]
@@ -1089,18 +1177,26 @@ def test_revoked_countdown_task_frees_its_once_lock_at_once(workers, worker_alia
     assert held(worker_alias, name)
 
     def scheduled_by_w1():
-        scheduled = job.app.control.inspect(destination=[w1.nodename.replace("%h", _host())],
-                                            timeout=1).scheduled() or {}
-        return any(entry["request"]["id"] == result.id
-                   for entries in scheduled.values() for entry in entries)
+        scheduled = (
+            job.app.control.inspect(
+                destination=[w1.nodename.replace("%h", _host())], timeout=1
+            ).scheduled()
+            or {}
+        )
+        return any(
+            entry["request"]["id"] == result.id
+            for entries in scheduled.values()
+            for entry in entries
+        )
 
     wait_until(scheduled_by_w1, 20, "the worker to hold the message for its countdown", workers)
     job.app.control.revoke(result.id)
     # Well inside the broker's visibility_timeout (4 s here), after which Redis would
     # deliver the unacked message again and the worker would discard it (and so free
     # the lock) anyway: with Redis' default of an hour, that is the ETA or an hour.
-    wait_until(lambda: not held(worker_alias, name), 2.5, "the revoke to free the once lock",
-               workers)
+    wait_until(
+        lambda: not held(worker_alias, name), 2.5, "the revoke to free the once lock", workers
+    )
     again = job.apply_async((key, log, "again", 0), queue=w1.queue)
     assert get(again, workers) == "again"
     assert not started(log, "later")
@@ -1123,8 +1219,9 @@ def test_contention_error_comes_back_whole_from_a_worker(workers, worker_alias, 
         error = get(result, workers)
     assert type(error) is LockNotAcquired
     assert error.name == f"celery-test:{key}"
-    assert str(error) == (f"Task {job.name}[{result.id}]: lock 'celery-test:{key}' is held "
-                          f"by the test.")
+    assert str(error) == (
+        f"Task {job.name}[{result.id}]: lock 'celery-test:{key}' is held by the test."
+    )
     with pytest.raises(LockNotAcquired, match=r"^Task .* is held by the test\.$"):
         result.get(timeout=5)
 
@@ -1140,9 +1237,16 @@ def test_beat_skips_ticks_while_a_run_is_going(worker_env, workers, worker_alias
     w1, _ = workers
     env, log_dir = worker_env
     key, log = uuid.uuid4().hex, str(tmp_path / "runs.jsonl")
-    beat = CeleryBeat({**env, "SETNX_TEST_BEAT_QUEUE": w1.queue,
-                       "SETNX_TEST_BEAT_ALIAS": worker_alias, "SETNX_TEST_BEAT_KEY": key,
-                       "SETNX_TEST_BEAT_LOG": log}, log_dir).start()
+    beat = CeleryBeat(
+        {
+            **env,
+            "SETNX_TEST_BEAT_QUEUE": w1.queue,
+            "SETNX_TEST_BEAT_ALIAS": worker_alias,
+            "SETNX_TEST_BEAT_KEY": key,
+            "SETNX_TEST_BEAT_LOG": log,
+        },
+        log_dir,
+    ).start()
     try:
         wait_until(lambda: len(runs(log)) >= 2, 40, "two periodic runs", workers)
     finally:
@@ -1152,5 +1256,9 @@ def test_beat_skips_ticks_while_a_run_is_going(worker_env, workers, worker_alias
     assert len(intervals) >= 2
     assert "Traceback" not in text and "ERROR" not in text, text[-3000:]
     assert "not enqueued: a copy is already queued or running" in text, text[-3000:]
-    wait_until(lambda: locks[worker_alias].get(f"celery-once-test:{key}") is None, 10,
-               "the last run's once lock to be released", workers)
+    wait_until(
+        lambda: locks[worker_alias].get(f"celery-once-test:{key}") is None,
+        10,
+        "the last run's once lock to be released",
+        workers,
+    )

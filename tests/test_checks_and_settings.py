@@ -30,21 +30,46 @@ def test_valid_settings_pass():
     "value, expected_id, fragment",
     [
         (["default"], "django_setnx.E001", "must be a dict of aliases, not list"),
-        ({"other": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend"}},
-         "django_setnx.E002", "does not define the 'default' alias (defined: 'other')"),
-        ({"default": "django_setnx.backends.locmem.LocMemBackend"},
-         "django_setnx.E003", "must be a dict with a 'BACKEND' dotted path"),
-        ({"default": {"BACKEND": "django_setnx.backends.nope.Backend"}},
-         "django_setnx.E004", "'django_setnx.backends.nope.Backend' cannot be imported"),
-        ({"default": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend", "TTL": 0}},
-         "django_setnx.E005", "SETNX_LOCKS['default']['TTL'] must be a positive"),
-        ({"default": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend", "OPTIONS": []}},
-         "django_setnx.E006", "['OPTIONS'] must be a dict, got []"),
-        ({"default": {"BACKEND": "collections.OrderedDict"}},
-         "django_setnx.E007", "is not a lock backend"),
-        ({"default": {"BACKEND": "django_setnx.backends.database.DatabaseBackend",
-                      "OPTIONS": {"DATABASE": "missing"}}},
-         "django_setnx.E020", "['DATABASE'] is 'missing', which is not in DATABASES"),
+        (
+            {"other": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend"}},
+            "django_setnx.E002",
+            "does not define the 'default' alias (defined: 'other')",
+        ),
+        (
+            {"default": "django_setnx.backends.locmem.LocMemBackend"},
+            "django_setnx.E003",
+            "must be a dict with a 'BACKEND' dotted path",
+        ),
+        (
+            {"default": {"BACKEND": "django_setnx.backends.nope.Backend"}},
+            "django_setnx.E004",
+            "'django_setnx.backends.nope.Backend' cannot be imported",
+        ),
+        (
+            {"default": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend", "TTL": 0}},
+            "django_setnx.E005",
+            "SETNX_LOCKS['default']['TTL'] must be a positive",
+        ),
+        (
+            {"default": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend", "OPTIONS": []}},
+            "django_setnx.E006",
+            "['OPTIONS'] must be a dict, got []",
+        ),
+        (
+            {"default": {"BACKEND": "collections.OrderedDict"}},
+            "django_setnx.E007",
+            "is not a lock backend",
+        ),
+        (
+            {
+                "default": {
+                    "BACKEND": "django_setnx.backends.database.DatabaseBackend",
+                    "OPTIONS": {"DATABASE": "missing"},
+                }
+            },
+            "django_setnx.E020",
+            "['DATABASE'] is 'missing', which is not in DATABASES",
+        ),
     ],
 )
 def test_malformed_settings_are_reported(value, expected_id, fragment):
@@ -63,9 +88,11 @@ def test_absent_setting_means_database_on_default(settings):
 
 def test_settings_are_reread_after_override():
     before = locks["default"]
-    with override_settings(SETNX_LOCKS={
-        "default": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend", "TTL": 5},
-    }):
+    with override_settings(
+        SETNX_LOCKS={
+            "default": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend", "TTL": 5},
+        }
+    ):
         assert isinstance(locks["default"], LocMemBackend)
         assert lock("x").ttl == 5
     assert isinstance(locks["default"], type(before)) and locks["default"] is not before
@@ -78,7 +105,9 @@ def test_handler_returns_one_instance_per_alias():
 
 def test_broken_backend_path_raises_improperly_configured():
     with override_settings(SETNX_LOCKS={"default": {"BACKEND": "nowhere.Backend"}}):
-        with pytest.raises(ImproperlyConfigured, match="Could not load lock backend 'nowhere.Backend'"):
+        with pytest.raises(
+            ImproperlyConfigured, match="Could not load lock backend 'nowhere.Backend'"
+        ):
             lock("x")
 
 
@@ -88,8 +117,13 @@ def test_importing_reads_no_settings():
 
     # With no settings configured at all, importing the package must not fail.
     code = "import django_setnx, django_setnx.locking, django_setnx.handler; print('ok')"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin"}, cwd=".")
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},
+        cwd=".",
+    )
     assert out.stdout.strip() == "ok", out.stderr
 
 
@@ -107,14 +141,17 @@ def test_a_max_ttl_above_ten_years_is_refused_by_checks_and_backends(max_ttl):
         LocMemBackend("default", value["default"])
 
 
-@pytest.mark.parametrize("ttl, shown", [(3601, "3601 s"), (2592000.25, "2592000.25 s"),
-                                        (3600.5, "3600.5 s")])
+@pytest.mark.parametrize(
+    "ttl, shown", [(3601, "3601 s"), (2592000.25, "2592000.25 s"), (3600.5, "3600.5 s")]
+)
 def test_a_ttl_above_max_ttl_is_named_exactly(ttl, shown):
     backend = LocMemBackend("capped", {"BACKEND": LOCMEM, "OPTIONS": {"MAX_TTL": 3600}})
     with pytest.raises(ValueError) as caught:
         backend.check_ttl(ttl)
-    assert str(caught.value) == (f"ttl {shown} is above the maximum of 3600 s "
-                                 "(SETNX_LOCKS['capped']['OPTIONS']['MAX_TTL']).")
+    assert str(caught.value) == (
+        f"ttl {shown} is above the maximum of 3600 s "
+        "(SETNX_LOCKS['capped']['OPTIONS']['MAX_TTL'])."
+    )
 
 
 @pytest.mark.parametrize("name", ["\udcff", "a\ud800b"])

@@ -30,7 +30,7 @@ HAS_REDIS_BACKEND = (
 needs_redis = pytest.mark.skipif(
     "redis" not in settings.CONTRACT_ALIASES,
     reason="the 'redis' alias is not configured (SETNX_TEST_BACKENDS excludes redis); "
-           "the Redis key-safety tests need a real Redis",
+    "the Redis key-safety tests need a real Redis",
 )
 
 
@@ -178,8 +178,11 @@ def test_clearlocks_dry_run_removes_nothing_and_lists(alias, name, monkeypatch):
     make_held(alias, [f"{name}:h1"])
     out, _ = run("clearlocks", "--backend", alias, "--dry-run")
     assert f"{alias}: would remove 2 stale locks" in out
-    listed = {line.removeprefix("  would remove ") for line in out.splitlines()
-              if line.startswith("  would remove ")}
+    listed = {
+        line.removeprefix("  would remove ")
+        for line in out.splitlines()
+        if line.startswith("  would remove ")
+    }
     assert listed == set(stale)
     assert remaining(alias) == {*stale, f"{name}:h1"}
 
@@ -249,8 +252,11 @@ def test_clearlocks_name_glob(alias, name):
     make_stale(alias, [other])
     for glob, expected in GLOB_CASES:
         out, _ = run("clearlocks", "--backend", alias, "--dry-run", "--name", f"{name}:{glob}")
-        listed = {line.removeprefix("  would remove ") for line in out.splitlines()
-                  if line.startswith("  would remove ")}
+        listed = {
+            line.removeprefix("  would remove ")
+            for line in out.splitlines()
+            if line.startswith("  would remove ")
+        }
         # The listing escapes backslashes (so it is unambiguous).
         want = {f"{name}:{s}".replace("\\", "\\\\") for s in expected}
         assert listed == want, glob
@@ -286,12 +292,16 @@ def test_unknown_backend(command):
         assert repr(alias) in message
 
 
-@pytest.mark.skipif(not HAS_REDIS_BACKEND, reason="django_setnx.backends.redis or redis-py "
-                                                  "is not available")
+@pytest.mark.skipif(
+    not HAS_REDIS_BACKEND, reason="django_setnx.backends.redis or redis-py is not available"
+)
 @pytest.mark.parametrize("command", ["clearlocks", "listlocks"])
 def test_unreachable_backend(command, name):
-    down = {"BACKEND": "django_setnx.backends.redis.RedisBackend",
-            "LOCATION": "redis://127.0.0.1:1/0", "KEY_PREFIX": "setnx-down"}
+    down = {
+        "BACKEND": "django_setnx.backends.redis.RedisBackend",
+        "LOCATION": "redis://127.0.0.1:1/0",
+        "KEY_PREFIX": "setnx-down",
+    }
     with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "down": down}):
         make_stale("default", [name])
         with pytest.raises(CommandError) as excinfo:
@@ -312,8 +322,9 @@ def progress_lines(err):
 def test_clearlocks_progress_on_large_runs(alias_, name):
     count = 2500
     make_stale(alias_, [f"{name}:{i:05d}" for i in range(count)])
-    out, err = run("clearlocks", "--backend", alias_, "--dry-run", "--progress-every", "1000",
-                   verbosity=0)
+    out, err = run(
+        "clearlocks", "--backend", alias_, "--dry-run", "--progress-every", "1000", verbosity=0
+    )
     assert progress_lines(err) == []  # verbosity 0: quiet
     out, err = run("clearlocks", "--backend", alias_, "--dry-run")
     assert progress_lines(err) == []  # 2,500 is below the default step
@@ -354,8 +365,15 @@ def test_listlocks_json_matches_backend(alias, name):
     got, want = by_name(records), by_name(expected)
     assert got.keys() == want.keys() == {f"{name}:h1", f"{name}:h2", f"{name}:s1"}
     for n, record in got.items():
-        for key in ("name", "backend", "state", "fencing_token", "owner", "acquired_at",
-                    "expires_at"):
+        for key in (
+            "name",
+            "backend",
+            "state",
+            "fencing_token",
+            "owner",
+            "acquired_at",
+            "expires_at",
+        ):
             assert record[key] == want[n][key], (n, key)
         assert record["expires_in"] == pytest.approx(want[n]["expires_in"], abs=2)
     assert got[f"{name}:h1"]["state"] == "held" and got[f"{name}:s1"]["state"] == "stale"
@@ -371,7 +389,8 @@ def test_listlocks_json_every_backend_and_empty(name):
         make_held(alias, [f"{name}:{alias}"])
     records = ndjson(run("listlocks", "--json")[0])
     assert sorted((r["backend"], r["name"]) for r in records) == sorted(
-        (alias, f"{name}:{alias}") for alias in settings.CONTRACT_ALIASES)
+        (alias, f"{name}:{alias}") for alias in settings.CONTRACT_ALIASES
+    )
 
 
 def test_listlocks_empty(alias):
@@ -391,8 +410,18 @@ def test_listlocks_table_aligned(alias, name):
     make_stale(alias, [f"{name}:c"])
     out, _ = run("listlocks", "--backend", alias)
     header, rows = table(out)
-    assert header.split() == ["NAME", "BACKEND", "STATE", "OWNER", "FENCING", "TOKEN",
-                              "ACQUIRED", "(UTC)", "EXPIRES", "IN"]
+    assert header.split() == [
+        "NAME",
+        "BACKEND",
+        "STATE",
+        "OWNER",
+        "FENCING",
+        "TOKEN",
+        "ACQUIRED",
+        "(UTC)",
+        "EXPIRES",
+        "IN",
+    ]
     assert len(rows) == 3
     # The last column is right-aligned, so every line has the same width.
     assert len({len(line) for line in [header, *rows]}) == 1
@@ -402,11 +431,11 @@ def test_listlocks_table_aligned(alias, name):
     for row in rows:
         info = infos[row.split()[0]]
         assert row.index(f" {alias} ") + 1 == header.index("BACKEND")
-        assert row[header.index("STATE"):].startswith(info.state)
+        assert row[header.index("STATE") :].startswith(info.state)
         owner = f"{info.owner['host']}:{info.owner['pid']} {info.owner['thread']}"
-        assert row[header.index("OWNER"):].startswith(owner)
+        assert row[header.index("OWNER") :].startswith(owner)
         acquired = info.acquired_at.isoformat(timespec="seconds")
-        assert row[header.index("ACQUIRED"):].startswith(acquired)
+        assert row[header.index("ACQUIRED") :].startswith(acquired)
         assert acquired.endswith("+00:00")
         token_end = header.index("FENCING TOKEN") + len("FENCING TOKEN")
         assert row[:token_end].endswith(f" {info.fencing_token}")
@@ -428,7 +457,8 @@ def test_listlocks_table_escapes_control_characters(alias):
     for ch in "\x1b\x07\r\u202e":
         assert ch not in out
     assert rows[0].startswith(
-        "x\\nFAKE  default  held\\x1b[31mred\\x1b]0;t\\x07\\r\\u202eend\\\\n ")
+        "x\\nFAKE  default  held\\x1b[31mred\\x1b]0;t\\x07\\r\\u202eend\\\\n "
+    )
     # JSON has the name exactly.
     (record,) = ndjson(run("listlocks", "--backend", alias, "--json")[0])
     assert record["name"] == evil
@@ -447,7 +477,7 @@ def test_listlocks_truncates_long_values_in_table_only(alias, name):
     cell = row.split("  ")[0]
     assert cell.endswith("...") and len(cell) == listlocks.MAX_NAME_WIDTH
     assert long_name not in out and "g" * 100 not in out
-    owner_cell = row[table(out)[0].index("OWNER"):].split("  ")[0]
+    owner_cell = row[table(out)[0].index("OWNER") :].split("  ")[0]
     assert owner_cell.endswith("...") and len(owner_cell) == listlocks.MAX_OWNER_WIDTH
     (record,) = ndjson(run("listlocks", "--backend", alias, "--json")[0])
     assert record["name"] == long_name and record["owner"]["guards"] == "g" * 150
@@ -482,11 +512,9 @@ def test_listlocks_state_filter(alias, name):
 
 def test_listlocks_name_glob(alias, name):
     make_held(alias, [f"{name}:a1", f"{name}:b2", f"{name}:*"])
-    records = ndjson(run("listlocks", "--backend", alias, "--json", "--name",
-                             f"{name}:[a*]?")[0])
+    records = ndjson(run("listlocks", "--backend", alias, "--json", "--name", f"{name}:[a*]?")[0])
     assert sorted(r["name"] for r in records) == [f"{name}:a1"]
-    records = ndjson(run("listlocks", "--backend", alias, "--json", "--name",
-                             f"{name}:\\*")[0])
+    records = ndjson(run("listlocks", "--backend", alias, "--json", "--name", f"{name}:\\*")[0])
     assert [r["name"] for r in records] == [f"{name}:*"]
 
 
@@ -514,9 +542,21 @@ def seed_unrelated_keys(client, count=1000):
     like one: lock-shaped, expired hashes under similar prefixes. Returns their names."""
     expired = {"token": "t", "fencing": 1, "owner": "{}", "acquired": 1, "expires": 2}
     lookalike_prefixes = [
-        "setnx-test2", "setnx-tes*", "setnx-tes?", "setnx-tes[t]", "setnx-tes\\t",
-        "Setnx-test", "SETNX-TEST", "xsetnx-test", " setnx-test", "setnx-testx", "setnx",
-        "setnx-test-", "setnx-test:", "setnx-tes", "setnx-bench",
+        "setnx-test2",
+        "setnx-tes*",
+        "setnx-tes?",
+        "setnx-tes[t]",
+        "setnx-tes\\t",
+        "Setnx-test",
+        "SETNX-TEST",
+        "xsetnx-test",
+        " setnx-test",
+        "setnx-testx",
+        "setnx",
+        "setnx-test-",
+        "setnx-test:",
+        "setnx-tes",
+        "setnx-bench",
     ]
     keys = []
     pipe = client.pipeline(transaction=False)
@@ -538,8 +578,12 @@ def seed_unrelated_keys(client, count=1000):
             pipe.set(key, "v")
         else:
             # Inside the prefix' text but not a lock key of the layout P:{N}:lock.
-            key = [f"setnx-test:{{x{i}}}:lockx", f"setnx-test:x{i}:lock",
-                   f"setnx-test:{{x{i}}}:wake", f"setnx-test:{{x{i}}}"][(i // 5) % 4]
+            key = [
+                f"setnx-test:{{x{i}}}:lockx",
+                f"setnx-test:x{i}:lock",
+                f"setnx-test:{{x{i}}}:wake",
+                f"setnx-test:{{x{i}}}",
+            ][(i // 5) % 4]
             pipe.hset(key, mapping=expired)
         keys.append(key)
         i += 1
@@ -582,9 +626,31 @@ def test_redis_clearlocks_all_spares_keys_outside_the_prefix(unrelated_keys, nam
     assert client.get(f"setnx-test:{{{name}:h0}}:fence") is not None
 
 
-HOSTILE_GLOBS = ["*", "?*", "*}*", "*:lock*", "}:lock", "*}:lock", "[", "[*", "\\", "*\\",
-                 "\\*", "*[", "]*", "x*", "*x*", "setnx-test2*", "*setnx*", "*{*", "[^a]*",
-                 "[\\]*", "?", "**", "*\\\\*"]
+HOSTILE_GLOBS = [
+    "*",
+    "?*",
+    "*}*",
+    "*:lock*",
+    "}:lock",
+    "*}:lock",
+    "[",
+    "[*",
+    "\\",
+    "*\\",
+    "\\*",
+    "*[",
+    "]*",
+    "x*",
+    "*x*",
+    "setnx-test2*",
+    "*setnx*",
+    "*{*",
+    "[^a]*",
+    "[\\]*",
+    "?",
+    "**",
+    "*\\\\*",
+]
 
 
 @needs_redis
@@ -601,8 +667,9 @@ def test_redis_name_globs_remove_only_matching_locks(unrelated_keys, name, inclu
     # Globs that must remove exactly the expected locks.
     left = set(names)
     for glob, expected in GLOB_CASES[1:]:
-        out, _ = run("clearlocks", "--backend", "redis", "--name", f"{name}:{glob}", *flags,
-                     verbosity=2)
+        out, _ = run(
+            "clearlocks", "--backend", "redis", "--name", f"{name}:{glob}", *flags, verbosity=2
+        )
         gone = {f"{name}:{s}" for s in expected} & left
         assert f"redis: removed {len(gone)} " in out, glob
         left -= gone
@@ -621,8 +688,7 @@ def test_redis_name_globs_remove_only_matching_locks(unrelated_keys, name, inclu
 
 
 @needs_redis
-@pytest.mark.parametrize("prefix", ["setnx-te?t", "setnx-*", "setnx-te[s]t", "setnx-te\\st",
-                                    "*"])
+@pytest.mark.parametrize("prefix", ["setnx-te?t", "setnx-*", "setnx-te[s]t", "setnx-te\\st", "*"])
 def test_redis_prefix_with_glob_characters_is_escaped(unrelated_keys, name, prefix):
     """A KEY_PREFIX that is itself a glob matching ``setnx-test`` must not reach the
     ``redis`` alias' locks (nor anything else) from another alias."""
@@ -654,10 +720,13 @@ def test_listlocks_into_a_pipe_that_closes_early(name, fmt):
     for i in range(600):
         backend.acquire(f"{name}:{i:04}", f"token{i}", 60, {"host": "h", "pid": i, "thread": "t"})
     env = {**os.environ, **child_environment(), "PYTHONPATH": str(ROOT)}
-    command = (f"set -o pipefail; {sys.executable} -m django listlocks --backend redis "
-               f"{' '.join(fmt)} | head -1")
-    done = subprocess.run(["bash", "-c", command], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    command = (
+        f"set -o pipefail; {sys.executable} -m django listlocks --backend redis "
+        f"{' '.join(fmt)} | head -1"
+    )
+    done = subprocess.run(
+        ["bash", "-c", command], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
     assert len(done.stdout.splitlines()) == 1
@@ -673,7 +742,8 @@ def test_listlocks_shows_semaphore_slots_and_clearlocks_clears_them(alias, name)
         assert f"{name} [slot {sem.slot}/5]" in out
     assert "\\x1f" not in out
     records = ndjson(run("listlocks", "--backend", alias, "--json")[0])
-    assert sorted((r["semaphore"]["name"], r["semaphore"]["slot"], r["semaphore"]["limit"])
-                  for r in records) == sorted((name, sem.slot, 5) for sem in sems)
+    assert sorted(
+        (r["semaphore"]["name"], r["semaphore"]["slot"], r["semaphore"]["limit"]) for r in records
+    ) == sorted((name, sem.slot, 5) for sem in sems)
     out, _ = run("clearlocks", "--backend", alias, "--all", "--noinput", "--name", f"{name}*")
     assert semaphore(name, 5, backend=alias).holders() == []

@@ -17,7 +17,10 @@ from django.db import transaction
 from django_setnx import Lock, lock, locks
 from django_setnx.exceptions import LockError, LockNotAcquired, LockNotOwned
 from django_setnx.signals import (
-    lock_acquired, lock_contended, lock_lost, lock_released,
+    lock_acquired,
+    lock_contended,
+    lock_lost,
+    lock_released,
 )
 
 
@@ -94,8 +97,11 @@ def test_locks_are_not_reentrant(alias, name):
 
 def test_names_are_exact(alias, name):
     # MySQL's default collation would make these one lock; they must be three.
-    with lock(name + "A", backend=alias), lock(name + "a", backend=alias), \
-            lock(name + "a ", backend=alias) as last:
+    with (
+        lock(name + "A", backend=alias),
+        lock(name + "a", backend=alias),
+        lock(name + "a ", backend=alias) as last,
+    ):
         assert last.owned()
     with lock("ünïcødé ✓ " + name[:20], backend=alias) as lk:
         assert lk.info().name == "ünïcødé ✓ " + name[:20]
@@ -361,9 +367,12 @@ def test_pages_of_locks(alias, name):
     page = backend.page(name_glob=mine, ordering=[("fencing_token", True)], limit=5)
     tokens = [i.fencing_token for i in page.infos]
     assert tokens == sorted(tokens, reverse=True)
-    for kwargs, message in [({"ordering": [("owner", False)]}, "'owner'"),
-                            ({"limit": -1}, "-1"), ({"offset": 1.5}, "1.5"),
-                            ({"state": "expired"}, "'expired'")]:
+    for kwargs, message in [
+        ({"ordering": [("owner", False)]}, "'owner'"),
+        ({"limit": -1}, "-1"),
+        ({"offset": 1.5}, "1.5"),
+        ({"state": "expired"}, "'expired'"),
+    ]:
         with pytest.raises(ValueError, match=message):
             backend.page(**kwargs)
     for lk in held:
@@ -375,7 +384,10 @@ def test_a_glob_prefix_with_sql_wildcards_is_taken_literally(alias, name):
     on every backend (the database narrows with LIKE, escaped, then SUBSTR)."""
     backend = locks[alias]
     held = [lock(f"{name}!%_:{i}", ttl=30, backend=alias) for i in range(2)]
-    decoys = [lock(f"{name}!ab:0", ttl=30, backend=alias), lock(f"{name}x%_:0", ttl=30, backend=alias)]
+    decoys = [
+        lock(f"{name}!ab:0", ttl=30, backend=alias),
+        lock(f"{name}x%_:0", ttl=30, backend=alias),
+    ]
     for lk in held + decoys:
         assert lk.acquire()
     expected = [f"{name}!%_:0", f"{name}!%_:1"]
@@ -485,11 +497,48 @@ def test_lock_survives_callers_rollback(db_alias, name):
 
 # -- name globs ----------------------------------------------------------------------
 
-GLOB_SUFFIXES = ["a", "ab", "a]", "a!", "a-", "a^", "ac", "a[", "a\\", "b", "abc", "a*", "a?",
-                 "ü", "aü", "x" * 150]
-GLOB_PATTERNS = ["*", "a*", "a?", "?", "??", "a[bc]", "a[!b]", "a[^b]", "a[]]", "a[\\]]",
-                 "a[b-]", "a[c-a]", "a\\*", "a\\?", "[a-b]*", "a[\\\\]", "[ü]", "a?", "*c",
-                 "*?*?*?*?*?*?*?*?#", "x*x*x*x*x*x*x*x*x*x*x*x*x*x*y", "*x"]
+GLOB_SUFFIXES = [
+    "a",
+    "ab",
+    "a]",
+    "a!",
+    "a-",
+    "a^",
+    "ac",
+    "a[",
+    "a\\",
+    "b",
+    "abc",
+    "a*",
+    "a?",
+    "ü",
+    "aü",
+    "x" * 150,
+]
+GLOB_PATTERNS = [
+    "*",
+    "a*",
+    "a?",
+    "?",
+    "??",
+    "a[bc]",
+    "a[!b]",
+    "a[^b]",
+    "a[]]",
+    "a[\\]]",
+    "a[b-]",
+    "a[c-a]",
+    "a\\*",
+    "a\\?",
+    "[a-b]*",
+    "a[\\\\]",
+    "[ü]",
+    "a?",
+    "*c",
+    "*?*?*?*?*?*?*?*?#",
+    "x*x*x*x*x*x*x*x*x*x*x*x*x*x*y",
+    "*x",
+]
 
 
 def test_name_globs_mean_the_same_on_every_backend(alias, name):

@@ -28,6 +28,7 @@ class _Row:
 def _sql(alias, statement, params):
     """Run SQL on the backend's own autocommit connection: the test's ORM connection
     sits in a transaction whose snapshot would not see the backend's writes."""
+
     def work(cursor, sql, raw):
         cursor.execute(statement.format(table=sql.lock_table, p=sql.placeholder), params)
         return cursor.fetchone() if cursor.description else None
@@ -36,8 +37,11 @@ def _sql(alias, statement, params):
 
 
 def _row(alias, name):
-    row = _sql(alias, "SELECT token, next_token, next_since, next_seen FROM {table} "
-                      "WHERE name = {p}", (name,))
+    row = _sql(
+        alias,
+        "SELECT token, next_token, next_since, next_seen FROM {table} WHERE name = {p}",
+        (name,),
+    )
     return None if row is None else _Row(*row)
 
 
@@ -144,7 +148,8 @@ def test_blocking_waiter_gets_the_lock_before_a_looping_releaser(db_alias, name)
     holder.acquire()
     got = []
     waiter = threading.Thread(
-        target=lambda: got.append(lock(name, backend=db_alias).acquire(timeout=10)))
+        target=lambda: got.append(lock(name, backend=db_alias).acquire(timeout=10))
+    )
     waiter.start()
     deadline = time.monotonic() + 10
     while not (_row(db_alias, name).next_token or time.monotonic() > deadline):

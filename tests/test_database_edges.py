@@ -40,11 +40,14 @@ OWNER = {"host": "test", "pid": 1, "thread": "MainThread"}
 HANG = 60
 
 
-
 def _aliases(*vendors):
     """The database lock aliases of this run whose ENGINE is one of ``vendors``."""
-    return [alias for alias in settings.CONTRACT_ALIASES if alias in settings.DATABASES
-            and any(v in settings.DATABASES[alias]["ENGINE"] for v in vendors)]
+    return [
+        alias
+        for alias in settings.CONTRACT_ALIASES
+        if alias in settings.DATABASES
+        and any(v in settings.DATABASES[alias]["ENGINE"] for v in vendors)
+    ]
 
 
 #: Servers whose sessions can be ended (an SQLite connection is a file).
@@ -69,8 +72,9 @@ def make_backend():
     made = []
 
     def make(database_alias, **options):
-        backend = DatabaseBackend(f"edge-{len(made)}",
-                                  {"OPTIONS": {"DATABASE": database_alias, **options}})
+        backend = DatabaseBackend(
+            f"edge-{len(made)}", {"OPTIONS": {"DATABASE": database_alias, **options}}
+        )
         made.append(backend)
         return backend
 
@@ -86,8 +90,9 @@ def temporary_database(monkeypatch, django_db_blocker):
     database) settings with ``changes`` (an ``OPTIONS`` change is merged)."""
     # Django's test case refuses connections to aliases it was not told about, and
     # these did not exist when it was set up: Django's own method, for this test.
-    monkeypatch.setattr(BaseDatabaseWrapper, "ensure_connection",
-                        django_db_blocker._real_ensure_connection)
+    monkeypatch.setattr(
+        BaseDatabaseWrapper, "ensure_connection", django_db_blocker._real_ensure_connection
+    )
 
     @contextlib.contextmanager
     def temporary(primary, alias, **changes):
@@ -110,6 +115,7 @@ def temporary_database(monkeypatch, django_db_blocker):
 def _sql(backend, statement, params=()):
     """Run SQL on the backend's own autocommit connection (``{lock}``: its table,
     ``{p}``: its placeholder); returns the first row, if any."""
+
     def work(cursor, sql, raw):
         cursor.execute(statement.format(lock=sql.lock_table, p=sql.placeholder), params)
         return cursor.fetchone() if cursor.description else None
@@ -145,8 +151,9 @@ def _in_thread(fn):
 # -- 1. the lock connection is ours: autocommit, never from Django's pool -----------------
 
 
-def test_the_lock_connection_autocommits_when_the_database_does_not(db_alias, name, make_backend,
-                                                                     temporary_database):
+def test_the_lock_connection_autocommits_when_the_database_does_not(
+    db_alias, name, make_backend, temporary_database
+):
     with temporary_database(db_alias, f"{db_alias}-manual", AUTOCOMMIT=False) as manual:
         backend, other = make_backend(manual), locks[db_alias]
         token = _token()
@@ -211,9 +218,11 @@ def test_lock_connections_never_come_from_djangos_pool(name, make_backend, tempo
 
 def _session_id(backend):
     """The server's id of the backend's connection in this thread; not retried."""
+
     def work(cursor, sql, raw):
-        cursor.execute("SELECT pg_backend_pid()" if sql.vendor == "postgresql"
-                       else "SELECT CONNECTION_ID()")
+        cursor.execute(
+            "SELECT pg_backend_pid()" if sql.vendor == "postgresql" else "SELECT CONNECTION_ID()"
+        )
         return cursor.fetchone()[0]
 
     return backend._run("session id", work, retry=False)
@@ -223,8 +232,11 @@ def _kill(killer, session):
     """End a session on the server, from another connection, and wait until it is gone."""
     postgres = killer._dialect.vendor == "postgresql"
     _sql(killer, "SELECT pg_terminate_backend({p})" if postgres else "KILL {p}", (session,))
-    alive = ("SELECT COUNT(*) FROM pg_stat_activity WHERE pid = {p}" if postgres
-             else "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = {p}")
+    alive = (
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE pid = {p}"
+        if postgres
+        else "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = {p}"
+    )
     deadline = time.monotonic() + HANG
     while _sql(killer, alive, (session,))[0]:
         assert time.monotonic() < deadline, f"session {session} survived its kill"
@@ -259,8 +271,9 @@ def test_a_connection_dropped_while_idle_is_replaced_before_use(server_alias, na
 
 @needs(SERVER_ALIASES)
 @pytest.mark.parametrize("server_alias", SERVER_ALIASES)
-def test_a_busy_connection_is_not_checked_and_a_lost_one_is_retried(server_alias, name,
-                                                                    make_backend):
+def test_a_busy_connection_is_not_checked_and_a_lost_one_is_retried(
+    server_alias, name, make_backend
+):
     backend = make_backend(server_alias)  # HEALTH_CHECK_AFTER: the default, 10 s
     killer = make_backend(server_alias)
     _session_id(killer)
@@ -380,11 +393,14 @@ def proxied_postgres(temporary_database):
     settings_dict = connections["postgres"].settings_dict
     directory = tempfile.mkdtemp(prefix="setnx-")
     port = "5432"
-    proxy = _Proxy(os.path.join(directory, f".s.PGSQL.{port}"),
-                   (settings_dict["HOST"] or "127.0.0.1", int(settings_dict["PORT"] or 5432)))
+    proxy = _Proxy(
+        os.path.join(directory, f".s.PGSQL.{port}"),
+        (settings_dict["HOST"] or "127.0.0.1", int(settings_dict["PORT"] or 5432)),
+    )
     try:
-        with temporary_database("postgres", "postgres-proxied", HOST=directory,
-                                PORT=port) as alias:
+        with temporary_database(
+            "postgres", "postgres-proxied", HOST=directory, PORT=port
+        ) as alias:
             yield alias, proxy
     finally:
         proxy.close()
@@ -392,8 +408,7 @@ def proxied_postgres(temporary_database):
 
 
 @needs(POSTGRES)
-def test_an_answer_lost_with_the_connection_is_not_misread(proxied_postgres, name,
-                                                           make_backend):
+def test_an_answer_lost_with_the_connection_is_not_misread(proxied_postgres, name, make_backend):
     """The worst moment: the server did the work and only its answer was lost."""
     alias, proxy = proxied_postgres
     backend = make_backend(alias)
@@ -452,8 +467,9 @@ def test_deadlocks_and_lock_waits_are_retried_not_reported(db_alias, name):
 def test_backends_share_one_fork_hook_and_are_not_kept_alive(monkeypatch):
     registered = []
     monkeypatch.setattr(os, "register_at_fork", lambda **hooks: registered.append(hooks))
-    backends = [DatabaseBackend(f"fork-{i}", {"OPTIONS": {"DATABASE": "default"}})
-                for i in range(100)]
+    backends = [
+        DatabaseBackend(f"fork-{i}", {"OPTIONS": {"DATABASE": "default"}}) for i in range(100)
+    ]
     assert registered == [], "a hook per instance"
     assert all(b in database._BACKENDS for b in backends)  # the one hook reaches them
     refs = [weakref.ref(b) for b in backends]
@@ -505,8 +521,9 @@ def test_the_lock_connection_carries_the_operation_timeout(db_alias, name, make_
         assert parameters["tcp_user_timeout"] == "3000"
         assert parameters["keepalives_idle"] == "3"
     elif vendor == "mysql":
-        assert _sql(backend, "SELECT @@SESSION.innodb_lock_wait_timeout, "
-                             "@@SESSION.lock_wait_timeout") == (3, 3)
+        assert _sql(
+            backend, "SELECT @@SESSION.innodb_lock_wait_timeout, @@SESSION.lock_wait_timeout"
+        ) == (3, 3)
     else:
         assert _sql(backend, "PRAGMA busy_timeout") == (3000,)
 
@@ -543,8 +560,9 @@ def test_a_silent_server_fails_the_connect_within_the_timeout(make_backend, temp
     silent.bind(os.path.join(directory, ".s.PGSQL.5432"))
     silent.listen(16)  # the kernel accepts; nobody ever answers
     try:
-        with temporary_database("postgres", "postgres-silent", HOST=directory,
-                                PORT="5432") as alias:
+        with temporary_database(
+            "postgres", "postgres-silent", HOST=directory, PORT="5432"
+        ) as alias:
             backend = make_backend(alias, OPERATION_TIMEOUT=1)
             with pytest.raises(LockBackendError, match="cannot connect"):
                 _in_thread(lambda: backend.acquire("silent", _token(), 30, OWNER))
@@ -554,13 +572,16 @@ def test_a_silent_server_fails_the_connect_within_the_timeout(make_backend, temp
 
 
 @pytest.mark.no_db
-@pytest.mark.parametrize("options, named", [
-    ({"OPERATION_TIMEOUT": 0}, "OPERATION_TIMEOUT"),
-    ({"OPERATION_TIMEOUT": "5"}, "OPERATION_TIMEOUT"),
-    ({"OPERATION_TIMEOUT": float("inf")}, "OPERATION_TIMEOUT"),
-    ({"HEALTH_CHECK_AFTER": -1}, "HEALTH_CHECK_AFTER"),
-    ({"HEALTH_CHECK_AFTER": True}, "HEALTH_CHECK_AFTER"),
-])
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"OPERATION_TIMEOUT": 0}, "OPERATION_TIMEOUT"),
+        ({"OPERATION_TIMEOUT": "5"}, "OPERATION_TIMEOUT"),
+        ({"OPERATION_TIMEOUT": float("inf")}, "OPERATION_TIMEOUT"),
+        ({"HEALTH_CHECK_AFTER": -1}, "HEALTH_CHECK_AFTER"),
+        ({"HEALTH_CHECK_AFTER": True}, "HEALTH_CHECK_AFTER"),
+    ],
+)
 def test_bad_connection_options_are_named(options, named):
     from django.core.exceptions import ImproperlyConfigured
 
@@ -574,14 +595,15 @@ def test_bad_connection_options_are_named(options, named):
 # -- 6. bad input, unreadable rows --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ttl", [0, -1, float("nan"), float("inf"), "5", True, 10 ** 12])
+@pytest.mark.parametrize("ttl", [0, -1, float("nan"), float("inf"), "5", True, 10**12])
 def test_a_bad_ttl_writes_nothing(db_alias, name, ttl):
     backend = locks[db_alias]
     with pytest.raises((TypeError, ValueError)):
         backend.acquire(name, _token(), ttl, OWNER)
     assert backend.get(name) is None
-    assert _sql(backend, f"SELECT COUNT(*) FROM {database.LOCK_TABLE} WHERE name = {{p}}",
-                (name,)) == (0,)
+    assert _sql(
+        backend, f"SELECT COUNT(*) FROM {database.LOCK_TABLE} WHERE name = {{p}}", (name,)
+    ) == (0,)
     token = _token()
     assert backend.acquire(name, token, 30, OWNER).acquired
     expires = backend.get(name).expires_at_ms
@@ -592,9 +614,12 @@ def test_a_bad_ttl_writes_nothing(db_alias, name, ttl):
 
 
 def _insert_row(backend, name, owner, acquired_at, expires_at):
-    _sql(backend, "INSERT INTO {lock} (name, token, owner, acquired_at, expires_at, fencing, "
-                  "next_token, next_since, next_seen) VALUES ({p}, {p}, {p}, {p}, {p}, 0, '', 0, 0)",
-         (name, _token(), owner, acquired_at, expires_at))
+    _sql(
+        backend,
+        "INSERT INTO {lock} (name, token, owner, acquired_at, expires_at, fencing, "
+        "next_token, next_since, next_seen) VALUES ({p}, {p}, {p}, {p}, {p}, 0, '', 0, 0)",
+        (name, _token(), owner, acquired_at, expires_at),
+    )
 
 
 def test_unreadable_rows_are_listed_and_cleared(db_alias, name):
@@ -603,8 +628,8 @@ def test_unreadable_rows_are_listed_and_cleared(db_alias, name):
     hour = 3600 * 1000
     _insert_row(backend, f"{name}:text-owner", "not json", now, now + hour)
     _insert_row(backend, f"{name}:list-owner", "[1, 2]", now, now + hour)
-    _insert_row(backend, f"{name}:far-future", "{}", now, 10 ** 17)
-    _insert_row(backend, f"{name}:far-past", "{}", now, -(2 ** 62))
+    _insert_row(backend, f"{name}:far-future", "{}", now, 10**17)
+    _insert_row(backend, f"{name}:far-past", "{}", now, -(2**62))
     unreadable = [f"{name}:far-future", f"{name}:far-past"]
     if _vendor(db_alias) == "sqlite":  # columns are not typed: anything can be stored
         _insert_row(backend, f"{name}:text-expiry", "{}", now, "soon")
@@ -615,18 +640,23 @@ def test_unreadable_rows_are_listed_and_cleared(db_alias, name):
     for info in infos.values():
         info.as_dict()  # what listlocks --json prints
         again = backend.get(info.name)
-        assert (again.state, again.owner, again.fencing_token) == \
-            (info.state, info.owner, info.fencing_token)
+        assert (again.state, again.owner, again.fencing_token) == (
+            info.state,
+            info.owner,
+            info.fencing_token,
+        )
     # A bad owner is kept as text; the times still say the lock is held.
     assert infos[f"{name}:text-owner"].owner == {"unreadable": repr("not json")}
     assert infos[f"{name}:list-owner"].is_held
     # Absurd times: listed as stale, and removed by a plain clear (no --all).
     assert all(infos[n].is_stale for n in unreadable)
-    assert sorted(i.name for i in backend.list(state="stale", name_glob=f"{name}:*")) == \
-        sorted(unreadable)
+    assert sorted(i.name for i in backend.list(state="stale", name_glob=f"{name}:*")) == sorted(
+        unreadable
+    )
     assert sorted(backend.clear(name_glob=f"{name}:*").names) == sorted(unreadable)
-    assert sorted(backend.clear(name_glob=f"{name}:*", include_held=True).names) == \
-        sorted([f"{name}:text-owner", f"{name}:list-owner"])
+    assert sorted(backend.clear(name_glob=f"{name}:*", include_held=True).names) == sorted(
+        [f"{name}:text-owner", f"{name}:list-owner"]
+    )
     assert list(backend.list(name_glob=f"{name}:*")) == []
 
 
@@ -653,14 +683,22 @@ def test_the_glob_prefix_is_matched_exactly(db_alias, name):
     """The SQL prefilter by literal prefix may never drop or add a name: not by case
     (MySQL's and SQLite's LIKE ignore it), trailing spaces, or LIKE's own wildcards."""
     backend = locks[db_alias]
-    suffixes = ["Report:1", "report:1", "REPORT:1", "Report:1 ", "Rep%rt:1", "Rep_rt:1",
-                "Rep\\rt:1", "Repo"]
+    suffixes = [
+        "Report:1",
+        "report:1",
+        "REPORT:1",
+        "Report:1 ",
+        "Rep%rt:1",
+        "Rep_rt:1",
+        "Rep\\rt:1",
+        "Repo",
+    ]
     names = [f"{name}:{s}" for s in suffixes]
     for n in names:
         assert backend.acquire(n, _token(), 30, OWNER).acquired
 
     def listed(pattern):
-        return sorted(i.name[len(name) + 1:] for i in backend.list(name_glob=f"{name}:{pattern}"))
+        return sorted(i.name[len(name) + 1 :] for i in backend.list(name_glob=f"{name}:{pattern}"))
 
     assert listed("Report*") == ["Report:1", "Report:1 "]
     assert listed("Report:1") == ["Report:1"]
@@ -685,7 +723,8 @@ def test_sqlite_inside_a_write_transaction_says_what_to_do(name, make_backend):
         try:
             with transaction.atomic(using="default"):
                 LockRecord.objects.using("default").create(
-                    name=f"{name}:row", token="t", acquired_at=0, expires_at=0)
+                    name=f"{name}:row", token="t", acquired_at=0, expires_at=0
+                )
                 backend.acquire(name, _token(), 30, OWNER)
         finally:
             connections["default"].close()
@@ -699,7 +738,6 @@ def test_sqlite_inside_a_write_transaction_says_what_to_do(name, make_backend):
     assert "release it after the commit" in message
 
 
-
 def test_a_deeply_nested_owner_is_unreadable_not_a_crash(db_alias, name):
     backend = locks[db_alias]
     now = int(time.time() * 1000)
@@ -710,19 +748,28 @@ def test_a_deeply_nested_owner_is_unreadable_not_a_crash(db_alias, name):
     assert backend.clear(name_glob=name, include_held=True).names == [name]
 
 
-@pytest.mark.parametrize("acquired_at, expires_at", [
-    ("now", 10 ** 17),          # an expiry in the year 3 170 000
-    (-5, "hour"),               # acquired before 1970
-    (10 ** 17, "hour"),         # acquired in the far future
-], ids=["expires-far-future", "acquired-before-1970", "acquired-far-future"])
+@pytest.mark.parametrize(
+    "acquired_at, expires_at",
+    [
+        ("now", 10**17),  # an expiry in the year 3 170 000
+        (-5, "hour"),  # acquired before 1970
+        (10**17, "hour"),  # acquired in the far future
+    ],
+    ids=["expires-far-future", "acquired-before-1970", "acquired-far-future"],
+)
 def test_an_implausible_row_never_blocks_an_acquire(db_alias, name, acquired_at, expires_at):
     """Rows no backend could have written are listed as stale: an acquire takes them
     over as it takes a stale row (it used to wait for the year 3 170 000)."""
     backend = locks[db_alias]
     now = int(time.time() * 1000)
     values = {"now": now, "hour": now + 3_600_000}
-    _insert_row(backend, name, "{}", values.get(acquired_at, acquired_at),
-                values.get(expires_at, expires_at))
+    _insert_row(
+        backend,
+        name,
+        "{}",
+        values.get(acquired_at, acquired_at),
+        values.get(expires_at, expires_at),
+    )
     assert backend.get(name).is_stale
     token = _token()
     result = backend.acquire(name, token, 30, OWNER)

@@ -33,8 +33,9 @@ def _statements(backend_alias):
     with connections[database_alias].cursor() as cursor:
         if connections[database_alias].vendor == "postgresql":
             time.sleep(1.1)  # the statistics reach pg_stat_database within a second
-            cursor.execute("SELECT xact_commit FROM pg_stat_database "
-                           "WHERE datname = current_database()")
+            cursor.execute(
+                "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+            )
         else:
             cursor.execute("SHOW GLOBAL STATUS LIKE 'Questions'")
             return int(cursor.fetchone()[1])
@@ -69,8 +70,9 @@ def test_a_waiter_behind_a_long_hold_sends_few_statements(backend_alias, name):
 
 
 @pytest.mark.parametrize("backend_alias", PG)
-def test_a_release_in_another_process_wakes_a_postgres_waiter_at_once(backend_alias, name, spawn,
-                                                                     monkeypatch):
+def test_a_release_in_another_process_wakes_a_postgres_waiter_at_once(
+    backend_alias, name, spawn, monkeypatch
+):
     """The waiter polls only every 30 s here (PG_SAFETY_POLL): it gets the lock
     within a second of another process' release only because NOTIFY woke it."""
     monkeypatch.setattr(database, "PG_SAFETY_POLL", 30.0)
@@ -78,8 +80,14 @@ def test_a_release_in_another_process_wakes_a_postgres_waiter_at_once(backend_al
     holder = lock(name, ttl=60, backend=backend_alias)
     assert holder.acquire(blocking=False)
     release_at = time.time() + 2.0
-    child = spawn(workers.release_at, workers.child_environment(), backend_alias, name, holder._token,
-                  release_at)
+    child = spawn(
+        workers.release_at,
+        workers.child_environment(),
+        backend_alias,
+        name,
+        holder._token,
+        release_at,
+    )
     waiter = lock(name, ttl=30, backend=backend_alias)
     assert waiter.acquire(timeout=20)
     got_it = time.time()
@@ -105,13 +113,15 @@ def test_a_killed_waiter_next_in_line_costs_the_others_a_claim(backend_alias, na
     child.join()
     got = []
     live = lock(name, ttl=30, backend=backend_alias)
-    thread = threading.Thread(target=lambda: got.append((live.acquire(timeout=20), time.monotonic())))
+    thread = threading.Thread(
+        target=lambda: got.append((live.acquire(timeout=20), time.monotonic()))
+    )
     thread.start()
     time.sleep(0.5)  # the live one waits behind the dead one
     released_at = time.monotonic()
     holder.release()
     thread.join(30)
-    (acquired, at), = got
+    ((acquired, at),) = got
     assert acquired
     assert at - released_at < 1.5, at - released_at
     live.release()
@@ -135,8 +145,10 @@ def test_a_listener_the_server_dropped_never_strands_its_waiters(backend_alias, 
         time.sleep(0.05)
     database_alias = settings.SETNX_LOCKS[backend_alias]["OPTIONS"]["DATABASE"]
     with connections[database_alias].cursor() as cursor:
-        cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                       "WHERE datname = current_database() AND query LIKE 'LISTEN%%'")
+        cursor.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND query LIKE 'LISTEN%%'"
+        )
         assert cursor.fetchall(), "the LISTEN session was not found"
     time.sleep(1.5)
     released_at = time.monotonic()

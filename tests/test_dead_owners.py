@@ -18,8 +18,9 @@ def test_only_the_dead_pids_own_locks_are_freed(shared_alias, name, spawn, monke
     monkeypatch.setattr(dead_owners, "EXIT_WAIT", 0.3)
     backend = locks[shared_alias]
     acquired = spawn.ctx.Event()
-    child = spawn(workers.crash_holder_of_two, workers.child_environment(), shared_alias,
-                  name, 60, acquired)
+    child = spawn(
+        workers.crash_holder_of_two, workers.child_environment(), shared_alias, name, 60, acquired
+    )
     assert acquired.wait(30)
     mine = lock(f"{name}:mine", ttl=60, backend=shared_alias)
     assert mine.acquire()
@@ -45,7 +46,8 @@ def test_only_the_dead_pids_own_locks_are_freed(shared_alias, name, spawn, monke
     assert backend.get(f"{name}:task") is not None
     assert mine.owned()
     assert [(s["name"], s["reason"], s["user"]) for s in sent] == [
-        (name, "killed by the test", None)]
+        (name, "killed by the test", None)
+    ]
     mine.release()
     backend.delete(f"{name}:task")
 
@@ -73,8 +75,9 @@ def test_a_lock_that_changed_hands_is_left_alone(shared_alias, name, spawn):
 
     backend = locks[shared_alias]
     acquired = spawn.ctx.Event()
-    child = spawn(workers.crash_holder, workers.child_environment(), shared_alias, name, 60,
-                  acquired)
+    child = spawn(
+        workers.crash_holder, workers.child_environment(), shared_alias, name, 60, acquired
+    )
     assert acquired.wait(30)
     stale = backend.get(name)
     os.kill(child.pid, signal.SIGKILL)

@@ -26,7 +26,11 @@ def test_template_is_filled_from_arguments(alias, name):
 
     assert charge(7, 21) == 42
     assert seen["info"].is_held
-    assert seen["info"].owner["guards"].endswith("test_template_is_filled_from_arguments.<locals>.charge")
+    assert (
+        seen["info"]
+        .owner["guards"]
+        .endswith("test_template_is_filled_from_arguments.<locals>.charge")
+    )
     assert lock(f"{name}:invoice:7:EUR", backend=alias).info() is None
 
 
@@ -39,8 +43,9 @@ def test_contention_policies(alias, name):
 
     raising = locked(name + ":{n}", backend=alias)(job)
     skipping = locked(name + ":{n}", backend=alias, on_contention="skip")(job)
-    answering = locked(name + ":{n}", backend=alias,
-                       on_contention=lambda lk, n: f"busy {lk.name}")(job)
+    answering = locked(
+        name + ":{n}", backend=alias, on_contention=lambda lk, n: f"busy {lk.name}"
+    )(job)
     with lock(name + ":1", backend=alias):
         with pytest.raises(LockNotAcquired, match=f"{name}:1"):
             raising(1)
@@ -133,7 +138,11 @@ def test_async_view_and_custom_status(alias, name):
 
 @pytest.mark.no_db
 def test_template_field_the_function_does_not_take():
-    with pytest.raises(ImproperlyConfigured, match=r"refers to invoice_id, which .*charge\(order_id\) does not take"):
+    with pytest.raises(
+        ImproperlyConfigured,
+        match=r"refers to invoice_id, which .*charge\(order_id\) does not take",
+    ):
+
         @locked("invoice:{invoice_id}")
         def charge(order_id):
             pass
@@ -141,7 +150,10 @@ def test_template_field_the_function_does_not_take():
 
 @pytest.mark.no_db
 def test_bad_decorator_arguments():
-    with pytest.raises(ImproperlyConfigured, match="on_contention must be 'raise', 'skip' or a callable, got 'ignore'"):
+    with pytest.raises(
+        ImproperlyConfigured,
+        match="on_contention must be 'raise', 'skip' or a callable, got 'ignore'",
+    ):
         locked("x", on_contention="ignore")
     with pytest.raises(ValueError, match="got -1.0"):
         locked("x", timeout=-1)
@@ -298,9 +310,11 @@ def test_lock_lost_is_sent_when_release_finds_it_gone(alias, name):
     from django_setnx.signals import lock_lost
 
     lost = []
-    lock_lost.connect(lambda lock, **kw: lost.append(lock.name), weak=False,
-                      dispatch_uid="test-dec-lost")
+    lock_lost.connect(
+        lambda lock, **kw: lost.append(lock.name), weak=False, dispatch_uid="test-dec-lost"
+    )
     try:
+
         @locked(name, ttl=30, backend=alias)
         def guarded():
             locks[alias].delete(name)  # force-released while the call runs

@@ -19,8 +19,15 @@ from django_setnx.exceptions import (
 
 pytestmark = pytest.mark.no_db
 
-INFO = LockInfo(name="sync:7", backend="redis", fencing_token=12, owner={"host": "h", "pid": 1},
-                acquired_at_ms=1_000, expires_at_ms=61_000, now_ms=2_000)
+INFO = LockInfo(
+    name="sync:7",
+    backend="redis",
+    fencing_token=12,
+    owner={"host": "h", "pid": 1},
+    acquired_at_ms=1_000,
+    expires_at_ms=61_000,
+    now_ms=2_000,
+)
 
 EXCEPTIONS = [
     LockError("plain"),

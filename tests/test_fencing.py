@@ -147,9 +147,10 @@ def test_redis_legacy_fence_counters_are_dropped_by_clear(name, redis_client):
 def test_database_purges_stale_rows_after_the_retention(db_alias, name):
     """Rows that expired without a release are purged once STALE_RETENTION old, by
     the acquires themselves (at most once per PURGE_EVERY): no cron job needed."""
-    params = {**settings.SETNX_LOCKS[db_alias],
-              "OPTIONS": {**settings.SETNX_LOCKS[db_alias].get("OPTIONS", {}),
-                          "STALE_RETENTION": 1}}
+    params = {
+        **settings.SETNX_LOCKS[db_alias],
+        "OPTIONS": {**settings.SETNX_LOCKS[db_alias].get("OPTIONS", {}), "STALE_RETENTION": 1},
+    }
     with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "purging": params}):
         backend = locks["purging"]
         for i in range(50):
@@ -187,12 +188,16 @@ def test_tokens_issued_after_the_migration_are_larger(db_alias, name, migrate):
     now = int(time.time() * 1000)
     with connections[db_alias].cursor() as cursor:
         # What version 0.1 left behind: counters, and a held lock.
-        cursor.execute(f"INSERT INTO {quote('django_setnx_fence')} (name, value) "
-                       f"VALUES (%s, %s), (%s, %s)", [name, 5000, f"{name}:gone", 7])
+        cursor.execute(
+            f"INSERT INTO {quote('django_setnx_fence')} (name, value) VALUES (%s, %s), (%s, %s)",
+            [name, 5000, f"{name}:gone", 7],
+        )
         cursor.execute(
             f"INSERT INTO {quote('django_setnx_lock')} (name, token, owner, acquired_at, "
             f"expires_at, next_token, next_since, next_seen) "
-            f"VALUES (%s, %s, '{{}}', %s, %s, '', 0, 0)", [name, "old-token", now, now + 60_000])
+            f"VALUES (%s, %s, '{{}}', %s, %s, '', 0, 0)",
+            [name, "old-token", now, now + 60_000],
+        )
     migrate("0003_fencing_in_the_lock_row")
     backend = locks[db_alias]
     assert backend.get(name).fencing_token == 5000, "the held lock keeps its token"
@@ -205,8 +210,10 @@ def test_the_migration_refuses_a_counter_ahead_of_the_clock(db_alias, name, migr
     migrate("0002_next_in_line")
     quote = connections[db_alias].ops.quote_name
     with connections[db_alias].cursor() as cursor:
-        cursor.execute(f"INSERT INTO {quote('django_setnx_fence')} (name, value) VALUES (%s, %s)",
-                       [name, 10**17])
+        cursor.execute(
+            f"INSERT INTO {quote('django_setnx_fence')} (name, value) VALUES (%s, %s)",
+            [name, 10**17],
+        )
     with pytest.raises(RuntimeError, match="at least the database clock"):
         migrate("0003_fencing_in_the_lock_row")
     with connections[db_alias].cursor() as cursor:

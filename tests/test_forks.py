@@ -65,7 +65,7 @@ def _race(alias, name, marker_dir, report_path):
 
 def _read_report(path):
     with open(path) as f:
-        return eval(f.read())  # noqa: S307 - our own repr of a dict of ints and strings
+        return eval(f.read())
 
 
 def test_used_then_forked_parent_and_child_race(shared_alias, name, tmp_path):

@@ -54,9 +54,20 @@ def start_gunicorn(alias, tmp_path, *options):
     log_path = tmp_path / "gunicorn.log"
     log = open(log_path, "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gunicorn", *options, "--bind", f"127.0.0.1:{port}",
-         "tests.preload_app:application"],
-        cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            *options,
+            "--bind",
+            f"127.0.0.1:{port}",
+            "tests.preload_app:application",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -85,8 +96,9 @@ def start_gunicorn(alias, tmp_path, *options):
 
 @pytest.fixture
 def gunicorn(shared_alias, tmp_path):
-    for base, counter, _log in start_gunicorn(shared_alias, tmp_path, "--preload",
-                                               "--workers", "3", "--timeout", "60"):
+    for base, counter, _log in start_gunicorn(
+        shared_alias, tmp_path, "--preload", "--workers", "3", "--timeout", "60"
+    ):
         yield base, counter
 
 
@@ -112,7 +124,8 @@ def test_a_worker_killed_for_its_timeout_frees_its_locks_at_once(shared_alias, t
     config = tmp_path / "gunicorn.conf.py"
     config.write_text("from django_setnx.contrib.gunicorn import child_exit  # noqa: F401\n")
     for base, _counter, log_path in start_gunicorn(
-            shared_alias, tmp_path, "-c", str(config), "--workers", "2", "--timeout", "2"):
+        shared_alias, tmp_path, "-c", str(config), "--workers", "2", "--timeout", "2"
+    ):
         pool = ThreadPoolExecutor(max_workers=1)
         stuck = pool.submit(get, f"{base}/stuck/", 30)
         deadline = time.monotonic() + 20

@@ -63,8 +63,9 @@ def test_mutual_exclusion_counter(shared_alias, name, spawn, env, tmp_path):
     counter.write_text("0")
     results = spawn.ctx.Queue()
     procs = [
-        spawn(workers.counter_incrementer, env, shared_alias, name, str(counter), iterations,
-              results)
+        spawn(
+            workers.counter_incrementer, env, shared_alias, name, str(counter), iterations, results
+        )
         for _ in range(processes)
     ]
     reports = [results.get(timeout=300) for _ in procs]
@@ -105,11 +106,13 @@ def _queue_a_waiter_and_kill_it(spawn, env, name, ttl):
     return waiter
 
 
-@pytest.mark.skipif("redis" not in settings.TEST_BACKENDS,
-                    reason="redis is not in settings.TEST_BACKENDS")
+@pytest.mark.skipif(
+    "redis" not in settings.TEST_BACKENDS, reason="redis is not in settings.TEST_BACKENDS"
+)
 @pytest.mark.parametrize("next_caller", ["queued behind it", "arriving after the release"])
 def test_a_killed_waiter_holds_the_next_caller_up_for_a_claim_not_its_ttl(
-        name, spawn, env, next_caller):
+    name, spawn, env, next_caller
+):
     """A waiter asking for ttl=30 is SIGKILLed while queued (as a gunicorn worker
     timeout does); the holder releases while its place is live, so the lock is
     handed to the dead waiter. It only gets a claim (CLAIM_MS) that it never
@@ -148,8 +151,9 @@ def test_a_killed_waiter_holds_the_next_caller_up_for_a_claim_not_its_ttl(
     outcome["lock"].release()
 
 
-@pytest.mark.skipif("redis" not in settings.TEST_BACKENDS,
-                    reason="redis is not in settings.TEST_BACKENDS")
+@pytest.mark.skipif(
+    "redis" not in settings.TEST_BACKENDS, reason="redis is not in settings.TEST_BACKENDS"
+)
 def test_a_killed_waiter_whose_place_lapsed_is_skipped(name, spawn, env):
     """Once the dead waiter's place lapsed (WAITER_MS after its last attempt), a
     release skips it: the lock is free at once."""

@@ -30,7 +30,9 @@ def run(coroutine):
 
 def executor_threads():
     """Threads of asyncio's default executor (what sync_to_async runs calls in)."""
-    return [t for t in threading.enumerate() if t.name.startswith(("asyncio_", "ThreadPoolExecutor"))]
+    return [
+        t for t in threading.enumerate() if t.name.startswith(("asyncio_", "ThreadPoolExecutor"))
+    ]
 
 
 @pytest.fixture(params=["LOCATION", "CACHE"])
@@ -42,11 +44,19 @@ def redis_alias(request):
         return
     url = settings.SETNX_LOCKS["redis"]["LOCATION"]
     with override_settings(
-            CACHES={**settings.CACHES, "shared": {"BACKEND": "django_redis.cache.RedisCache",
-                                                  "LOCATION": url}},
-            SETNX_LOCKS={**settings.SETNX_LOCKS, "viacache": {
-                "BACKEND": BACKEND, "KEY_PREFIX": "setnx-viacache",
-                "OPTIONS": {"CACHE": "shared"}}}):
+        CACHES={
+            **settings.CACHES,
+            "shared": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": url},
+        },
+        SETNX_LOCKS={
+            **settings.SETNX_LOCKS,
+            "viacache": {
+                "BACKEND": BACKEND,
+                "KEY_PREFIX": "setnx-viacache",
+                "OPTIONS": {"CACHE": "shared"},
+            },
+        },
+    ):
         yield "viacache"
         locks["viacache"].close()
 
@@ -235,10 +245,14 @@ def test_an_asyncio_connection_to_a_server_that_may_evict_is_refused(evicting_re
 def test_sentinel_and_cluster_clients_fall_back_to_threads():
     """A client redis.asyncio cannot mirror (here: a custom CLIENT_CLASS) makes the
     async methods run the sync ones in threads, still correct."""
-    params = {"BACKEND": BACKEND, "LOCATION": settings.SETNX_LOCKS["redis"]["LOCATION"],
-              "KEY_PREFIX": "setnx-custom",
-              "OPTIONS": {"CLIENT_CLASS": "tests.test_redis_async.custom_client"}}
+    params = {
+        "BACKEND": BACKEND,
+        "LOCATION": settings.SETNX_LOCKS["redis"]["LOCATION"],
+        "KEY_PREFIX": "setnx-custom",
+        "OPTIONS": {"CLIENT_CLASS": "tests.test_redis_async.custom_client"},
+    }
     with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "custom": params}):
+
         async def main():
             assert locks["custom"]._aconnection() is None
             lk = lock("fallback", ttl=30, backend="custom")

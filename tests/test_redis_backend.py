@@ -58,8 +58,12 @@ def make_backend(redis_client):
 
     def make(prefix=None, location=None, **options):
         prefix = prefix or unique("setnx-t")
-        params = {"BACKEND": BACKEND, "LOCATION": location or session_url(),
-                  "KEY_PREFIX": prefix, "OPTIONS": options}
+        params = {
+            "BACKEND": BACKEND,
+            "LOCATION": location or session_url(),
+            "KEY_PREFIX": prefix,
+            "OPTIONS": options,
+        }
         backend = RedisBackend(f"alias-{prefix}", params)
         made.append(backend)
         return backend
@@ -76,8 +80,9 @@ def name(redis_client):
     name = unique()
     yield name
     prefix = settings.SETNX_LOCKS["redis"]["KEY_PREFIX"]
-    redis_client.delete(*(f"{prefix}:{{{name}}}:{part}"
-                          for part in ("lock", "fence", "waiters", "requests")))
+    redis_client.delete(
+        *(f"{prefix}:{{{name}}}:{part}" for part in ("lock", "fence", "waiters", "requests"))
+    )
 
 
 def lock_key(name):
@@ -142,16 +147,22 @@ def test_clear_and_list_never_touch_keys_outside_the_prefix(redis_client, make_b
     run = uuid.uuid4().hex[:8]
     ours = make_backend(f"{run}-setnx-test")
     # Prefixes that, were they not escaped in SCAN MATCH, would match ours.
-    globby = [make_backend(f"{run}-setnx-tes*"), make_backend(f"{run}-setnx-te[s]t"),
-              make_backend(f"{run}-setnx-tes?"), make_backend(f"{run}-setnx-te\\st")]
+    globby = [
+        make_backend(f"{run}-setnx-tes*"),
+        make_backend(f"{run}-setnx-te[s]t"),
+        make_backend(f"{run}-setnx-tes?"),
+        make_backend(f"{run}-setnx-te\\st"),
+    ]
 
     unrelated = []
     pipe = redis_client.pipeline(transaction=False)
     for i in range(250):  # look-alikes: our shape, other prefixes, stale-looking fields
         for prefix in (f"{run}-setnx-test2", f"{run}-setnx-tes", f"{run}-setnx-test:x"):
             key = f"{prefix}:{{n{i}}}:lock"
-            pipe.hset(key, mapping={"token": "t", "fencing": 1, "owner": "{}",
-                                    "acquired": 0, "expires": 0})
+            pipe.hset(
+                key,
+                mapping={"token": "t", "fencing": 1, "owner": "{}", "acquired": 0, "expires": 0},
+            )
             unrelated.append(key)
     for i in range(250):
         key = f"{run}-other:{i}"
@@ -297,8 +308,9 @@ def test_a_release_before_the_waiter_blocks_is_not_lost(make_backend):
     assert backend.release("n", "holder")  # lands before the waiter's BLPOP
     started = time.monotonic()
     # Woken at once; the attempt pipelined behind the BLPOP confirmed the claim.
-    handed = backend.wait("n", token="waiter", attempt=0, max_wait=None,
-                          retry_after=contended.retry_after)
+    handed = backend.wait(
+        "n", token="waiter", attempt=0, max_wait=None, retry_after=contended.retry_after
+    )
     assert time.monotonic() - started < 1
     assert handed.acquired
     assert backend.get("n").fencing_token == handed.fencing_token
@@ -319,8 +331,7 @@ def test_a_release_hands_the_lock_to_one_waiter(make_backend, redis_client):
         # its next attempt right behind (which confirms a lock handed to it), then
         # it tries again if that attempt did not win.
         assert not backend.acquire("n", f"waiter{i}", 30, OWNER, wait=3).acquired
-        result = backend.wait("n", token=f"waiter{i}", attempt=0, max_wait=3,
-                              retry_after=30)
+        result = backend.wait("n", token=f"waiter{i}", attempt=0, max_wait=3, retry_after=30)
         woken_at = time.monotonic()
         if result is None:
             result = backend.acquire("n", f"waiter{i}", 30, OWNER, wait=3)
@@ -481,8 +492,7 @@ def test_redis_down_mid_hold_raises_backend_error_then_recovers(redis_server, ou
         assert held.acquire(blocking=False)
         getattr(redis_server, outage)()
 
-        for call in (held.extend, held.release, lock("n", backend="private").acquire,
-                     held.locked):
+        for call in (held.extend, held.release, lock("n", backend="private").acquire, held.locked):
             with pytest.raises(LockBackendError, match="'private'") as excinfo:
                 call()
             assert excinfo.value.alias == "private"
@@ -514,11 +524,16 @@ def test_cache_option_uses_the_django_redis_connection(redis_client):
     prefix = unique("setnx-cache")
     caches = {
         "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
-        "shared": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": session_url(),
-                   "KEY_PREFIX": "cache"},
+        "shared": {
+            "BACKEND": "django_redis.cache.RedisCache",
+            "LOCATION": session_url(),
+            "KEY_PREFIX": "cache",
+        },
     }
-    locks_settings = {**settings.SETNX_LOCKS, "viacache": {
-        "BACKEND": BACKEND, "KEY_PREFIX": prefix, "OPTIONS": {"CACHE": "shared"}}}
+    locks_settings = {
+        **settings.SETNX_LOCKS,
+        "viacache": {"BACKEND": BACKEND, "KEY_PREFIX": prefix, "OPTIONS": {"CACHE": "shared"}},
+    }
     try:
         with override_settings(CACHES=caches, SETNX_LOCKS=locks_settings):
             from django.core.cache import caches as django_caches
@@ -552,30 +567,46 @@ def ids(params, alias="x"):
 
 def test_check_params_accepts_valid_settings():
     assert ids({"LOCATION": "redis://h:6379/0"}) == []
-    assert ids({"LOCATION": "redis://h/0", "KEY_PREFIX": "p", "OPTIONS": {
-        "CONNECTION_KWARGS": {"socket_timeout": 2}, "CLIENT_CLASS": "redis.Redis.from_url",
-        "STALE_RETENTION": 3600, "WAKE_TTL": 0.5}}) == []
-    with override_settings(CACHES={"default": {
-            "BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://h/0"}}):
+    assert (
+        ids(
+            {
+                "LOCATION": "redis://h/0",
+                "KEY_PREFIX": "p",
+                "OPTIONS": {
+                    "CONNECTION_KWARGS": {"socket_timeout": 2},
+                    "CLIENT_CLASS": "redis.Redis.from_url",
+                    "STALE_RETENTION": 3600,
+                    "WAKE_TTL": 0.5,
+                },
+            }
+        )
+        == []
+    )
+    with override_settings(
+        CACHES={"default": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": "redis://h/0"}}
+    ):
         assert ids({"OPTIONS": {"CACHE": "default"}}) == []
 
 
-@pytest.mark.parametrize("params, expected", [
-    ({}, "E011"),
-    ({"LOCATION": ""}, "E011"),
-    ({"LOCATION": "redis://h/0", "OPTIONS": {"CACHE": "default"}}, "E012"),
-    ({"LOCATION": "redis://h/0", "KEY_PREFIX": ""}, "E013"),
-    ({"LOCATION": "redis://h/0", "KEY_PREFIX": 5}, "E013"),
-    ({"LOCATION": "redis://h/0", "OPTIONS": {"STALE_RETENTION": 0}}, "E014"),
-    ({"LOCATION": "redis://h/0", "OPTIONS": {"STALE_RETENTION": "1d"}}, "E014"),
-    ({"LOCATION": "redis://h/0", "OPTIONS": {"WAKE_TTL": -1}}, "E015"),
-    ({"OPTIONS": {"CACHE": "no-such-cache"}}, "E016"),
-    ({"LOCATION": "redis://h/0", "OPTIONS": {"CLIENT_CLASS": "nope.Factory"}}, "E017"),
-    ({"LOCATION": "redis://h/0", "OPTIONS": {"CLIENT_CLASS": "redis.Redis.nope"}}, "E017"),
-    ({"LOCATION": "redis://h/0", "OPTIONS": {"CLIENT_CLASS": 5}}, "E017"),
-    ({"LOCATION": "redis://h/0", "OPTIONS": {"CONNECTION_KWARGS": "x"}}, "E018"),
-    ({"LOCATION": "redis://h/0", "OPTIONS": {"ALLOW_EVICTION": "yes"}}, "E019"),
-])
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        ({}, "E011"),
+        ({"LOCATION": ""}, "E011"),
+        ({"LOCATION": "redis://h/0", "OPTIONS": {"CACHE": "default"}}, "E012"),
+        ({"LOCATION": "redis://h/0", "KEY_PREFIX": ""}, "E013"),
+        ({"LOCATION": "redis://h/0", "KEY_PREFIX": 5}, "E013"),
+        ({"LOCATION": "redis://h/0", "OPTIONS": {"STALE_RETENTION": 0}}, "E014"),
+        ({"LOCATION": "redis://h/0", "OPTIONS": {"STALE_RETENTION": "1d"}}, "E014"),
+        ({"LOCATION": "redis://h/0", "OPTIONS": {"WAKE_TTL": -1}}, "E015"),
+        ({"OPTIONS": {"CACHE": "no-such-cache"}}, "E016"),
+        ({"LOCATION": "redis://h/0", "OPTIONS": {"CLIENT_CLASS": "nope.Factory"}}, "E017"),
+        ({"LOCATION": "redis://h/0", "OPTIONS": {"CLIENT_CLASS": "redis.Redis.nope"}}, "E017"),
+        ({"LOCATION": "redis://h/0", "OPTIONS": {"CLIENT_CLASS": 5}}, "E017"),
+        ({"LOCATION": "redis://h/0", "OPTIONS": {"CONNECTION_KWARGS": "x"}}, "E018"),
+        ({"LOCATION": "redis://h/0", "OPTIONS": {"ALLOW_EVICTION": "yes"}}, "E019"),
+    ],
+)
 def test_check_params_errors(params, expected):
     errors = RedisBackend.check_params("x", {"BACKEND": BACKEND, **params})
     assert [e.id for e in errors] == [f"django_setnx.{expected}"]
@@ -640,24 +671,72 @@ def test_a_waiter_that_gave_up_holds_nothing_back(name):
     assert lock(name, backend="redis").acquire(blocking=False), "no reservation for a quitter"
 
 
-GLOB_NAMES = ["a", "ab", "a]", "a!", "a-", "a^", "ac", "a[", "a\\", "b", "abc", "a*", "a?", "ü",
-              "a}:lock", "}", "{a}", "a{b}:lock", "é" * 3, "a" * 200]
+GLOB_NAMES = [
+    "a",
+    "ab",
+    "a]",
+    "a!",
+    "a-",
+    "a^",
+    "ac",
+    "a[",
+    "a\\",
+    "b",
+    "abc",
+    "a*",
+    "a?",
+    "ü",
+    "a}:lock",
+    "}",
+    "{a}",
+    "a{b}:lock",
+    "é" * 3,
+    "a" * 200,
+]
 GLOB_PATTERNS = [
-    "a*", "a?", "a[bc]", "a[!b]", "a[^b]", "a[]]", "a[\\]]", "a[b-]", "a[c-a]", "a\\*",
-    "a\\?", "*", "?", "[a-b]*", "a[\\\\]", "[ü]", "a[b-c]*", "??", "[é]*",
+    "a*",
+    "a?",
+    "a[bc]",
+    "a[!b]",
+    "a[^b]",
+    "a[]]",
+    "a[\\]]",
+    "a[b-]",
+    "a[c-a]",
+    "a\\*",
+    "a\\?",
+    "*",
+    "?",
+    "[a-b]*",
+    "a[\\\\]",
+    "[ü]",
+    "a[b-c]*",
+    "??",
+    "[é]*",
 ]
 # Patterns that tried, through Redis' own dialect, to reach past the name part of
 # the key (its "}:lock" suffix, the hash tag's braces), or to make matching slow.
 HOSTILE_GLOBS = [
-    "*}:lock", "*}:lock*", "a}*", "}*", "*{*", "*}", "{*}", "*:lock", "a{b}:lock",
-    "*a" * 40 + "*b", "*" * 200, "?" * 200, "[!a]*", "\\*\\?\\[\\]\\\\",
+    "*}:lock",
+    "*}:lock*",
+    "a}*",
+    "}*",
+    "*{*",
+    "*}",
+    "{*}",
+    "*:lock",
+    "a{b}:lock",
+    "*a" * 40 + "*b",
+    "*" * 200,
+    "?" * 200,
+    "[!a]*",
+    "\\*\\?\\[\\]\\\\",
 ]
 MALFORMED_GLOBS = ["a[", "a[^]", "[", "a\\", "a[b\\", "x" * 1001]
 
 
 @pytest.mark.parametrize("pattern", GLOB_PATTERNS + HOSTILE_GLOBS)
-def test_list_and_clear_select_exactly_what_the_glob_matches(make_backend, redis_client,
-                                                             pattern):
+def test_list_and_clear_select_exactly_what_the_glob_matches(make_backend, redis_client, pattern):
     """On Redis ``name_glob`` selects exactly the names ``compile_glob`` matches, as on
     every other backend: SCAN MATCH only narrows the scan (to the literal prefix),
     Redis' byte-wise dialect decides nothing, and no key outside the prefix is touched."""
@@ -669,8 +748,9 @@ def test_list_and_clear_select_exactly_what_the_glob_matches(make_backend, redis
     expected = sorted(n for n in GLOB_NAMES if compile_glob(pattern).match(n))
 
     assert sorted(i.name for i in backend.list(name_glob=pattern)) == expected
-    assert sorted(backend.clear(include_held=True, dry_run=True, name_glob=pattern).names) \
-        == expected
+    assert (
+        sorted(backend.clear(include_held=True, dry_run=True, name_glob=pattern).names) == expected
+    )
     assert sorted(backend.clear(include_held=True, name_glob=pattern).names) == expected
     assert sorted(i.name for i in backend.list()) == sorted(set(GLOB_NAMES) - set(expected))
     assert sorted(i.name for i in neighbour.list()) == sorted(GLOB_NAMES)
@@ -679,8 +759,9 @@ def test_list_and_clear_select_exactly_what_the_glob_matches(make_backend, redis
 @pytest.mark.parametrize("pattern", MALFORMED_GLOBS)
 def test_a_malformed_glob_is_refused_before_anything_is_sent(pattern):
     # Nothing listens there: anything sent would fail with LockBackendError instead.
-    backend = RedisBackend("nowhere", {"BACKEND": BACKEND,
-                                       "LOCATION": f"redis://127.0.0.1:{free_port()}/0"})
+    backend = RedisBackend(
+        "nowhere", {"BACKEND": BACKEND, "LOCATION": f"redis://127.0.0.1:{free_port()}/0"}
+    )
     with pytest.raises(ValueError, match="glob"):
         backend.list(name_glob=pattern)
     with pytest.raises(ValueError, match="glob"):

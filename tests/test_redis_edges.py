@@ -54,15 +54,19 @@ MAY_EVICT = ["--maxmemory", "3mb", "--maxmemory-policy"]
 
 
 def make_backend(location, alias="edge", prefix="setnx-edge", **options):
-    return RedisBackend(alias, {"BACKEND": BACKEND, "LOCATION": location,
-                                "KEY_PREFIX": prefix, "OPTIONS": options})
+    return RedisBackend(
+        alias, {"BACKEND": BACKEND, "LOCATION": location, "KEY_PREFIX": prefix, "OPTIONS": options}
+    )
 
 
 def calls(client, command):
     """How many times the server ran ``command`` (subcommands included)."""
     stats = client.info("commandstats")
-    return sum(stat["calls"] for key, stat in stats.items()
-               if key == f"cmdstat_{command}" or key.startswith(f"cmdstat_{command}|"))
+    return sum(
+        stat["calls"]
+        for key, stat in stats.items()
+        if key == f"cmdstat_{command}" or key.startswith(f"cmdstat_{command}|")
+    )
 
 
 def wait_until(predicate, what, timeout=10):
@@ -85,8 +89,10 @@ def every_operation(backend, name="n", token="tok"):
         ("stop_waiting", lambda: backend.stop_waiting(name, token)),
         ("list", lambda: list(backend.list())),
         ("clear", lambda: backend.clear(include_held=True)),
-        ("wait", lambda: backend.wait(name, token=token, attempt=0, max_wait=0.05,
-                                      retry_after=None)),
+        (
+            "wait",
+            lambda: backend.wait(name, token=token, attempt=0, max_wait=0.05, retry_after=None),
+        ),
     ]
 
 
@@ -102,13 +108,14 @@ def assert_refused(call, alias, policy):
 # -- eviction: our own client -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-lru", "allkeys-random",
-                                    "volatile-ttl"])
+@pytest.mark.parametrize(
+    "policy", ["allkeys-lru", "volatile-lru", "allkeys-random", "volatile-ttl"]
+)
 def test_a_server_that_may_evict_is_refused_before_anything_is_written(policy):
     with RedisServer(*MAY_EVICT, policy) as server:
         backend = make_backend(server.url)
         try:
-            for label, call in every_operation(backend):
+            for _label, call in every_operation(backend):
                 assert_refused(call, "edge", policy)
             client = redis.Redis(port=server.port)
             assert client.dbsize() == 0, "a refused backend wrote something"
@@ -118,10 +125,13 @@ def test_a_server_that_may_evict_is_refused_before_anything_is_written(policy):
             backend.close()
 
 
-@pytest.mark.parametrize("args", [
-    [*MAY_EVICT, "noeviction"],
-    ["--maxmemory", "0", "--maxmemory-policy", "allkeys-lru"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [*MAY_EVICT, "noeviction"],
+        ["--maxmemory", "0", "--maxmemory-policy", "allkeys-lru"],
+    ],
+)
 def test_a_server_that_cannot_evict_is_checked_once_per_connection_and_accepted(args):
     with RedisServer(*args) as server:
         backend = make_backend(server.url)
@@ -162,8 +172,14 @@ def test_with_config_disabled_the_policy_is_read_from_info():
 def test_a_server_whose_policy_cannot_be_read_is_refused():
     with RedisServer(*MAY_EVICT, "noeviction") as server:
         admin = redis.Redis(port=server.port)
-        admin.acl_setuser("locker", enabled=True, passwords=["+secret"], keys=["*"],
-                          channels=["*"], commands=["+@all", "-config", "-info"])
+        admin.acl_setuser(
+            "locker",
+            enabled=True,
+            passwords=["+secret"],
+            keys=["*"],
+            channels=["*"],
+            commands=["+@all", "-config", "-info"],
+        )
         backend = make_backend(f"redis://locker:secret@127.0.0.1:{server.port}/0")
         try:
             with pytest.raises(LockBackendError, match="neither CONFIG GET nor INFO") as exc:
@@ -175,8 +191,13 @@ def test_a_server_whose_policy_cannot_be_read_is_refused():
 
 
 def test_allow_eviction_accepts_the_risk_and_skips_the_check():
-    assert RedisBackend.check_params("edge", {"BACKEND": BACKEND, "LOCATION": "redis://h/0",
-                                              "OPTIONS": {"ALLOW_EVICTION": True}}) == []
+    assert (
+        RedisBackend.check_params(
+            "edge",
+            {"BACKEND": BACKEND, "LOCATION": "redis://h/0", "OPTIONS": {"ALLOW_EVICTION": True}},
+        )
+        == []
+    )
     assert "ALLOW_EVICTION" in RedisBackend.option_names  # no "unknown option" warning
     with RedisServer(*MAY_EVICT, "allkeys-lru") as server:
         backend = make_backend(server.url, ALLOW_EVICTION=True)
@@ -205,7 +226,7 @@ def test_a_policy_changed_later_is_refused_on_the_next_connection():
             assert backend.acquire("held", "tok", 30, OWNER).acquired
             admin.config_set("maxmemory-policy", "allkeys-lru")
             admin.client_kill_filter(_type="normal", skipme=True)  # our connections go
-            for label, call in every_operation(backend, name="other"):
+            for _label, call in every_operation(backend, name="other"):
                 assert_refused(call, "edge", "allkeys-lru")
             assert not admin.exists(lock_keys("setnx-edge", "other")[0])
             admin.config_set("maxmemory-policy", "noeviction")  # fixed: usable again
@@ -222,9 +243,14 @@ def cache_settings(url, alias="viacache", **options):
         "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
         "shared": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": url},
     }
-    lock_settings = {**settings.SETNX_LOCKS, alias: {
-        "BACKEND": BACKEND, "KEY_PREFIX": "setnx-edge",
-        "OPTIONS": {"CACHE": "shared", **options}}}
+    lock_settings = {
+        **settings.SETNX_LOCKS,
+        alias: {
+            "BACKEND": BACKEND,
+            "KEY_PREFIX": "setnx-edge",
+            "OPTIONS": {"CACHE": "shared", **options},
+        },
+    }
     return override_settings(CACHES=caches, SETNX_LOCKS=lock_settings)
 
 
@@ -239,7 +265,7 @@ def test_a_shared_pool_that_may_evict_refuses_locks_but_never_breaks_the_cache()
     with RedisServer(*MAY_EVICT, "allkeys-lru") as server, cache_settings(server.url):
         assert_cache_works()  # the cache had connections before the locks did
         backend = locks["viacache"]
-        for label, call in every_operation(backend):
+        for _label, call in every_operation(backend):
             assert_refused(call, "viacache", "allkeys-lru")
             assert_cache_works()
         client = redis.Redis(port=server.port)
@@ -262,8 +288,9 @@ def test_a_shared_pool_refuses_after_the_policy_changed_and_connections_were_mad
         admin.client_kill_filter(_type="normal", skipme=True)
         if first_user == "cache":
             assert_cache_works()
-        assert_refused(lambda: backend.acquire("other", "tok", 30, OWNER), "viacache",
-                       "allkeys-lru")
+        assert_refused(
+            lambda: backend.acquire("other", "tok", 30, OWNER), "viacache", "allkeys-lru"
+        )
         assert_cache_works("k2")
         assert not admin.exists(lock_keys("setnx-edge", "other")[0])
         admin.config_set("maxmemory-policy", "noeviction")
@@ -383,8 +410,9 @@ def test_every_script_checks_its_numeric_arguments_before_writing(private_redis)
     backend = make_backend(server.url)
     try:
         for label, script, script_keys, argv, index in script_calls(keys):
-            bad_values = ["2", "", "yes"] if label.startswith("CLEAR") and index in (0, 4) \
-                else BAD_MS
+            bad_values = (
+                ["2", "", "yes"] if label.startswith("CLEAR") and index in (0, 4) else BAD_MS
+            )
             if label == "CLEAR older_than":
                 bad_values = [v for v in BAD_MS if v != ""]  # '' means "any age"
             for bad in bad_values:
@@ -407,11 +435,15 @@ def test_every_script_checks_its_numeric_arguments_before_writing(private_redis)
 
 
 def test_an_alias_without_location_fails_at_creation_naming_it():
-    for params in ({"BACKEND": BACKEND},
-                   {"BACKEND": BACKEND, "LOCATION": "redis://h/0", "OPTIONS": {"CACHE": "x"}},
-                   {"BACKEND": BACKEND, "LOCATION": ""}):
-        with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "nowhere": params}), \
-                pytest.raises(ImproperlyConfigured, match=r"SETNX_LOCKS\['nowhere'\]"):
+    for params in (
+        {"BACKEND": BACKEND},
+        {"BACKEND": BACKEND, "LOCATION": "redis://h/0", "OPTIONS": {"CACHE": "x"}},
+        {"BACKEND": BACKEND, "LOCATION": ""},
+    ):
+        with (
+            override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "nowhere": params}),
+            pytest.raises(ImproperlyConfigured, match=r"SETNX_LOCKS\['nowhere'\]"),
+        ):
             locks["nowhere"]
 
 
@@ -420,17 +452,42 @@ def test_an_alias_without_location_fails_at_creation_naming_it():
 
 UNREADABLE = {
     "only-a-token": {"token": "t"},
-    "owner-not-json": {"token": "t", "fencing": "1", "owner": "{oops", "acquired": "1",
-                       "expires": "2"},
-    "owner-a-list": {"token": "t", "fencing": "1", "owner": "[1]", "acquired": "1",
-                     "expires": "2"},
-    "expires-a-word": {"token": "t", "fencing": "1", "owner": "{}", "acquired": "1",
-                       "expires": "soon"},
-    "expires-1e20": {"token": "t", "fencing": "1", "owner": "{}", "acquired": "1",
-                     "expires": "1e20"},
+    "owner-not-json": {
+        "token": "t",
+        "fencing": "1",
+        "owner": "{oops",
+        "acquired": "1",
+        "expires": "2",
+    },
+    "owner-a-list": {
+        "token": "t",
+        "fencing": "1",
+        "owner": "[1]",
+        "acquired": "1",
+        "expires": "2",
+    },
+    "expires-a-word": {
+        "token": "t",
+        "fencing": "1",
+        "owner": "{}",
+        "acquired": "1",
+        "expires": "soon",
+    },
+    "expires-1e20": {
+        "token": "t",
+        "fencing": "1",
+        "owner": "{}",
+        "acquired": "1",
+        "expires": "1e20",
+    },
     "no-fencing": {"token": "t", "owner": "{}", "acquired": "1", "expires": "2"},
-    "bad-utf8": {"token": "t", "fencing": "1", "owner": b"{\xff}", "acquired": "1",
-                 "expires": "2"},
+    "bad-utf8": {
+        "token": "t",
+        "fencing": "1",
+        "owner": b"{\xff}",
+        "acquired": "1",
+        "expires": "2",
+    },
 }
 
 
@@ -443,8 +500,10 @@ def test_unreadable_records_never_crash_get_list_or_clear(private_redis):
         # A broken record whose expiry is readable and ahead blocks acquires (the
         # scripts judge by expires alone), so it is shown as held, never as stale.
         far = int(time.time() * 1000) + 3_600_000
-        client.hset(lock_keys("setnx-edge", "held-broken")[0],
-                    mapping={"token": "t", "owner": "{oops", "expires": far})
+        client.hset(
+            lock_keys("setnx-edge", "held-broken")[0],
+            mapping={"token": "t", "owner": "{oops", "expires": far},
+        )
         assert backend.acquire("fine", "tok", 30, OWNER).acquired
 
         for name in UNREADABLE:
@@ -478,8 +537,9 @@ def test_listlocks_and_clearlocks_handle_an_unreadable_record(private_redis):
     server, client = private_redis
     params = {"BACKEND": BACKEND, "LOCATION": server.url, "KEY_PREFIX": "setnx-edge"}
     client.hset(lock_keys("setnx-edge", "by-hand")[0], mapping={"token": "t", "expires": "x"})
-    with override_settings(SETNX_LOCKS={"default": settings.SETNX_LOCKS["default"],
-                                        "private": params}):
+    with override_settings(
+        SETNX_LOCKS={"default": settings.SETNX_LOCKS["default"], "private": params}
+    ):
         out = StringIO()
         call_command("listlocks", "--backend", "private", "--json", stdout=out)
         [record] = [json.loads(line) for line in out.getvalue().splitlines()]  # NDJSON
@@ -503,8 +563,9 @@ def test_our_client_has_socket_timeouts_and_no_retries_by_default(private_redis)
         assert backend.connection.max_block < redis_backend.DEFAULT_SOCKET_TIMEOUT
     finally:
         backend.close()
-    mine = make_backend(server.url, CONNECTION_KWARGS={"socket_timeout": 0.5,
-                                                       "retry": Retry(NoBackoff(), 3)})
+    mine = make_backend(
+        server.url, CONNECTION_KWARGS={"socket_timeout": 0.5, "retry": Retry(NoBackoff(), 3)}
+    )
     try:
         kwargs = mine.connection.client.connection_pool.connection_kwargs
         assert kwargs["socket_timeout"] == 0.5 and kwargs["retry"].get_retries() == 3
@@ -556,8 +617,10 @@ def test_connections_the_server_dropped_while_idle_are_replaced_and_rechecked():
         try:
             assert backend.acquire("n", "tok1", 30, OWNER).acquired
             assert backend.release("n", "tok1")
-            wait_until(lambda: client.info("clients")["connected_clients"] == 1,
-                       "the server's idle sweep to close our connection")
+            wait_until(
+                lambda: client.info("clients")["connected_clients"] == 1,
+                "the server's idle sweep to close our connection",
+            )
             result = backend.acquire("n", "tok2", 30, OWNER)
             assert result.acquired
             assert client.hget(lock_keys("setnx-edge", "n")[0], "token") == b"tok2"
@@ -583,8 +646,9 @@ def test_a_waiter_whose_connection_the_server_killed_still_gets_the_lock(private
             waiter = lock("n", ttl=30, backend="private")
             try:
                 outcome["acquired"] = waiter.acquire(timeout=20)
-                outcome["fencing_in_redis"] = client.hget(lock_keys("setnx-edge", "n")[0],
-                                                        "fencing")
+                outcome["fencing_in_redis"] = client.hget(
+                    lock_keys("setnx-edge", "n")[0], "fencing"
+                )
                 outcome["fencing"] = waiter.fencing_token
                 waiter.release()
             except Exception as exc:  # noqa: BLE001 - reported below
@@ -592,8 +656,9 @@ def test_a_waiter_whose_connection_the_server_killed_still_gets_the_lock(private
 
         thread = threading.Thread(target=wait)
         thread.start()
-        wait_until(lambda: client.info("clients")["blocked_clients"] == 1,
-                   "the waiter to block in BLPOP")
+        wait_until(
+            lambda: client.info("clients")["blocked_clients"] == 1, "the waiter to block in BLPOP"
+        )
         client.client_kill_filter(_type="normal", skipme=True)
         holder.release()
         thread.join(30)
@@ -613,8 +678,10 @@ def test_keys_of_another_type_or_not_utf8_are_unreadable_records(private_redis):
     not_utf8 = b"setnx-edge:{caf\xe9}:lock"
     try:
         client.rpush(wrong_type, "x")
-        client.hset(not_utf8, mapping={"token": "t", "fencing": "1", "owner": "{}",
-                                       "acquired": "1", "expires": "2"})
+        client.hset(
+            not_utf8,
+            mapping={"token": "t", "fencing": "1", "owner": "{}", "acquired": "1", "expires": "2"},
+        )
         info = backend.get("a-list")
         assert info.is_stale and info.fencing_token == 0
         assert "WRONGTYPE" in info.owner["unreadable"]
@@ -649,15 +716,17 @@ def test_clearlocks_removes_a_key_whose_name_is_not_utf8(private_redis):
     key = b"setnx-edge:{\xff\xfe}:lock"
     client.hset(key, mapping={"token": "t", "expires": "1"})
     client.set(b"elsewhere:{\xff}:lock", "not ours")
-    with override_settings(SETNX_LOCKS={"default": settings.SETNX_LOCKS["default"],
-                                        "private": params}):
+    with override_settings(
+        SETNX_LOCKS={"default": settings.SETNX_LOCKS["default"], "private": params}
+    ):
         out = StringIO()
         call_command("listlocks", "--backend", "private", "--json", stdout=out)
         [record] = [json.loads(line) for line in out.getvalue().splitlines()]
         assert record["name"] == "\\xff\\xfe" and record["state"] == "stale"
         out = StringIO()
-        call_command("clearlocks", "--backend", "private", verbosity=2, stdout=out,
-                     stderr=StringIO())
+        call_command(
+            "clearlocks", "--backend", "private", verbosity=2, stdout=out, stderr=StringIO()
+        )
         # The name as listed (bytes shown as \xNN), escaped as every printed name is.
         assert "  removed \\\\xff\\\\xfe" in out.getvalue()
         assert client.exists(key) == 0
@@ -665,8 +734,9 @@ def test_clearlocks_removes_a_key_whose_name_is_not_utf8(private_redis):
         locks.close_all()
 
 
-@pytest.mark.parametrize("location_query", ["", "?socket_timout=3"],
-                         ids=["CONNECTION_KWARGS", "URL query"])
+@pytest.mark.parametrize(
+    "location_query", ["", "?socket_timout=3"], ids=["CONNECTION_KWARGS", "URL query"]
+)
 def test_a_connection_argument_redis_py_does_not_take_is_named(private_redis, location_query):
     server, client = private_redis
     options = {} if location_query else {"CONNECTION_KWARGS": {"socket_timout": 3}}

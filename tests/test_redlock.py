@@ -105,14 +105,15 @@ def test_minority_down_still_works_majority_down_fails_cleanly(count, survivable
         # One more: the majority is gone. The node that still answers cannot tell
         # anything: LockBackendError at once (not a contention), naming the nodes.
         masters.servers[survivable].kill()
-        down = [f"127.0.0.1:{s.port}" for s in masters.servers[:survivable + 1]]
-        with pytest.raises(LockBackendError, match=f"only {count - survivable - 1} of {count}") \
-                as refused:
+        down = [f"127.0.0.1:{s.port}" for s in masters.servers[: survivable + 1]]
+        with pytest.raises(
+            LockBackendError, match=f"only {count - survivable - 1} of {count}"
+        ) as refused:
             lock(name, ttl=10, backend=alias).acquire(timeout=5)
         assert all(label in str(refused.value) for label in down)
         # Nothing is left behind on the nodes that answered (the partial grants
         # were released).
-        for server in masters.servers[survivable + 1:]:
+        for server in masters.servers[survivable + 1 :]:
             assert not redis.Redis(port=server.port).exists(lock_key(name))
 
         # Every node down: the backend cannot be reached at all.
@@ -209,8 +210,9 @@ def test_validity_window(redlock_masters3):
         backend = locks[alias]
         # ttl - drift (1 ms * 0.01 + 2 ms) < 0: no validity left, whatever the latency.
         assert backend.acquire(name, "t1", 0.001, OWNER).acquired is False
-        assert not any(c.exists(lock_key(name)) for c in clients(redlock_masters3)), \
+        assert not any(c.exists(lock_key(name)) for c in clients(redlock_masters3)), (
             "the grants of an invalid acquire are released"
+        )
         assert backend.acquire(name, "t2", 1, OWNER).acquired is True
         backend.release(name, "t2")
 
@@ -270,8 +272,9 @@ def test_master_restarted_empty_does_not_let_a_second_holder_in(make_masters):
         masters.servers[0].start()
 
         second = lock(name, ttl=max_ttl, backend=alias)
-        assert second.acquire(blocking=False) is False, \
+        assert second.acquire(blocking=False) is False, (
             "A forgot the holder, but is untrusted: only C votes for the second client"
+        )
         remaining = int(a.get(MARKER)) - int(a.time()[0] * 1000 + a.time()[1] // 1000)
         assert 0 < remaining <= max_ttl * 1000, "A's marker: trusted after node_now + MAX_TTL"
         assert not a.exists(lock_key(name)), "an untrusted node grants nothing"
@@ -296,8 +299,11 @@ def test_restarted_master_votes_again_after_max_ttl(make_masters):
         masters.servers[1].kill()  # B down: A's vote is needed for a majority
         name = unique()
         started = time.monotonic()
-        with pytest.raises(LockBackendError, match=f"127.0.0.1:{masters.servers[0].port} "
-                                                   r"\(votes in \d+ s\)"):
+        with pytest.raises(
+            LockBackendError,
+            match=f"127.0.0.1:{masters.servers[0].port} "
+            r"\(votes in \d+ s\)",
+        ):
             backend.acquire(name, "t", 1, OWNER)  # creates A's marker
         while True:
             try:
@@ -319,8 +325,9 @@ def test_trust_nodes_and_marker_is_not_a_lock(redlock_masters3):
         assert all(c.exists(MARKER) for c in clients(redlock_masters3))
         assert all(not info.name.startswith("__node__") for info in backend.list())
         backend.clear(include_held=True)
-        assert all(c.exists(MARKER) for c in clients(redlock_masters3)), \
+        assert all(c.exists(MARKER) for c in clients(redlock_masters3)), (
             "clear never removes the marker"
+        )
 
 
 # -- the majority view ----------------------------------------------------------------------
@@ -344,8 +351,9 @@ def test_list_get_and_clear_union_of_nodes(make_masters):
         assert infos[held].state == "held" and infos[minority].state == "stale"
         assert backend.get(minority).state == "stale"
         assert not lk2.locked()
-        assert lock(minority, ttl=30, backend=alias).acquire(blocking=False), \
+        assert lock(minority, ttl=30, backend=alias).acquire(blocking=False), (
             "A and B are free: a majority"
+        )
         assert backend.get(gone) is None
 
         # A node that is down is left out of list, the others still answer.
@@ -376,8 +384,11 @@ def test_clearlocks_command_on_redlock(redlock_masters3, capsys):
         ({"LOCATION": None}, "E031", "got None"),
         ({"LOCATION": ["redis://h1/0", 7, "redis://h3/0"]}, "E031", "got"),
         ({"LOCATION": ["redis://h1/0", "redis://h2/0"]}, "E032", "lists 2 master"),
-        ({"LOCATION": ["redis://h1/0", "redis://h1/0", "redis://h3/0"]}, "E033",
-         "['redis://h1/0'] more than once"),
+        (
+            {"LOCATION": ["redis://h1/0", "redis://h1/0", "redis://h3/0"]},
+            "E033",
+            "['redis://h1/0'] more than once",
+        ),
         ({"KEY_PREFIX": ""}, "E034", "KEY_PREFIX"),
         ({"OPTIONS": {"NODE_TIMEOUT": 0}}, "E035", "NODE_TIMEOUT'] must be a positive"),
         ({"OPTIONS": {"MAX_TTL": "1h"}}, "E035", "MAX_TTL'] must be a positive"),
@@ -392,8 +403,10 @@ def test_check_params(params, error_id, message):
     # Masters that are listening sockets of ours: the checks must never connect.
     listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(3)]
     try:
-        base = {"BACKEND": "django_setnx.backends.redlock.RedlockBackend",
-                "LOCATION": [f"redis://127.0.0.1:{s.getsockname()[1]}/0" for s in listeners]}
+        base = {
+            "BACKEND": "django_setnx.backends.redlock.RedlockBackend",
+            "LOCATION": [f"redis://127.0.0.1:{s.getsockname()[1]}/0" for s in listeners],
+        }
         messages = RedlockBackend.check_params("rl", {**base, **params})
         for listener in listeners:
             listener.setblocking(False)
@@ -408,10 +421,17 @@ def test_check_params(params, error_id, message):
 
 
 def test_check_params_accepts_a_good_alias_and_warns_on_even_n():
-    good = {"BACKEND": "django_setnx.backends.redlock.RedlockBackend",
-            "LOCATION": [f"redis://192.0.2.{i}:6379/0" for i in range(1, 4)],
-            "TTL": 30, "OPTIONS": {"NODE_TIMEOUT": 0.05, "MAX_TTL": 600,
-                                   "CLOCK_DRIFT_FACTOR": 0.01, "CONNECTION_KWARGS": {}}}
+    good = {
+        "BACKEND": "django_setnx.backends.redlock.RedlockBackend",
+        "LOCATION": [f"redis://192.0.2.{i}:6379/0" for i in range(1, 4)],
+        "TTL": 30,
+        "OPTIONS": {
+            "NODE_TIMEOUT": 0.05,
+            "MAX_TTL": 600,
+            "CLOCK_DRIFT_FACTOR": 0.01,
+            "CONNECTION_KWARGS": {},
+        },
+    }
     assert RedlockBackend.check_params("rl", good) == []
     even = {**good, "LOCATION": [f"redis://192.0.2.{i}:6379/0" for i in range(1, 5)]}
     assert [m.id for m in RedlockBackend.check_params("rl", even)] == ["django_setnx.W030"]

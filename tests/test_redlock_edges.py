@@ -88,8 +88,9 @@ def test_untrusted_masters_are_an_error_naming_them_and_the_command(make_masters
             assert f"{label(server)} (votes in 3600 s)" in message, message
         assert "none may vote" in message and "MAX_TTL = 3600 s" in message, message
         assert "manage.py trustlocknodes --backend fresh" in message, message
-        assert not any(c.exists(lock_key(name)) for c in clients(masters)), \
+        assert not any(c.exists(lock_key(name)) for c in clients(masters)), (
             "untrusted masters grant nothing"
+        )
 
         # One master trusted: still no trusted majority; the other two are named.
         first, second, _ = clients(masters)
@@ -109,10 +110,12 @@ def test_untrusted_masters_are_an_error_naming_them_and_the_command(make_masters
 def command(*args, answer=None, monkeypatch=None, **options):
     """Run trustlocknodes; returns its stdout. ``answer`` is typed at the prompt."""
     if monkeypatch is not None:
+
         def fake_input(prompt):
             if answer is None:
                 raise AssertionError(f"unexpected prompt: {prompt}")
             return answer
+
         monkeypatch.setattr(builtins, "input", fake_input)
     out = StringIO()
     call_command("trustlocknodes", *args, stdout=out, stderr=StringIO(), **options)
@@ -131,8 +134,10 @@ def test_trustlocknodes_dry_run_then_confirmed(make_masters, monkeypatch):
         out = command("--backend", alias, "--dry-run", monkeypatch=monkeypatch)
         assert f"{label(first)}  untrusted: votes in 3500 s" in out, out
         for server in (second, third):
-            assert f"{label(server)}  no marker (brand-new, or restarted empty): sits out " \
-                   f"for 3600 s from the first acquire that reaches it" in out, out
+            assert (
+                f"{label(server)}  no marker (brand-new, or restarted empty): sits out "
+                f"for 3600 s from the first acquire that reaches it" in out
+            ), out
         assert "trusted now" not in out
         with pytest.raises(LockBackendError):  # a dry run changes nothing
             lock(unique(), backend=alias).acquire(blocking=False)
@@ -143,8 +148,7 @@ def test_trustlocknodes_dry_run_then_confirmed(make_masters, monkeypatch):
         with pytest.raises(LockBackendError):
             lock(unique(), backend=alias).acquire(blocking=False)
 
-        out = command("--backend", alias, answer="yes", monkeypatch=monkeypatch,
-                      force_color=True)
+        out = command("--backend", alias, answer="yes", monkeypatch=monkeypatch, force_color=True)
         assert "\x1b[" in out and "3 masters trusted now" in out, out
         assert all(label(s) in out for s in (first, second, third))
         with lock(unique(), backend=alias, timeout=5) as lk:
@@ -173,8 +177,10 @@ def test_trustlocknodes_refuses_unknown_and_other_aliases(redlock_masters3):
     with pytest.raises(CommandError, match="'locmem' is a LocMemBackend, not a RedlockBackend"):
         call_command("trustlocknodes", "--backend", "locmem", "--noinput")
     only_locmem = {"locmem": settings.SETNX_LOCKS["locmem"]}
-    with override_settings(SETNX_LOCKS=only_locmem), \
-            pytest.raises(CommandError, match="No Redlock backend is configured"):
+    with (
+        override_settings(SETNX_LOCKS=only_locmem),
+        pytest.raises(CommandError, match="No Redlock backend is configured"),
+    ):
         call_command("trustlocknodes", "--noinput")
     locks.close_all()
 
@@ -190,14 +196,20 @@ def test_a_master_that_may_evict_is_refused(make_masters, caplog):
         with lock(name, ttl=10, backend=alias, timeout=5):
             written = [c.exists(lock_key(name)) for c in clients(masters)]
         assert written == [1, 1, 0], "nothing is written to the master that may evict"
-        assert any(label(evicting) in r.getMessage() and "'allkeys-lru'" in r.getMessage()
-                   and "ALLOW_EVICTION" in r.getMessage() for r in caplog.records), \
-            caplog.text
+        assert any(
+            label(evicting) in r.getMessage()
+            and "'allkeys-lru'" in r.getMessage()
+            and "ALLOW_EVICTION" in r.getMessage()
+            for r in caplog.records
+        ), caplog.text
 
-    with alias_on(masters.urls, ALLOW_EVICTION=True) as alias, \
-            lock(name, ttl=10, backend=alias, timeout=5):
-        assert all(c.exists(lock_key(name)) for c in clients(masters)), \
+    with (
+        alias_on(masters.urls, ALLOW_EVICTION=True) as alias,
+        lock(name, ttl=10, backend=alias, timeout=5),
+    ):
+        assert all(c.exists(lock_key(name)) for c in clients(masters)), (
             "ALLOW_EVICTION accepts the risk"
+        )
 
 
 def test_two_masters_that_may_evict_are_a_quorum_error(make_masters):
@@ -233,8 +245,11 @@ def test_each_new_connection_is_checked(make_masters):
 # -- bad input -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ttl", [0, -1, math.nan, True, "10", 10**400],
-                         ids=["zero", "negative", "nan", "bool", "str", "huge-int"])
+@pytest.mark.parametrize(
+    "ttl",
+    [0, -1, math.nan, True, "10", 10**400],
+    ids=["zero", "negative", "nan", "bool", "str", "huge-int"],
+)
 def test_bad_ttl_is_refused_before_anything_is_written(redlock_masters3, ttl):
     name = unique()
     with alias_on(redlock_masters3.urls) as alias:
@@ -253,15 +268,19 @@ def test_bad_ttl_is_refused_before_anything_is_written(redlock_masters3, ttl):
 
 
 def test_max_ttl_option_and_unknown_options_are_warned_about(redlock_masters3):
-    params = {"BACKEND": "django_setnx.backends.redlock.RedlockBackend",
-              "LOCATION": redlock_masters3.urls, "KEY_PREFIX": "setnx-test",
-              "OPTIONS": {"MAX_TTL": 7200, "NODE_TIMEOUTS": 1}}
+    params = {
+        "BACKEND": "django_setnx.backends.redlock.RedlockBackend",
+        "LOCATION": redlock_masters3.urls,
+        "KEY_PREFIX": "setnx-test",
+        "OPTIONS": {"MAX_TTL": 7200, "NODE_TIMEOUTS": 1},
+    }
     assert not [m for m in RedlockBackend.check_params("rl", params) if m.id.endswith("E039")]
     with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "rl": params}):
         messages = {(m.id, m.msg) for m in run_checks(tags=["django_setnx"])}
-        assert ("django_setnx.W002",
-                ("SETNX_LOCKS['rl']['OPTIONS'] has an unknown key 'NODE_TIMEOUTS'; it is "
-                 "ignored.")) in messages
+        assert (
+            "django_setnx.W002",
+            ("SETNX_LOCKS['rl']['OPTIONS'] has an unknown key 'NODE_TIMEOUTS'; it is ignored."),
+        ) in messages
         assert not [m for m in messages if m[0].startswith("django_setnx.E")], messages
         backend = locks["rl"]
         assert backend.max_ttl == 7200
@@ -271,8 +290,11 @@ def test_max_ttl_option_and_unknown_options_are_warned_about(redlock_masters3):
         locks.close_all()
     with alias_on(redlock_masters3.urls) as alias:
         assert locks[alias].max_ttl == 3600, "Redlock's default MAX_TTL"
-        with pytest.raises(ValueError, match=rf"3601 s is above the maximum of 3600 s "
-                                             rf"\(SETNX_LOCKS\['{alias}'\]"):
+        with pytest.raises(
+            ValueError,
+            match=rf"3601 s is above the maximum of 3600 s "
+            rf"\(SETNX_LOCKS\['{alias}'\]",
+        ):
             locks[alias].acquire(unique(), "t", 3601, OWNER)
 
 
@@ -280,8 +302,16 @@ def test_records_that_cannot_be_read_never_crash_get_or_list(redlock_masters3):
     garbled, not_json, wrong_type = unique("bad"), unique("bad"), unique("bad")
     for client in clients(redlock_masters3):
         client.hset(lock_key(garbled), mapping={"token": "x", "fencing": "abc"})
-        client.hset(lock_key(not_json), mapping={
-            "token": "x", "fencing": 1, "owner": "{not json", "acquired": 1, "expires": 2})
+        client.hset(
+            lock_key(not_json),
+            mapping={
+                "token": "x",
+                "fencing": 1,
+                "owner": "{not json",
+                "acquired": 1,
+                "expires": 2,
+            },
+        )
         client.set(lock_key(wrong_type), "a string, not a hash")
     with alias_on(redlock_masters3.urls) as alias:
         backend = locks[alias]

@@ -25,12 +25,15 @@ SLACK = 0.5
 def private_redis(redis_server):
     """A ``private`` lock alias on a throwaway Redis whose socket timeout (20 s) is far
     longer than the ttls used here, so a hanging extend outlives the lock."""
-    config = {**settings.SETNX_LOCKS, "private": {
-        "BACKEND": "django_setnx.backends.redis.RedisBackend",
-        "LOCATION": redis_server.url,
-        "KEY_PREFIX": "renewal",
-        "OPTIONS": {"CONNECTION_KWARGS": {"socket_timeout": 20, "socket_connect_timeout": 20}},
-    }}
+    config = {
+        **settings.SETNX_LOCKS,
+        "private": {
+            "BACKEND": "django_setnx.backends.redis.RedisBackend",
+            "LOCATION": redis_server.url,
+            "KEY_PREFIX": "renewal",
+            "OPTIONS": {"CONNECTION_KWARGS": {"socket_timeout": 20, "socket_connect_timeout": 20}},
+        },
+    }
     with override_settings(SETNX_LOCKS=config):
         yield redis_server
     locks.reset()

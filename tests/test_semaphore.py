@@ -44,8 +44,7 @@ def test_at_most_limit_holders(alias, name):
     holders = extra.holders()
     assert [split_slot(info.name) for info in holders] == [(name, 1), (name, 2), (name, 3)]
     assert {info.fencing_token for info in holders} == {sem.fencing_token for sem in sems}
-    assert all(info.owner["limit"] == 3 and info.owner["pid"] == os.getpid()
-               for info in holders)
+    assert all(info.owner["limit"] == 3 and info.owner["pid"] == os.getpid() for info in holders)
     sems[1].release()
     assert not sems[1].owned() and not extra.locked()
     assert extra.acquire(blocking=False) is True
@@ -207,8 +206,11 @@ def test_a_second_limit_is_refused_and_writes_nothing(alias, name):
     assert held.acquire()
     for other in (2, 5):
         sem = semaphore(name, other, ttl=10, backend=alias)
-        with pytest.raises(ValueError, match=rf"held with limit=3; it cannot also be used with "
-                                             rf"limit={other}"):
+        with pytest.raises(
+            ValueError,
+            match=rf"held with limit=3; it cannot also be used with "
+            rf"limit={other}",
+        ):
             sem.acquire()
         assert not sem.owned()
     assert [info.fencing_token for info in held.holders()] == [held.fencing_token]
@@ -227,10 +229,10 @@ def test_a_semaphore_is_not_a_lock_of_the_same_name(alias, name):
 def test_admin_listing_sees_each_slot(alias, name):
     sems = fill(name, alias, 2)
     page = locks[alias].page(name_glob=f"{name}*")
-    assert sorted(info.name for info in page.infos) == [slot_record(name, 1),
-                                                          slot_record(name, 2)]
-    removed = locks[alias].delete(slot_record(name, sems[0].slot),
-                                  fencing_token=sems[0].fencing_token)
+    assert sorted(info.name for info in page.infos) == [slot_record(name, 1), slot_record(name, 2)]
+    removed = locks[alias].delete(
+        slot_record(name, sems[0].slot), fencing_token=sems[0].fencing_token
+    )
     assert removed is not None and not sems[0].owned() and sems[1].owned()
     sems[1].release()
 
@@ -238,15 +240,18 @@ def test_admin_listing_sees_each_slot(alias, name):
 # -- bad input ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("limit, error, message", [
-    (0, ValueError, "from 1 to 1000, got 0"),
-    (-2, ValueError, "got -2"),
-    (MAX_LIMIT + 1, ValueError, "got 1001"),
-    (2.0, TypeError, "must be an int, not float: 2.0"),
-    ("3", TypeError, "not str: '3'"),
-    (True, TypeError, "not bool: True"),
-    (None, TypeError, "not NoneType"),
-])
+@pytest.mark.parametrize(
+    "limit, error, message",
+    [
+        (0, ValueError, "from 1 to 1000, got 0"),
+        (-2, ValueError, "got -2"),
+        (MAX_LIMIT + 1, ValueError, "got 1001"),
+        (2.0, TypeError, "must be an int, not float: 2.0"),
+        ("3", TypeError, "not str: '3'"),
+        (True, TypeError, "not bool: True"),
+        (None, TypeError, "not NoneType"),
+    ],
+)
 def test_bad_limits_are_refused(alias, name, limit, error, message):
     with pytest.raises(error, match=message):
         semaphore(name, limit, backend=alias)
@@ -323,6 +328,7 @@ def test_a_contended_view_with_a_limit_answers_409_with_the_soonest_expiry(rf, n
     @locked(name, ttl=10, backend="locmem", limit=2)
     def view(request):
         from django.http import HttpResponse
+
         return HttpResponse("ok")
 
     holders = [semaphore(name, 2, ttl=ttl, backend="locmem") for ttl in (50, 7)]
@@ -344,8 +350,21 @@ def test_eight_processes_never_exceed_the_limit(shared_alias, name, spawn, env):
     ctx = spawn.ctx
     inside, peak, guard = ctx.Value("i", 0, lock=False), ctx.Value("i", 0, lock=False), ctx.Lock()
     results = ctx.Queue()
-    procs = [spawn(workers.semaphore_user, env, shared_alias, name, limit, iterations,
-                   inside, peak, guard, results) for _ in range(processes)]
+    procs = [
+        spawn(
+            workers.semaphore_user,
+            env,
+            shared_alias,
+            name,
+            limit,
+            iterations,
+            inside,
+            peak,
+            guard,
+            results,
+        )
+        for _ in range(processes)
+    ]
     reports = [results.get(timeout=600) for _ in procs]
     for proc in procs:
         proc.join(timeout=30)

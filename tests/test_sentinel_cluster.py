@@ -52,14 +52,26 @@ def alias_on(alias, params):
 @pytest.mark.parametrize(
     "location, sentinels, service, kwargs",
     [
-        ("redis+sentinel://h1:26379,h2:26380/mymaster/0",
-         [("h1", 26379), ("h2", 26380)], "mymaster", {"db": 0}),
+        (
+            "redis+sentinel://h1:26379,h2:26380/mymaster/0",
+            [("h1", 26379), ("h2", 26380)],
+            "mymaster",
+            {"db": 0},
+        ),
         ("redis+sentinel://h1,h2/svc", [("h1", 26379), ("h2", 26379)], "svc", {}),
         ("redis+sentinel://:s%40cret@h1:1/m/3", [("h1", 1)], "m", {"db": 3, "password": "s@cret"}),
-        ("redis+sentinel://user:pw@h1:1/m", [("h1", 1)], "m",
-         {"username": "user", "password": "pw"}),
-        ("rediss+sentinel://[::1]:5000/m/1?socket_timeout=0.5", [("::1", 5000)], "m",
-         {"db": 1, "ssl": True, "socket_timeout": 0.5}),
+        (
+            "redis+sentinel://user:pw@h1:1/m",
+            [("h1", 1)],
+            "m",
+            {"username": "user", "password": "pw"},
+        ),
+        (
+            "rediss+sentinel://[::1]:5000/m/1?socket_timeout=0.5",
+            [("::1", 5000)],
+            "m",
+            {"db": 1, "ssl": True, "socket_timeout": 0.5},
+        ),
     ],
 )
 def test_parse_sentinel_url(location, sentinels, service, kwargs):
@@ -99,8 +111,10 @@ def test_sentinel_backend_uses_the_master(sentinel_set):
         with lock(name, ttl=30, backend=alias) as lk:
             assert lock(name, backend=alias).acquire(blocking=False) is False
             master = redis.Redis(port=sentinel_set.master.port)
-            assert master.hget(f"setnx-sentinel:{{{name}}}:lock", "fencing") == \
-                str(lk.fencing_token).encode()
+            assert (
+                master.hget(f"setnx-sentinel:{{{name}}}:lock", "fencing")
+                == str(lk.fencing_token).encode()
+            )
             assert [i.name for i in locks[alias].list(name_glob=name)] == [name]
         assert not lk.locked()
 
@@ -115,7 +129,7 @@ def test_sentinel_failover(sentinel_set):
         assert held.acquire(blocking=False)
         old = sentinel_set.master
         # Replication is asynchronous: make sure the replica has the lock before
-        # the crash (a write it never got is lost in a failover; see the README).
+        # the crash (a write it never got is lost in a failover; see docs/explanation.md).
         assert redis.Redis(port=old.port).execute_command("WAIT", 1, 5000) == 1
         old.kill()
 
@@ -180,16 +194,19 @@ def lock_keys_per_node(cluster, prefix="setnx-cluster"):
     counts = {}
     for server in cluster.servers:
         client = redis.Redis(port=server.port)
-        counts[server.port] = sum(1 for _ in client.scan_iter(match=f"{prefix}:*}}:lock",
-                                                              count=1000))
+        counts[server.port] = sum(
+            1 for _ in client.scan_iter(match=f"{prefix}:*}}:lock", count=1000)
+        )
     return counts
 
 
 def test_cluster_keys_of_one_lock_share_a_slot():
     for name in ("a", "reports:daily", "ünïcødé", "x{y}z", "}"[0:0] + "n:{1}"):
         base = f"setnx:{{{name}}}"
-        slots = {key_slot(f"{base}:{part}".encode())
-                 for part in ("lock", "fence", "waiters", "requests", "inbox:0123abcd")}
+        slots = {
+            key_slot(f"{base}:{part}".encode())
+            for part in ("lock", "fence", "waiters", "requests", "inbox:0123abcd")
+        }
         assert len(slots) == 1, name
 
 
@@ -216,8 +233,9 @@ def test_cluster_locks_on_every_primary_and_clearlocks(redis_cluster):
         short = lock(f"cl-{batch}-short", ttl=0.05, backend=alias)
         short.acquire()
         time.sleep(0.1)
-        assert [i.name for i in backend.list(state="stale", name_glob=f"cl-{batch}-*")] == \
-            [f"cl-{batch}-short"]
+        assert [i.name for i in backend.list(state="stale", name_glob=f"cl-{batch}-*")] == [
+            f"cl-{batch}-short"
+        ]
         # Pages (the admin's): the state filter reads one field per key, node by node.
         page = backend.page(state="stale", name_glob=f"cl-{batch}-*")
         assert [i.name for i in page.infos] == [f"cl-{batch}-short"] and page.total == 1
@@ -269,8 +287,10 @@ def test_sentinel_failover_to_a_server_that_may_evict_is_refused():
     """Every new connection checks its server: after a failover to a replica whose
     maxmemory-policy may evict, the same backend object refuses, writing nothing."""
     name = unique()
-    with RedisSentinelSet("evicting", replicas=1, sentinels=1, quorum=1) as sentinel_set, \
-            alias_on("sentinel", sentinel_params(sentinel_set)) as alias:
+    with (
+        RedisSentinelSet("evicting", replicas=1, sentinels=1, quorum=1) as sentinel_set,
+        alias_on("sentinel", sentinel_params(sentinel_set)) as alias,
+    ):
         old = sentinel_set.master
         replica = redis.Redis(port=sentinel_set.replicas[0].port)
         replica.config_set("maxmemory", "3mb")
@@ -278,7 +298,8 @@ def test_sentinel_failover_to_a_server_that_may_evict_is_refused():
         with lock(unique(), ttl=30, backend=alias):
             pass  # the master (noeviction) is accepted
         redis.Redis(port=sentinel_set.sentinels[0].port).execute_command(
-            "SENTINEL", "FAILOVER", "evicting")
+            "SENTINEL", "FAILOVER", "evicting"
+        )
         new_master = sentinel_set.wait_for_failover(old.port)
         # Until the sentinel demotes the old master too, a client still connected to
         # it writes there (the failover's own split-brain window, not ours to test).
@@ -311,18 +332,24 @@ def test_cluster_every_primary_is_checked_for_eviction(redis_cluster):
     """One primary that may evict is enough to refuse on first use, even for a lock
     whose slot lives on another primary."""
     risky = redis_cluster.servers[2]
-    safe_name = next(f"n{i}" for i in range(1000)
-                     if redis.Redis(port=redis_cluster.servers[0].port).execute_command(
-                         "CLUSTER", "KEYSLOT", f"setnx-cluster:{{n{i}}}:lock")
-                     < 16384 // 3)
+    safe_name = next(
+        f"n{i}"
+        for i in range(1000)
+        if redis.Redis(port=redis_cluster.servers[0].port).execute_command(
+            "CLUSTER", "KEYSLOT", f"setnx-cluster:{{n{i}}}:lock"
+        )
+        < 16384 // 3
+    )
     with evicting(risky), alias_on("cluster", cluster_params(redis_cluster)) as alias:
         with pytest.raises(LockBackendError) as excinfo:
             lock(safe_name, ttl=30, backend=alias).acquire(blocking=False)
         assert f"127.0.0.1:{risky.port}" in str(excinfo.value)
         assert "'allkeys-lru'" in str(excinfo.value) and "'cluster'" in str(excinfo.value)
         assert sum(lock_keys_per_node(redis_cluster).values()) == 0
-    with alias_on("cluster", cluster_params(redis_cluster)) as alias, \
-            lock(safe_name, ttl=30, backend=alias) as lk:  # fixed: accepted
+    with (
+        alias_on("cluster", cluster_params(redis_cluster)) as alias,
+        lock(safe_name, ttl=30, backend=alias) as lk,
+    ):  # fixed: accepted
         assert lk.owned()
 
 
@@ -341,18 +368,34 @@ def test_cluster_release_whose_reply_was_lost_is_not_retried():
     retried RELEASE whose first run deleted the record reports "not ours", and the
     Lock would claim it was taken over. Ours is not retried: LockBackendError."""
     port = free_cluster_port()
-    with ReplyDroppingProxy(port) as proxy, RedisServer(
-            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-            "--cluster-announce-ip", "127.0.0.1", "--cluster-announce-port", proxy.port,
-            "--cluster-announce-bus-port", port + 10000, port=port) as node:
+    with (
+        ReplyDroppingProxy(port) as proxy,
+        RedisServer(
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-announce-ip",
+            "127.0.0.1",
+            "--cluster-announce-port",
+            proxy.port,
+            "--cluster-announce-bus-port",
+            port + 10000,
+            port=port,
+        ) as node,
+    ):
         client = redis.Redis(port=node.port)
         client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
         deadline = time.monotonic() + 10
         while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
             assert time.monotonic() < deadline, "the one-node cluster did not come up"
             time.sleep(0.05)
-        params = {"BACKEND": BACKEND, "LOCATION": proxy.url, "KEY_PREFIX": "setnx-cluster",
-                  "OPTIONS": {"CLIENT_CLASS": "django_setnx.backends.clients.cluster"}}
+        params = {
+            "BACKEND": BACKEND,
+            "LOCATION": proxy.url,
+            "KEY_PREFIX": "setnx-cluster",
+            "OPTIONS": {"CLIENT_CLASS": "django_setnx.backends.clients.cluster"},
+        }
         with alias_on("proxied", params) as alias:
             with lock("warm", ttl=30, backend=alias):
                 pass  # ACQUIRE and RELEASE are loaded: EVALSHA from now on

@@ -135,7 +135,7 @@ def test_rollback_releases_at_once(alias, name):
         with transaction.atomic():
             guarded()
             assert held(alias, name)
-            1 / 0
+            raise ZeroDivisionError
     assert not held(alias, name)
 
 
@@ -221,11 +221,17 @@ def test_exclusive_task_twice_in_one_transaction(alias, name):
     from django_setnx.contrib.celery import ExclusiveTask
 
     app = Celery("setnx_tx_twice", set_as_current=False)
-    app.conf.update(task_always_eager=True, broker_url="memory://",
-                    result_backend="cache+memory://")
+    app.conf.update(
+        task_always_eager=True, broker_url="memory://", result_backend="cache+memory://"
+    )
 
-    @app.task(base=ExclusiveTask, shared=False, name=f"tx.twice.{uuid.uuid4().hex}",
-              lock_name=name, lock_backend=alias)
+    @app.task(
+        base=ExclusiveTask,
+        shared=False,
+        name=f"tx.twice.{uuid.uuid4().hex}",
+        lock_name=name,
+        lock_backend=alias,
+    )
     def job(n):
         return n
 
@@ -326,9 +332,11 @@ def test_a_lock_lost_before_commit_is_reported_not_raised_from_commit(alias, nam
     from django_setnx.signals import lock_lost
 
     lost = []
-    lock_lost.connect(lambda lock, **kw: lost.append(lock.name), weak=False,
-                      dispatch_uid="test-tx-lost")
+    lock_lost.connect(
+        lambda lock, **kw: lost.append(lock.name), weak=False, dispatch_uid="test-tx-lost"
+    )
     try:
+
         @locked(name, ttl=30, backend=alias)
         def guarded():
             return 1
@@ -414,12 +422,17 @@ def test_backend_outage_in_deferred_release_does_not_break_commit(name, redis_se
     from django.test import override_settings
 
     alias = "tx-redis"
-    config = {**settings.SETNX_LOCKS, alias: {
-        "BACKEND": "django_setnx.backends.redis.RedisBackend",
-        "LOCATION": redis_server.url, "KEY_PREFIX": "tx",
-        "OPTIONS": {"CONNECTION_KWARGS": {"socket_timeout": 1, "socket_connect_timeout": 1}},
-    }}
+    config = {
+        **settings.SETNX_LOCKS,
+        alias: {
+            "BACKEND": "django_setnx.backends.redis.RedisBackend",
+            "LOCATION": redis_server.url,
+            "KEY_PREFIX": "tx",
+            "OPTIONS": {"CONNECTION_KWARGS": {"socket_timeout": 1, "socket_connect_timeout": 1}},
+        },
+    }
     with override_settings(SETNX_LOCKS=config):
+
         @locked(name, ttl=30, backend=alias)
         def guarded():
             return 1
@@ -427,8 +440,9 @@ def test_backend_outage_in_deferred_release_does_not_break_commit(name, redis_se
         from django_setnx.signals import lock_lost
 
         lost = []
-        lock_lost.connect(lambda lock, **kw: lost.append(lock.name), weak=False,
-                          dispatch_uid="test-tx-outage")
+        lock_lost.connect(
+            lambda lock, **kw: lost.append(lock.name), weak=False, dispatch_uid="test-tx-outage"
+        )
         try:
             with transaction.atomic():
                 guarded()
@@ -449,8 +463,12 @@ def eager_app():
     from celery import Celery
 
     app = Celery("setnx_tx_eager", set_as_current=False)
-    app.conf.update(task_always_eager=True, task_eager_propagates=True,
-                    broker_url="memory://", result_backend="cache+memory://")
+    app.conf.update(
+        task_always_eager=True,
+        task_eager_propagates=True,
+        broker_url="memory://",
+        result_backend="cache+memory://",
+    )
     app.finalize()
     return app
 
@@ -461,8 +479,13 @@ def test_exclusive_task_inside_atomic_releases_after_commit(alias, name, eager_a
     held until COMMIT; after a rollback it is free at once."""
     from django_setnx.contrib.celery import ExclusiveTask
 
-    @eager_app.task(base=ExclusiveTask, shared=False, name=f"tx.{uuid.uuid4().hex}",
-                    lock_name=name + ":{n}", lock_backend=alias)
+    @eager_app.task(
+        base=ExclusiveTask,
+        shared=False,
+        name=f"tx.{uuid.uuid4().hex}",
+        lock_name=name + ":{n}",
+        lock_backend=alias,
+    )
     def job(n):
         return n
 
@@ -477,7 +500,7 @@ def test_exclusive_task_inside_atomic_releases_after_commit(alias, name, eager_a
     with pytest.raises(ZeroDivisionError):
         with transaction.atomic():
             run(2)
-            1 / 0
+            raise ZeroDivisionError
     assert not held(alias, f"{name}:2")
 
 

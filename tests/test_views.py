@@ -131,6 +131,7 @@ def streaming(request, n):
         for i in range(int(n)):
             SEEN.setdefault("stream", []).append(held(f"stream:{n}"))
             yield f"{i},"
+
     return StreamingHttpResponse(chunks())
 
 
@@ -141,6 +142,7 @@ async def async_streaming(request, n):
             SEEN.setdefault("async_stream", []).append(held(f"async-stream:{n}"))
             await asyncio.sleep(0)
             yield f"{i},"
+
     return StreamingHttpResponse(chunks())
 
 
@@ -220,11 +222,14 @@ def test_method_decorator_on_a_handler_method():
         assert client.get("/cbv-get/b/").status_code == 409
 
 
-@pytest.mark.parametrize("route", [
-    # Django 5.0+ keeps an async method async through method_decorator.
-    *(["cbv-async"] if django.VERSION >= (5, 0) else []),
-    "cbv-async-direct",
-])
+@pytest.mark.parametrize(
+    "route",
+    [
+        # Django 5.0+ keeps an async method async through method_decorator.
+        *(["cbv-async"] if django.VERSION >= (5, 0) else []),
+        "cbv-async-direct",
+    ],
+)
 def test_method_decorator_on_an_async_handler(route):
     client = AsyncClient()
 
@@ -372,8 +377,10 @@ def test_async_view_locked_on_dispatch_holds_the_lock_while_its_handler_runs():
     assert not held("acbv:/acbv/")
 
 
-@pytest.mark.parametrize("url, key, lock_name", [("/list/a/", "list", "list:a"),
-                                                 ("/list-get/b/", "list_get", "list-get:b")])
+@pytest.mark.parametrize(
+    "url, key, lock_name",
+    [("/list/a/", "list", "list:a"), ("/list-get/b/", "list_get", "list-get:b")],
+)
 def test_method_decorator_list_with_locked_not_last(url, key, lock_name):
     client = Client()
     response = client.get(url)
@@ -399,8 +406,7 @@ def test_a_streaming_response_dropped_unsent_releases():
 
 @pytest.mark.urls("tests.test_views")
 def test_conditional_get_304_releases(settings):
-    settings.MIDDLEWARE = [*settings.MIDDLEWARE,
-                           "django.middleware.http.ConditionalGetMiddleware"]
+    settings.MIDDLEWARE = [*settings.MIDDLEWARE, "django.middleware.http.ConditionalGetMiddleware"]
     import gc
 
     client = Client()

@@ -10,7 +10,10 @@ the backend's own clock** (Redis ``TIME``, the database's ``now()``), so no app
 server ever compares its own clock with another's.
 """
 
+from __future__ import annotations
+
 import asyncio
+import builtins
 import contextlib
 import datetime
 import json
@@ -18,7 +21,9 @@ import numbers
 import random
 import re
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
@@ -27,7 +32,7 @@ from ..conf import DEFAULT_MAX_TTL, DEFAULT_TTL
 from ..exceptions import LockBackendError
 from ..globs import compile_glob
 from ..validation import MAX_LIMIT, MAX_TTL_LIMIT, split_slot, ttl_to_ms, validate_ttl
-from .paging import LockPage, check_ordering, check_window, page_of_stream  # noqa: F401
+from .paging import LockPage, check_ordering, check_window, page_of_stream
 
 HELD = "held"
 STALE = "stale"
@@ -53,7 +58,7 @@ _MIN_DATETIME = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
 _MAX_DATETIME = datetime.datetime.max.replace(tzinfo=datetime.timezone.utc)
 
 
-def ms_to_datetime(ms):
+def ms_to_datetime(ms: int) -> datetime.datetime:
     """Milliseconds since the epoch to an aware UTC ``datetime``, clamped to the range
     ``datetime`` can represent (a record written with an absurd expiry must still
     display, so that it can be seen and cleared)."""
@@ -74,31 +79,31 @@ class LockInfo:
     name: str
     backend: str
     fencing_token: int
-    owner: dict
+    owner: dict[str, Any]
     acquired_at_ms: int
     expires_at_ms: int
     now_ms: int
 
     @property
-    def state(self):
+    def state(self) -> str:
         """``"held"`` while not expired, ``"stale"`` once expired without a release."""
         return HELD if self.expires_at_ms > self.now_ms else STALE
 
     @property
-    def is_held(self):
+    def is_held(self) -> bool:
         return self.state == HELD
 
     @property
-    def is_stale(self):
+    def is_stale(self) -> bool:
         return self.state == STALE
 
     @property
-    def expires_in(self):
+    def expires_in(self) -> float:
         """Seconds until expiry by the backend's clock; negative when stale."""
         return (self.expires_at_ms - self.now_ms) / 1000
 
     @property
-    def semaphore(self):
+    def semaphore(self) -> tuple[str, int, int | None] | None:
         """For a semaphore's slot (see :mod:`django_setnx.semaphore`), ``(semaphore
         name, slot number, limit)``, the limit as its holder took it (None if its
         owner does not say); None for a lock."""
@@ -112,7 +117,7 @@ class LockInfo:
         return (*split, limit if usable else None)
 
     @property
-    def display_name(self):
+    def display_name(self) -> str:
         """The name people read: a lock's name, or ``"<semaphore> [slot i/N]"``."""
         semaphore = self.semaphore
         if semaphore is None:
@@ -121,25 +126,42 @@ class LockInfo:
         return f"{name} [slot {slot}/{limit if limit is not None else '?'}]"
 
     @property
-    def acquired_at(self):
+    def acquired_at(self) -> datetime.datetime:
         return ms_to_datetime(self.acquired_at_ms)
 
     @property
-    def expires_at(self):
+    def expires_at(self) -> datetime.datetime:
         return ms_to_datetime(self.expires_at_ms)
 
     @classmethod
-    def unreadable(cls, name, backend, now_ms, raw):
+    def unreadable(cls, name: str, backend: str, now_ms: int, raw: object) -> LockInfo:
         """The info of a record that cannot be parsed (written by hand, by an older
         version, or corrupted): shown as stale with fencing token 0 and the raw data
         as its owner, so listings never fail on it and ``clearlocks`` removes it."""
-        return cls(name=name, backend=backend, fencing_token=0,
-                   owner={"unreadable": repr(raw)[:500]},
-                   acquired_at_ms=int(now_ms), expires_at_ms=int(now_ms), now_ms=int(now_ms))
+        return cls(
+            name=name,
+            backend=backend,
+            fencing_token=0,
+            owner={"unreadable": repr(raw)[:500]},
+            acquired_at_ms=int(now_ms),
+            expires_at_ms=int(now_ms),
+            now_ms=int(now_ms),
+        )
 
     @classmethod
-    def from_record(cls, name, backend, now_ms, *, owner, acquired, expires, fencing, raw,
-                    strict_owner=False):
+    def from_record(
+        cls,
+        name: str,
+        backend: str,
+        now_ms: int,
+        *,
+        owner: object,
+        acquired: object,
+        expires: object,
+        fencing: object,
+        raw: object,
+        strict_owner: bool = False,
+    ) -> LockInfo:
         """The info of a stored record, whatever wrote it: how every backend reads one.
 
         ``acquired``, ``expires`` (epoch ms) and ``fencing`` may be ints, or the text
@@ -153,24 +175,45 @@ class LockInfo:
         plausible: then the backends' acquire treats it as held, and so is it shown.
         """
         now_ms = int(now_ms)
-        acquired_ms, expires_ms = _whole(acquired, MAX_PLAUSIBLE_MS), _whole(expires, MAX_PLAUSIBLE_MS)
+        acquired_ms, expires_ms = (
+            _whole(acquired, MAX_PLAUSIBLE_MS),
+            _whole(expires, MAX_PLAUSIBLE_MS),
+        )
         fencing = _whole(fencing, MAX_FENCING_TOKEN)
         owner, owner_readable = _owner(owner)
-        if None in (acquired_ms, expires_ms, fencing) or (strict_owner and not owner_readable):
+        if (
+            acquired_ms is None
+            or expires_ms is None
+            or fencing is None
+            or (strict_owner and not owner_readable)
+        ):
             info = cls.unreadable(name, backend, now_ms, raw)
-            if (expires_ms is not None and expires_ms > now_ms
-                    and (acquired is None or acquired_ms is not None)):
+            if (
+                expires_ms is not None
+                and expires_ms > now_ms
+                and (acquired is None or acquired_ms is not None)
+            ):
                 info = replace(info, expires_at_ms=expires_ms)
             return info
-        return cls(name=name, backend=backend, fencing_token=fencing, owner=owner,
-                   acquired_at_ms=acquired_ms, expires_at_ms=expires_ms, now_ms=now_ms)
+        return cls(
+            name=name,
+            backend=backend,
+            fencing_token=fencing,
+            owner=owner,
+            acquired_at_ms=acquired_ms,
+            expires_at_ms=expires_ms,
+            now_ms=now_ms,
+        )
 
-    def as_dict(self):
+    def as_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (what ``listlocks --json`` prints); a semaphore
         slot's has ``"semaphore": {"name", "slot", "limit"}``."""
         semaphore = self.semaphore
-        extra = {} if semaphore is None else {
-            "semaphore": dict(zip(("name", "slot", "limit"), semaphore))}
+        extra = (
+            {}
+            if semaphore is None
+            else {"semaphore": dict(zip(("name", "slot", "limit"), semaphore))}
+        )
         return {
             "name": self.name,
             "backend": self.backend,
@@ -184,7 +227,7 @@ class LockInfo:
         }
 
 
-def _whole(value, maximum):
+def _whole(value: object, maximum: int) -> int | None:
     """A whole number from 0 to ``maximum`` from an int, a whole Real, or the text or
     bytes of a whole number; None for anything else."""
     if type(value) is int:  # the common case, first: every listing reads a few per row
@@ -195,7 +238,7 @@ def _whole(value, maximum):
         value = int(value) if _WHOLE_NUMBER.fullmatch(value) else None
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):
         try:
-            value = int(value) if value == int(value) else None
+            value = int(value) if value == int(value) else None  # type: ignore[call-overload]
         except (OverflowError, ValueError):  # inf, nan
             value = None
     else:
@@ -203,13 +246,13 @@ def _whole(value, maximum):
     return value if value is not None and 0 <= value <= maximum else None
 
 
-def _owner(owner):
+def _owner(owner: object) -> tuple[dict[str, Any], bool]:
     """``(owner dict, readable)`` of a record's owner; one that is not a JSON object
     (written by hand or corrupted) is kept, as text, under ``"unreadable"``."""
     if isinstance(owner, dict):
         return dict(owner), True
     try:
-        parsed = json.loads(owner) if owner else {}
+        parsed = json.loads(owner) if owner else {}  # type: ignore[arg-type]  # TypeError
     except (TypeError, ValueError, RecursionError):  # RecursionError: absurdly nested
         parsed = None
     if isinstance(parsed, dict):
@@ -231,15 +274,15 @@ class AcquireResult:
     retry_after: float | None = None
 
     @classmethod
-    def won(cls, fencing_token):
+    def won(cls, fencing_token: int) -> AcquireResult:
         return cls(True, fencing_token=int(fencing_token))
 
     @classmethod
-    def lost(cls, retry_after=None):
+    def lost(cls, retry_after: float | None = None) -> AcquireResult:
         return cls(False, retry_after=retry_after)
 
 
-def built_once(owner, attribute, guard, build):
+def built_once(owner: object, attribute: str, guard: Any, build: Callable[[], Any]) -> Any:
     """``owner.<attribute>``, set to ``build()`` by the first thread that finds it None
     (the others wait on ``guard`` and take the same): a backend's lazily created
     clients. Callers test the attribute first, so the common case costs nothing."""
@@ -256,10 +299,10 @@ class ClearResult:
     """What :meth:`BaseLockBackend.clear` removed (or would remove, on a dry run)."""
 
     backend: str
-    names: list = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
 
     @property
-    def count(self):
+    def count(self) -> int:
         return len(self.names)
 
 
@@ -286,7 +329,7 @@ class BaseLockBackend:
     #: Default of ``OPTIONS["MAX_TTL"]``: the longest ttl this backend accepts.
     default_max_ttl = DEFAULT_MAX_TTL
 
-    def __init__(self, alias, params):
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
         self.alias = alias
         self.params = params
         self.options = dict(params.get("OPTIONS") or {})
@@ -295,22 +338,28 @@ class BaseLockBackend:
         #: the check runs on every acquire).
         self.max_ttl_setting = f"{where}['OPTIONS']['MAX_TTL']"
         #: The last ttl check_ttl accepted, with its ms: the hot path checks once.
-        self._last_ttl = (None, None)
+        self._last_ttl: tuple[object, int] = (None, 0)
         try:
-            self.max_ttl = validate_ttl(self.options.get("MAX_TTL", self.default_max_ttl),
-                                        what=self.max_ttl_setting, maximum=MAX_TTL_LIMIT,
-                                        where="the most any backend accepts: 10 years")
+            self.max_ttl = validate_ttl(
+                self.options.get("MAX_TTL", self.default_max_ttl),
+                what=self.max_ttl_setting,
+                maximum=MAX_TTL_LIMIT,
+                where="the most any backend accepts: 10 years",
+            )
             self.default_ttl = validate_ttl(
-                params.get("TTL", min(DEFAULT_TTL, self.max_ttl)), what=f"{where}['TTL']",
-                maximum=self.max_ttl, where=f"{where}['OPTIONS']['MAX_TTL']")
+                params.get("TTL", min(DEFAULT_TTL, self.max_ttl)),
+                what=f"{where}['TTL']",
+                maximum=self.max_ttl,
+                where=f"{where}['OPTIONS']['MAX_TTL']",
+            )
         except (TypeError, ValueError) as exc:
             raise ImproperlyConfigured(str(exc)) from exc
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"<{type(self).__name__} alias={self.alias!r}>"
 
     @classmethod
-    def check_params(cls, alias, params):
+    def check_params(cls, alias: str, params: dict[str, Any]) -> builtins.list[Any]:
         """Return a list of ``django.core.checks`` messages for this alias' settings.
 
         Called by the system checks without instantiating the backend, so it must not
@@ -320,7 +369,9 @@ class BaseLockBackend:
 
     # -- the atomic operations --------------------------------------------------
 
-    def acquire(self, name, token, ttl, owner, wait=0.0):
+    def acquire(
+        self, name: str, token: str, ttl: float, owner: dict[str, Any], wait: float | None = 0.0
+    ) -> AcquireResult:
         """Create the record for ``name`` unless a non-expired one exists.
 
         An expired record is taken over in the same atomic step, so of two racers
@@ -334,7 +385,7 @@ class BaseLockBackend:
         """
         raise NotImplementedError
 
-    def release(self, name, token):
+    def release(self, name: str, token: str) -> bool:
         """Delete the record if its token is ``token``. Returns True if deleted.
 
         A record that expired but was not taken over still carries our token, so it
@@ -342,26 +393,28 @@ class BaseLockBackend:
         """
         raise NotImplementedError
 
-    def extend(self, name, token, ttl):
+    def extend(self, name: str, token: str, ttl: float) -> bool:
         """Set the expiry to backend-now + ``ttl`` if the token matches. Returns bool."""
         raise NotImplementedError
 
-    def owns(self, name, token):
+    def owns(self, name: str, token: str) -> bool:
         """Return True if ``name`` is held (not expired) under ``token``."""
         raise NotImplementedError
 
-    def get(self, name):
+    def get(self, name: str) -> LockInfo | None:
         """Return the :class:`LockInfo` of ``name`` (held or stale), or None."""
         raise NotImplementedError
 
-    def list(self, *, state=None, name_glob=None):
+    def list(
+        self, *, state: str | None = None, name_glob: str | None = None
+    ) -> Iterator[LockInfo]:
         """Yield a :class:`LockInfo` for every record, held and stale, name order
         where the backend can. ``state`` (``"held"``/``"stale"``) and ``name_glob``
         (a glob, see :mod:`django_setnx.globs`) filter. Streams: never loads every record at once.
         """
         raise NotImplementedError
 
-    def delete(self, name, fencing_token=None):
+    def delete(self, name: str, fencing_token: int | None = None) -> LockInfo | None:
         """Force-release ``name`` whoever holds it; a queued waiter gets it next.
 
         With ``fencing_token``, only if the record still carries that fencing token
@@ -372,7 +425,15 @@ class BaseLockBackend:
         """
         raise NotImplementedError
 
-    def page(self, *, state=None, name_glob=None, ordering=(), offset=0, limit=100):
+    def page(
+        self,
+        *,
+        state: str | None = None,
+        name_glob: str | None = None,
+        ordering: Iterable[tuple[str, object]] = (),
+        offset: int = 0,
+        limit: int = 100,
+    ) -> LockPage:
         """Return a :class:`~django_setnx.backends.paging.LockPage`: the matching
         locks ``offset`` to ``offset + limit`` in ``ordering`` (``(field,
         descending)`` pairs of :data:`~django_setnx.backends.paging.SORT_FIELDS`, then
@@ -385,11 +446,17 @@ class BaseLockBackend:
         """
         ordering = check_ordering(ordering)
         offset, limit = check_window(offset, limit)
-        return page_of_stream(self.list(state=state, name_glob=name_glob), ordering,
-                              offset, limit)
+        return page_of_stream(self.list(state=state, name_glob=name_glob), ordering, offset, limit)
 
-    def clear(self, *, include_held=False, name_glob=None, older_than=None, dry_run=False,
-              progress=None):
+    def clear(
+        self,
+        *,
+        include_held: bool = False,
+        name_glob: str | None = None,
+        older_than: float | None = None,
+        dry_run: bool = False,
+        progress: Callable[[builtins.list[str]], object] | None = None,
+    ) -> ClearResult:
         """Remove stale records (and held ones too with ``include_held``).
 
         ``older_than`` (seconds) keeps records acquired more recently than that.
@@ -399,16 +466,16 @@ class BaseLockBackend:
         """
         raise NotImplementedError
 
-    def close(self):
+    def close(self) -> None:
         """Release connections held by this backend (connections are reopened lazily)."""
 
-    def writes_wait_for_transaction(self, using):
+    def writes_wait_for_transaction(self, using: str) -> bool:
         """Return True if this backend cannot write while the calling thread's
         connection to database ``using`` has a transaction open (SQLite: one writer
         at a time, on the same database). The default: False."""
         return False
 
-    def validity(self, ttl):
+    def validity(self, ttl: float) -> float:
         """Return how long (seconds) a lock acquired with ``ttl`` is certainly still
         held, counted from before the write: ``ttl``, minus whatever the backend must
         allow for (Redlock: the clock-drift allowance). Renewal deadlines use it."""
@@ -416,7 +483,7 @@ class BaseLockBackend:
 
     # -- waiting ----------------------------------------------------------------
 
-    def backoff(self, attempt, max_wait, retry_after):
+    def backoff(self, attempt: int, max_wait: float | None, retry_after: float | None) -> float:
         """Seconds to sleep before attempt ``attempt + 1``: capped exponential with
         jitter, never past ``max_wait`` nor much past the holder's expiry."""
         ceiling = min(self.max_backoff, BASE_BACKOFF * (2 ** min(attempt, 16)))
@@ -428,13 +495,23 @@ class BaseLockBackend:
             delay = min(delay, max_wait)
         return max(delay, 0)
 
-    def retry_delay(self, token, attempt, max_wait, retry_after):
+    def retry_delay(
+        self, token: str, attempt: int, max_wait: float | None, retry_after: float | None
+    ) -> float:
         """Seconds the caller with ``token`` sleeps before its next attempt, in the
         default :meth:`wait` and :meth:`await_release`: :meth:`backoff`, unless a
         backend paces some waiters differently."""
         return self.backoff(attempt, max_wait, retry_after)
 
-    def wait(self, name, *, token, attempt, max_wait, retry_after):
+    def wait(
+        self,
+        name: str,
+        *,
+        token: str,
+        attempt: int,
+        max_wait: float | None,
+        retry_after: float | None,
+    ) -> AcquireResult | None:
         """Block until the lock may be free: a release, an expiry or ``max_wait``.
 
         ``token`` is the caller's, as in its refused :meth:`acquire`. Returns None
@@ -446,7 +523,7 @@ class BaseLockBackend:
         time.sleep(self.retry_delay(token, attempt, max_wait, retry_after))
         return None
 
-    def stop_waiting(self, name, token):
+    def stop_waiting(self, name: str, token: str) -> AcquireResult | None:
         """The caller whose refused attempts used ``token`` gave up waiting.
 
         Backends that queue waiters (see ``wait`` in :meth:`acquire`) withdraw it
@@ -456,13 +533,21 @@ class BaseLockBackend:
         """
         return None
 
-    async def astop_waiting(self, name, token):
+    async def astop_waiting(self, name: str, token: str) -> AcquireResult | None:
         """Async twin of :meth:`stop_waiting`."""
         if type(self).stop_waiting is BaseLockBackend.stop_waiting:
             return None
         return await sync_to_async(self.stop_waiting, thread_sensitive=False)(name, token)
 
-    async def await_release(self, name, *, token, attempt, max_wait, retry_after):
+    async def await_release(
+        self,
+        name: str,
+        *,
+        token: str,
+        attempt: int,
+        max_wait: float | None,
+        retry_after: float | None,
+    ) -> AcquireResult | None:
         """Async twin of :meth:`wait`."""
         if self.wakes_waiters:
             return await sync_to_async(self.wait, thread_sensitive=False)(
@@ -473,35 +558,37 @@ class BaseLockBackend:
 
     # -- async twins ------------------------------------------------------------
 
-    async def aacquire(self, name, token, ttl, owner, wait=0.0):
+    async def aacquire(
+        self, name: str, token: str, ttl: float, owner: dict[str, Any], wait: float | None = 0.0
+    ) -> AcquireResult:
         return await sync_to_async(self.acquire, thread_sensitive=False)(
             name, token, ttl, owner, wait
         )
 
-    async def arelease(self, name, token):
+    async def arelease(self, name: str, token: str) -> bool:
         return await sync_to_async(self.release, thread_sensitive=False)(name, token)
 
-    async def aextend(self, name, token, ttl):
+    async def aextend(self, name: str, token: str, ttl: float) -> bool:
         return await sync_to_async(self.extend, thread_sensitive=False)(name, token, ttl)
 
-    async def aowns(self, name, token):
+    async def aowns(self, name: str, token: str) -> bool:
         return await sync_to_async(self.owns, thread_sensitive=False)(name, token)
 
-    async def aget(self, name):
+    async def aget(self, name: str) -> LockInfo | None:
         return await sync_to_async(self.get, thread_sensitive=False)(name)
 
-    async def adelete(self, name, fencing_token=None):
+    async def adelete(self, name: str, fencing_token: int | None = None) -> LockInfo | None:
         return await sync_to_async(self.delete, thread_sensitive=False)(name, fencing_token)
 
-    async def apage(self, **kwargs):
+    async def apage(self, **kwargs: Any) -> LockPage:
         return await sync_to_async(self.page, thread_sensitive=False)(**kwargs)
 
-    async def aclear(self, **kwargs):
+    async def aclear(self, **kwargs: Any) -> ClearResult:
         return await sync_to_async(self.clear, thread_sensitive=False)(**kwargs)
 
     # -- helpers for subclasses -------------------------------------------------
 
-    def check_ttl(self, ttl, what="ttl"):
+    def check_ttl(self, ttl: object, what: str = "ttl") -> int:
         """Validate ``ttl`` (seconds) against this backend's ``MAX_TTL`` before anything
         is written; returns it in whole milliseconds. Raises TypeError/ValueError
         naming the value, the maximum and the alias."""
@@ -509,13 +596,16 @@ class BaseLockBackend:
         if last[0] == ttl and type(ttl) is float:
             # The same ttl as last time (a Lock passes its validated float): checked.
             return last[1]
-        ttl_ms = ttl_to_ms(validate_ttl(ttl, what=what, maximum=self.max_ttl,
-                                        where=self.max_ttl_setting))
+        ttl_ms = ttl_to_ms(
+            validate_ttl(ttl, what=what, maximum=self.max_ttl, where=self.max_ttl_setting)
+        )
         self._last_ttl = (ttl, ttl_ms)  # one tuple: threads read a consistent pair
         return ttl_ms
 
     @contextlib.contextmanager
-    def translate_errors(self, *error_types, action="operation"):
+    def translate_errors(
+        self, *error_types: type[BaseException], action: str = "operation"
+    ) -> Iterator[None]:
         """Re-raise ``error_types`` as :class:`LockBackendError` naming this alias."""
         try:
             yield
@@ -524,7 +614,9 @@ class BaseLockBackend:
                 self.alias, f"{action} failed: {type(exc).__name__}: {exc}"
             ) from exc
 
-    def filter_infos(self, infos, *, state=None, name_glob=None):
+    def filter_infos(
+        self, infos: Iterable[LockInfo], *, state: str | None = None, name_glob: str | None = None
+    ) -> Iterator[LockInfo]:
         """Apply the ``state``/``name_glob`` filters of :meth:`list` in Python."""
         matcher = compile_glob(name_glob).match if name_glob else None
         for info in infos:

@@ -89,7 +89,9 @@ def parse_sentinel_url(location):
         try:
             sentinels.append((host, int(port) if port else DEFAULT_SENTINEL_PORT))
         except ValueError:
-            raise ValueError(f"Sentinel LOCATION {location!r}: bad port in {hostport!r}.") from None
+            raise ValueError(
+                f"Sentinel LOCATION {location!r}: bad port in {hostport!r}."
+            ) from None
     if not sentinels:
         raise ValueError(f"Sentinel LOCATION {location!r} names no sentinel host.")
     path = [unquote(p) for p in parts.path.split("/") if p]
@@ -103,8 +105,9 @@ def parse_sentinel_url(location):
         try:
             kwargs["db"] = int(path[1])
         except ValueError:
-            raise ValueError(f"Sentinel LOCATION {location!r}: db {path[1]!r} is not an "
-                             f"integer.") from None
+            raise ValueError(
+                f"Sentinel LOCATION {location!r}: db {path[1]!r} is not an integer."
+            ) from None
     if SENTINEL_SCHEMES[parts.scheme]:
         kwargs["ssl"] = True
     for key, value in parse_qsl(parts.query):
@@ -142,8 +145,9 @@ def sentinel(location, **kwargs):
     min_other_sentinels = kwargs.pop("min_other_sentinels", 0)
     if sentinel_kwargs is None:
         sentinel_kwargs = {k: v for k, v in kwargs.items() if k.startswith(SHARED_WITH_SENTINELS)}
-    return Sentinel(sentinels, min_other_sentinels=min_other_sentinels,
-                    sentinel_kwargs=sentinel_kwargs).master_for(service, **kwargs)
+    return Sentinel(
+        sentinels, min_other_sentinels=min_other_sentinels, sentinel_kwargs=sentinel_kwargs
+    ).master_for(service, **kwargs)
 
 
 def cluster(location, **kwargs):

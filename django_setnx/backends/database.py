@@ -98,9 +98,9 @@ from django.core.exceptions import ImproperlyConfigured
 from ..exceptions import LockBackendError
 from ..globs import compile_glob
 from .base import STALE, STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo
-from .paging import LockPage, check_ordering, check_window, complete_ordering
 from .db_sql import LOCK_TABLE, Dialect
 from .db_wakeups import PostgresListener, Wakeups, channel_name
+from .paging import LockPage, check_ordering, check_window, complete_ordering
 
 logger = logging.getLogger("django_setnx")
 
@@ -169,12 +169,20 @@ SQLITE_BUSY_CODES = frozenset({5, 6})
 _CONTENTION = "contention"
 _DISCONNECTED = "disconnected"
 
+
 class DatabaseBackend(BaseLockBackend):
     """Locks in a table of a Django database (``OPTIONS["DATABASE"]``, default ``"default"``)."""
 
     option_names = BaseLockBackend.option_names | frozenset(
-        {"DATABASE", "SQLITE_WAL", "OPERATION_TIMEOUT", "HEALTH_CHECK_AFTER",
-         "STALE_RETENTION", "PREPARED_STATEMENTS"})
+        {
+            "DATABASE",
+            "SQLITE_WAL",
+            "OPERATION_TIMEOUT",
+            "HEALTH_CHECK_AFTER",
+            "STALE_RETENTION",
+            "PREPARED_STATEMENTS",
+        }
+    )
 
     #: Waiters poll: the longest-waiting one must come back soon enough to claim the
     #: place next in line (see "Fairness" above) before a newer one does.
@@ -197,7 +205,8 @@ class DatabaseBackend(BaseLockBackend):
         self.database = self.options.get("DATABASE", "default")
         self.sqlite_wal = bool(self.options.get("SQLITE_WAL", True))
         self.operation_timeout = float(
-            self.options.get("OPERATION_TIMEOUT", DEFAULT_OPERATION_TIMEOUT))
+            self.options.get("OPERATION_TIMEOUT", DEFAULT_OPERATION_TIMEOUT)
+        )
         health_check_after = self.options.get("HEALTH_CHECK_AFTER", DEFAULT_HEALTH_CHECK_AFTER)
         self.health_check_after = None if health_check_after is None else float(health_check_after)
         self.stale_retention = float(self.options.get("STALE_RETENTION", DEFAULT_STALE_RETENTION))
@@ -216,22 +225,28 @@ class DatabaseBackend(BaseLockBackend):
         from django.conf import settings
 
         options = params.get("OPTIONS") or {}
-        errors = [checks.Error(problem, id="django_setnx.E022")
-                  for problem in _option_problems(alias, options)]
+        errors = [
+            checks.Error(problem, id="django_setnx.E022")
+            for problem in _option_problems(alias, options)
+        ]
         database = options.get("DATABASE", "default")
         if database not in getattr(settings, "DATABASES", {}):
-            return errors + [checks.Error(
-                f"SETNX_LOCKS[{alias!r}]['OPTIONS']['DATABASE'] is {database!r}, which is not "
-                f"in DATABASES (configured: {', '.join(map(repr, settings.DATABASES)) or 'none'}).",
-                id="django_setnx.E020",
-            )]
+            return errors + [
+                checks.Error(
+                    f"SETNX_LOCKS[{alias!r}]['OPTIONS']['DATABASE'] is {database!r}, which is not "
+                    f"in DATABASES (configured: {', '.join(map(repr, settings.DATABASES)) or 'none'}).",
+                    id="django_setnx.E020",
+                )
+            ]
         engine = settings.DATABASES[database].get("ENGINE", "")
         if not any(v in engine for v in ("postgresql", "postgis", "mysql", "sqlite")):
-            errors.append(checks.Error(
-                f"SETNX_LOCKS[{alias!r}] uses database {database!r} with ENGINE {engine!r}; "
-                f"the database backend supports PostgreSQL, MySQL/MariaDB and SQLite.",
-                id="django_setnx.E021",
-            ))
+            errors.append(
+                checks.Error(
+                    f"SETNX_LOCKS[{alias!r}] uses database {database!r} with ENGINE {engine!r}; "
+                    f"the database backend supports PostgreSQL, MySQL/MariaDB and SQLite.",
+                    id="django_setnx.E021",
+                )
+            )
         return errors
 
     # -- connections --------------------------------------------------------------
@@ -268,13 +283,16 @@ class DatabaseBackend(BaseLockBackend):
         try:
             base = connections[self.database]
         except ConnectionDoesNotExist as exc:
-            raise LockBackendError(self.alias, f"database {self.database!r} is not configured") from exc
+            raise LockBackendError(
+                self.alias, f"database {self.database!r} is not configured"
+            ) from exc
         # A private copy of the caller's connection: same settings (including a
         # test database's name), but its own socket and transaction state, and
         # nothing that would make it not ours: see "Connections" above.
         settings_dict = copy.deepcopy(base.settings_dict)
-        settings_dict.update(AUTOCOMMIT=True, ATOMIC_REQUESTS=False, CONN_MAX_AGE=0,
-                             CONN_HEALTH_CHECKS=False)
+        settings_dict.update(
+            AUTOCOMMIT=True, ATOMIC_REQUESTS=False, CONN_MAX_AGE=0, CONN_HEALTH_CHECKS=False
+        )
         options = settings_dict["OPTIONS"] = dict(settings_dict.get("OPTIONS") or {})
         options.pop("pool", None)
         options.update(_timeout_options(base, self.operation_timeout))
@@ -291,9 +309,12 @@ class DatabaseBackend(BaseLockBackend):
         if wrapper is None:
             wrapper = self._new_wrapper()
         now = time.monotonic()
-        if (wrapper.connection is not None and self.health_check_after is not None
-                and now - self._local.used_at >= self.health_check_after
-                and not _usable(wrapper)):
+        if (
+            wrapper.connection is not None
+            and self.health_check_after is not None
+            and now - self._local.used_at >= self.health_check_after
+            and not _usable(wrapper)
+        ):
             self._drop(wrapper)
         self._local.used_at = now
         if wrapper.connection is None:
@@ -307,7 +328,9 @@ class DatabaseBackend(BaseLockBackend):
                 self._wrapper_class = type(wrapper.connection)
                 self._channel = channel_name(wrapper.settings_dict.get("NAME"), LOCK_TABLE)
                 self._dialect = Dialect(
-                    wrapper.vendor, wrapper.ops.quote_name, getattr(wrapper, "mysql_is_mariadb", False)
+                    wrapper.vendor,
+                    wrapper.ops.quote_name,
+                    getattr(wrapper, "mysql_is_mariadb", False),
                 )
                 self._prepared = _uses_prepared_statements(wrapper, self.options)
             if wrapper.vendor == "postgresql":
@@ -318,15 +341,19 @@ class DatabaseBackend(BaseLockBackend):
                     # Row locks (InnoDB) and table locks (metadata, e.g. a migration
                     # altering the table) are waited for OPERATION_TIMEOUT at most.
                     wait = _whole_seconds(self.operation_timeout)
-                    cursor.execute("SET SESSION innodb_lock_wait_timeout = %s, "
-                                   "lock_wait_timeout = %s", (wait, wait))
+                    cursor.execute(
+                        "SET SESSION innodb_lock_wait_timeout = %s, lock_wait_timeout = %s",
+                        (wait, wait),
+                    )
                 elif wrapper.vendor == "sqlite" and self.sqlite_wal:
                     cursor.execute("PRAGMA journal_mode=WAL")
             finally:
                 cursor.close()
         except Exception as exc:  # the driver's errors, wrapped by Django or not
             self._drop(wrapper)
-            raise LockBackendError(self.alias, f"cannot connect to database {self.database!r}: {exc}") from exc
+            raise LockBackendError(
+                self.alias, f"cannot connect to database {self.database!r}: {exc}"
+            ) from exc
 
     def _drop(self, wrapper):
         """Close the wrapper's connection (from any thread); the next use reconnects."""
@@ -364,21 +391,28 @@ class DatabaseBackend(BaseLockBackend):
             except wrapper.Database.Error as exc:
                 failure = _classify(wrapper, raw, exc)
                 if failure is _DISCONNECTED and (
-                        _timed_out(wrapper, raw, exc)
-                        or time.monotonic() - started >= self.operation_timeout):
+                    _timed_out(wrapper, raw, exc)
+                    or time.monotonic() - started >= self.operation_timeout
+                ):
                     # No answer in time: whether the statement ran is unknown, and a
                     # retry would double the wait. The caller hears of it now.
                     failure = None
                 if failure is _CONTENTION:
-                    if (contention_retries < CONTENTION_RETRIES
-                            and time.monotonic() - started < self.operation_timeout):
-                        ceiling = min(CONTENTION_MAX_BACKOFF,
-                                      CONTENTION_BACKOFF * 2 ** contention_retries)
+                    if (
+                        contention_retries < CONTENTION_RETRIES
+                        and time.monotonic() - started < self.operation_timeout
+                    ):
+                        ceiling = min(
+                            CONTENTION_MAX_BACKOFF, CONTENTION_BACKOFF * 2**contention_retries
+                        )
                         time.sleep(random.uniform(0, ceiling))
                         contention_retries += 1
                         continue
-                    raise LockBackendError(self.alias, self._contention_message(
-                        action, wrapper, exc, contention_retries, time.monotonic() - started)
+                    raise LockBackendError(
+                        self.alias,
+                        self._contention_message(
+                            action, wrapper, exc, contention_retries, time.monotonic() - started
+                        ),
                     ) from exc
                 self._drop(wrapper)
                 if failure is _DISCONNECTED and retry is not False and not reconnected:
@@ -386,7 +420,9 @@ class DatabaseBackend(BaseLockBackend):
                     if retry is not True:
                         work = retry
                     continue
-                raise LockBackendError(self.alias, f"{action} failed on database {self.database!r}: {exc}") from exc
+                raise LockBackendError(
+                    self.alias, f"{action} failed on database {self.database!r}: {exc}"
+                ) from exc
 
     def writes_wait_for_transaction(self, using):
         """True on SQLite when ``using`` is this backend's own database: SQLite has one
@@ -414,9 +450,11 @@ class DatabaseBackend(BaseLockBackend):
             cursor.execute(statement, params)
 
     def _contention_message(self, action, wrapper, exc, retries, elapsed):
-        what = (f"{action} failed on database {self.database!r}: {exc} (gave up after "
-                f"{retries} retries in {elapsed:.1f} s; OPERATION_TIMEOUT is "
-                f"{self.operation_timeout:g} s)")
+        what = (
+            f"{action} failed on database {self.database!r}: {exc} (gave up after "
+            f"{retries} retries in {elapsed:.1f} s; OPERATION_TIMEOUT is "
+            f"{self.operation_timeout:g} s)"
+        )
         if wrapper.vendor != "sqlite":
             return what
         from django.db import connections
@@ -430,8 +468,7 @@ class DatabaseBackend(BaseLockBackend):
                 f"Take the lock before the transaction writes, or release it after the "
                 f"commit (transaction.on_commit); @locked releases after the commit."
             )
-        return (f"{what}. Another connection kept SQLite's single write lock for longer "
-                f"than that.")
+        return f"{what}. Another connection kept SQLite's single write lock for longer than that."
 
     def close(self):
         listener, self._listener = self._listener, None
@@ -464,8 +501,11 @@ class DatabaseBackend(BaseLockBackend):
                 cursor.execute(sql.acquire, (name, token, owner_json, ttl_ms))
                 fencing = cursor.lastrowid  # see the statement
             elif sql.vendor == "postgresql" and token in self._waiting:
-                self._execute(cursor, sql.acquire_queued,
-                              (name, token, owner_json, ttl_ms, self._channel, name))
+                self._execute(
+                    cursor,
+                    sql.acquire_queued,
+                    (name, token, owner_json, ttl_ms, self._channel, name),
+                )
                 row = cursor.fetchone()
                 fencing = row and row[0]
                 if fencing:  # the statement woke the other processes' waiters
@@ -483,12 +523,15 @@ class DatabaseBackend(BaseLockBackend):
             elif wait != 0 and sql.queue_and_holder is not None:
                 # Refused, will retry (PostgreSQL): queue and read the holder at once.
                 waiter = self._waiter(token, attempted_at)
-                cursor.execute(sql.queue_and_holder, (*self._queue_params(name, token, waiter),
-                                                      token, waiter.since_ms, name))
+                cursor.execute(
+                    sql.queue_and_holder,
+                    (*self._queue_params(name, token, waiter), token, waiter.since_ms, name),
+                )
                 *holder, queued, place_was_free = cursor.fetchone()
                 self._queued(waiter, queued == 1)
-                result = self._refused(token, holder if holder[1] is not None else None,
-                                       queued == 1)
+                result = self._refused(
+                    token, holder if holder[1] is not None else None, queued == 1
+                )
                 if not result.acquired and queued != 1 and place_was_free:
                     result = AcquireResult.lost(retry_after=0.0)  # changed under us: look again
                 self._purge_if_due(cursor, sql)
@@ -526,7 +569,7 @@ class DatabaseBackend(BaseLockBackend):
         self._next_purge = now + min(PURGE_EVERY, self.stale_retention)
         try:
             cursor.execute(sql.purge_stale, (int(self.stale_retention * 1000),))
-        except Exception:  # noqa: BLE001 - housekeeping never fails an acquire
+        except Exception:
             logger.warning("Could not purge stale locks of %r", self.alias, exc_info=True)
 
     def _queue(self, cursor, sql, name, token, attempted_at):
@@ -608,8 +651,9 @@ class DatabaseBackend(BaseLockBackend):
         PostgreSQL, a NOTIFY from any process: see db_wakeups), the next poll
         (:meth:`retry_delay`, or PG_SAFETY_POLL while the PostgreSQL listener is
         up), the holder's expiry or ``max_wait``. Returns None: the caller retries."""
-        since, delay = self._wait_plan(token, attempt, max_wait, retry_after,
-                                       self._listener_ready())
+        since, delay = self._wait_plan(
+            token, attempt, max_wait, retry_after, self._listener_ready()
+        )
         if delay > 0:
             self._wakeups.wait(name, delay, since)
         return None
@@ -653,7 +697,8 @@ class DatabaseBackend(BaseLockBackend):
             with self._wrappers_lock:
                 if self._listener is None or self._listener.pid != os.getpid():
                     self._listener = PostgresListener(
-                        self.alias, self._channel, self._wakeups, self._listen_connection)
+                        self.alias, self._channel, self._wakeups, self._listen_connection
+                    )
                 listener = self._listener
         if start and listener.ready_at is None:
             listener.ensure_running(self.operation_timeout)
@@ -662,8 +707,11 @@ class DatabaseBackend(BaseLockBackend):
     def _listens(self):
         """Whether this backend's waiters are woken by NOTIFY (PostgreSQL, psycopg >=
         3.2): known once a connection was made."""
-        return (self._dialect is not None and self._dialect.vendor == "postgresql"
-                and _can_listen(self._wrapper_class))
+        return (
+            self._dialect is not None
+            and self._dialect.vendor == "postgresql"
+            and _can_listen(self._wrapper_class)
+        )
 
     def _listen_connection(self):
         """A new autocommit psycopg connection for the listener, made like ours (its
@@ -685,6 +733,7 @@ class DatabaseBackend(BaseLockBackend):
     def release(self, name, token):
         """Returns True if the row carried ``token`` and was deleted (or, with a
         waiter next in line, left to that waiter)."""
+
         def work(cursor, sql, raw, retried=False):
             self._execute(cursor, sql.release, (name, token))
             if cursor.rowcount == 1:
@@ -733,10 +782,21 @@ class DatabaseBackend(BaseLockBackend):
         """The LockInfo of a row ``(name, owner, acquired_at, expires_at, fencing,
         now_ms, ...)``, tolerant of rows this backend never wrote."""
         name, owner, acquired, expires, fencing, now = row[:6]
-        return LockInfo.from_record(name, self.alias, now, owner=owner, acquired=acquired,
-                                    expires=expires, fencing=fencing,
-                                    raw={"owner": owner, "acquired_at": acquired,
-                                         "expires_at": expires, "fencing": fencing})
+        return LockInfo.from_record(
+            name,
+            self.alias,
+            now,
+            owner=owner,
+            acquired=acquired,
+            expires=expires,
+            fencing=fencing,
+            raw={
+                "owner": owner,
+                "acquired_at": acquired,
+                "expires_at": expires,
+                "fencing": fencing,
+            },
+        )
 
     def get(self, name):
         def work(cursor, sql, raw):
@@ -765,8 +825,10 @@ class DatabaseBackend(BaseLockBackend):
             # LIKE only narrows (an index can serve it: Django's ``_like`` index on
             # PostgreSQL, the binary column on MySQL); SUBSTR decides, exactly.
             like = "".join("!" + ch if ch in "!%_" else ch for ch in prefix) + "%"
-            where += (f" AND l.name LIKE {sql.placeholder} ESCAPE '!'"
-                      f" AND SUBSTR(l.name, 1, {len(prefix)}) = {sql.placeholder}")
+            where += (
+                f" AND l.name LIKE {sql.placeholder} ESCAPE '!'"
+                f" AND SUBSTR(l.name, 1, {len(prefix)}) = {sql.placeholder}"
+            )
             params += [like, prefix]
         return where, params
 
@@ -774,10 +836,14 @@ class DatabaseBackend(BaseLockBackend):
         """Yield raw rows in name order, BATCH_SIZE per query (keyset pagination),
         of the rows ``_where(state, glob)`` selects."""
         while True:
+
             def work(cursor, sql, raw, after=after):
                 where, params = self._where(sql, state, glob)
-                cursor.execute(f"{sql.info_select} WHERE l.name > {sql.placeholder} AND "
-                               f"{where} ORDER BY l.name LIMIT {BATCH_SIZE}", [after, *params])
+                cursor.execute(
+                    f"{sql.info_select} WHERE l.name > {sql.placeholder} AND "
+                    f"{where} ORDER BY l.name LIMIT {BATCH_SIZE}",
+                    [after, *params],
+                )
                 return cursor.fetchall()
 
             rows = self._run("list", work)
@@ -848,13 +914,16 @@ class DatabaseBackend(BaseLockBackend):
             "acquired_at": "l.acquired_at",
             "expires_at": "l.expires_at",
         }
-        return ", ".join(f"{columns[field]} {'DESC' if descending else 'ASC'}"
-                         for field, descending in complete_ordering(ordering)
-                         if field != "backend")
+        return ", ".join(
+            f"{columns[field]} {'DESC' if descending else 'ASC'}"
+            for field, descending in complete_ordering(ordering)
+            if field != "backend"
+        )
 
     def delete(self, name, fencing_token=None):
         """Force-release ``name`` (with ``fencing_token``: only if its row still
         carries it), as its holder's release would: a waiter next in line gets it."""
+
         def read(cursor, sql, raw):
             cursor.execute(sql.get, (name,))
             return cursor.fetchone()
@@ -870,17 +939,23 @@ class DatabaseBackend(BaseLockBackend):
             # it changed hands in between; then look again.
             if self.release(name, row[7]):
                 return info
-        raise LockBackendError(self.alias, f"could not delete lock {name!r}: it keeps changing hands")
+        raise LockBackendError(
+            self.alias, f"could not delete lock {name!r}: it keeps changing hands"
+        )
 
-    def clear(self, *, include_held=False, name_glob=None, older_than=None, dry_run=False,
-              progress=None):
+    def clear(
+        self, *, include_held=False, name_glob=None, older_than=None, dry_run=False, progress=None
+    ):
         result = ClearResult(self.alias)
         glob = compile_glob(name_glob) if name_glob else None
         batch = []  # names
 
         def flush():
-            removed = list(batch) if dry_run else self._delete_batch(
-                list(batch), include_held, older_than)
+            removed = (
+                list(batch)
+                if dry_run
+                else self._delete_batch(list(batch), include_held, older_than)
+            )
             batch.clear()
             if removed:
                 result.names.extend(removed)
@@ -907,6 +982,7 @@ class DatabaseBackend(BaseLockBackend):
         stale (and old enough), so a lock re-acquired meanwhile is never removed.
         Returns the names actually deleted. Not retried after a lost connection:
         a repeat could not tell which rows the first attempt removed."""
+
         def work(cursor, sql, raw):
             where = f"name IN ({sql.placeholders(len(names))}) AND token <> ''"
             params = list(names)
@@ -916,11 +992,15 @@ class DatabaseBackend(BaseLockBackend):
                 where += f" AND acquired_at <= {sql.now} - {sql.placeholder}"
                 params.append(int(older_than * 1000))
             if sql.returning:
-                cursor.execute(f"DELETE FROM {sql.lock_table} WHERE {where} RETURNING name", params)
+                cursor.execute(
+                    f"DELETE FROM {sql.lock_table} WHERE {where} RETURNING name", params
+                )
                 return [r[0] for r in cursor.fetchall()]
             cursor.execute(sql.begin())
             try:
-                cursor.execute(f"SELECT name FROM {sql.lock_table} WHERE {where} FOR UPDATE", params)
+                cursor.execute(
+                    f"SELECT name FROM {sql.lock_table} WHERE {where} FOR UPDATE", params
+                )
                 deleted = [r[0] for r in cursor.fetchall()]
                 cursor.execute(f"DELETE FROM {sql.lock_table} WHERE {where}", params)
                 cursor.execute("COMMIT")
@@ -982,16 +1062,20 @@ def _option_problems(alias, options):
     where = f"SETNX_LOCKS[{alias!r}]['OPTIONS']"
     timeout = options.get("OPERATION_TIMEOUT", DEFAULT_OPERATION_TIMEOUT)
     if not _is_seconds(timeout) or timeout <= 0:
-        problems.append(f"{where}['OPERATION_TIMEOUT'] must be a positive number of seconds, "
-                        f"got {timeout!r}.")
+        problems.append(
+            f"{where}['OPERATION_TIMEOUT'] must be a positive number of seconds, got {timeout!r}."
+        )
     idle = options.get("HEALTH_CHECK_AFTER", DEFAULT_HEALTH_CHECK_AFTER)
     if idle is not None and (not _is_seconds(idle) or idle < 0):
-        problems.append(f"{where}['HEALTH_CHECK_AFTER'] must be None (never check) or a number "
-                        f"of seconds >= 0, got {idle!r}.")
+        problems.append(
+            f"{where}['HEALTH_CHECK_AFTER'] must be None (never check) or a number "
+            f"of seconds >= 0, got {idle!r}."
+        )
     retention = options.get("STALE_RETENTION", DEFAULT_STALE_RETENTION)
     if not _is_seconds(retention) or retention <= 0:
-        problems.append(f"{where}['STALE_RETENTION'] must be a positive number of seconds, "
-                        f"got {retention!r}.")
+        problems.append(
+            f"{where}['STALE_RETENTION'] must be a positive number of seconds, got {retention!r}."
+        )
     return problems
 
 
@@ -1015,8 +1099,10 @@ def _uses_prepared_statements(wrapper, options):
     if choice is not None:
         return bool(choice)
     django_options = wrapper.settings_dict.get("OPTIONS") or {}
-    return (django_options.get("server_side_binding") is True
-            or django_options.get("prepare_threshold") is not None)
+    return (
+        django_options.get("server_side_binding") is True
+        or django_options.get("prepare_threshold") is not None
+    )
 
 
 def _sqlite_now_us():
@@ -1028,8 +1114,7 @@ def _sqlite_now_us():
 
 
 def _is_seconds(value):
-    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-            and math.isfinite(value))
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _whole_seconds(timeout):
@@ -1068,8 +1153,11 @@ def _timeout_options(base, timeout):
     if base.vendor == "mysql":
         # The server's lock waits end after ``whole`` seconds; its error needs a
         # moment more to arrive, and nothing else should take longer.
-        return {"connect_timeout": whole, "read_timeout": whole + MYSQL_READ_MARGIN,
-                "write_timeout": whole + MYSQL_READ_MARGIN}
+        return {
+            "connect_timeout": whole,
+            "read_timeout": whole + MYSQL_READ_MARGIN,
+            "write_timeout": whole + MYSQL_READ_MARGIN,
+        }
     if base.vendor == "sqlite":
         return {"timeout": timeout}
     return {}
@@ -1093,7 +1181,7 @@ def _bound_waits(raw, timeout):
     raw.setnx_timeout = timeout
 
 
-_BOUNDED_CLASSES = {}
+_BOUNDED_CLASSES: dict[type, type] = {}
 
 
 def _bounded_connection_class(cls):
@@ -1121,11 +1209,19 @@ def _bounded_connection_class(cls):
                 raise psycopg.OperationalError(
                     f"no answer from the server within {self.setnx_timeout:g} s "
                     "(OPTIONS['OPERATION_TIMEOUT']); the statement was cancelled and "
-                    "the connection closed") from None
+                    "the connection closed"
+                ) from None
 
-        bounded = type(f"Bounded{cls.__name__}", (cls,),
-                       {"wait": bounded_wait, "__module__": __name__,
-                        "setnx_timeout": None, "setnx_timed_out": False})
+        bounded = type(
+            f"Bounded{cls.__name__}",
+            (cls,),
+            {
+                "wait": bounded_wait,
+                "__module__": __name__,
+                "setnx_timeout": None,
+                "setnx_timed_out": False,
+            },
+        )
     _BOUNDED_CLASSES[cls] = bounded
     return bounded
 
@@ -1196,10 +1292,10 @@ def _usable(wrapper):
 
 #: Every DatabaseBackend of this process, for the one at-fork hook below (a weak set:
 #: a backend that is no longer used, e.g. after override_settings, is not kept alive).
-_BACKENDS = weakref.WeakSet()
+_BACKENDS: weakref.WeakSet[DatabaseBackend] = weakref.WeakSet()
 #: In a forked child, the connections inherited from the parent: kept referenced and
 #: never closed, so that no finalizer says goodbye to the server on their behalf.
-_INHERITED = []
+_INHERITED: list[object] = []
 
 
 def _forget_connections_after_fork():
@@ -1226,7 +1322,7 @@ def _abandon_inherited(raw):
     try:
         sock = getattr(raw, "_sock", None)  # PyMySQL
         fd = sock.fileno() if sock is not None else raw.fileno()  # psycopg, mysqlclient
-    except Exception:  # closed already, or no socket (SQLite)
+    except Exception:  # noqa: BLE001 - closed already, or no socket (SQLite)
         return
     if fd < 0:
         return

@@ -110,7 +110,9 @@ class Dialect:
             f"WHERE name = %s AND next_token = %s"
         )
         # A row released to a waiter that then withdrew or lapsed is no lock: drop it.
-        self.drop_placeholder = f"DELETE FROM {lock} WHERE name = %s AND token = '' AND next_token = ''"
+        self.drop_placeholder = (
+            f"DELETE FROM {lock} WHERE name = %s AND token = '' AND next_token = ''"
+        )
         self.purge_placeholders = (
             f"DELETE FROM {lock} WHERE token = '' AND next_seen <= {now} - {lapse}"
         )
@@ -120,9 +122,7 @@ class Dialect:
         self.get = f"{self.info_select} WHERE l.name = %s AND l.token <> ''"
         self.delete_owned = f"DELETE FROM {lock} WHERE name = %s AND token = %s"
         # Rows that expired STALE_RETENTION ago without a release (param: its ms).
-        self.purge_stale = (
-            f"DELETE FROM {lock} WHERE token <> '' AND expires_at <= {now} - %s"
-        )
+        self.purge_stale = f"DELETE FROM {lock} WHERE token <> '' AND expires_at <= {now} - %s"
         self.returning = vendor in ("postgresql", "sqlite") or is_mariadb
 
         # Who holds the row, for a refused attempt: its remaining ms, token and
@@ -179,8 +179,7 @@ class Dialect:
             # the same statement, so that one of them takes that place now, not at
             # its next poll. Params: the acquire's, then channel, name.
             self.acquire_queued = (
-                f"WITH taken AS ({self.acquire}) "
-                f"SELECT fencing, pg_notify(%s, %s) FROM taken"
+                f"WITH taken AS ({self.acquire}) SELECT fencing, pg_notify(%s, %s) FROM taken"
             )
         elif vendor == "sqlite":
             # One statement (an upsert is atomic: no transaction needed). The µs clock

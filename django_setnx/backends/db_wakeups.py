@@ -196,12 +196,16 @@ class PostgresListener:
             if self._thread is not None and self._thread.is_alive():
                 thread = self._thread
             else:
-                if self.failed_at is not None and time.monotonic() - self.failed_at < RESTART_AFTER:
+                if (
+                    self.failed_at is not None
+                    and time.monotonic() - self.failed_at < RESTART_AFTER
+                ):
                     return False
                 self._ready.clear()
                 self._stop.clear()
                 thread = self._thread = threading.Thread(
-                    target=self._run, name=f"django-setnx listener {self.alias}", daemon=True)
+                    target=self._run, name=f"django-setnx listener {self.alias}", daemon=True
+                )
                 thread.start()
         return self._ready.wait(timeout) and thread.is_alive()
 
@@ -234,8 +238,13 @@ class PostgresListener:
         except Exception as exc:  # noqa: BLE001 - any failure: the waiters poll
             if not self._stop.is_set():
                 self.failed_at = time.monotonic()
-                logger.warning("Lock backend %r: the LISTEN connection failed (%s: %s); waiters "
-                               "poll until it is back", self.alias, type(exc).__name__, exc)
+                logger.warning(
+                    "Lock backend %r: the LISTEN connection failed (%s: %s); waiters "
+                    "poll until it is back",
+                    self.alias,
+                    type(exc).__name__,
+                    exc,
+                )
         finally:
             self.ready_at = None
             self._ready.set()  # nobody waits for a start that failed

@@ -12,7 +12,7 @@ import time
 from .base import STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo
 
 # LOCATION -> _Store; module-level so that two aliases naming one LOCATION share it.
-_stores = {}
+_stores: dict[str, "_Store"] = {}
 _stores_lock = threading.Lock()
 
 
@@ -44,9 +44,16 @@ class LocMemBackend(BaseLockBackend):
             self._store = _stores.setdefault(location, _Store())
 
     def _info(self, name, record, now):
-        return LockInfo.from_record(name, self.alias, now, owner=record["owner"],
-                                    acquired=record["acquired"], expires=record["expires"],
-                                    fencing=record["fencing"], raw=record)
+        return LockInfo.from_record(
+            name,
+            self.alias,
+            now,
+            owner=record["owner"],
+            acquired=record["acquired"],
+            expires=record["expires"],
+            fencing=record["fencing"],
+            raw=record,
+        )
 
     def acquire(self, name, token, ttl, owner, wait=0.0):
         ttl_ms = self.check_ttl(ttl)
@@ -88,7 +95,9 @@ class LocMemBackend(BaseLockBackend):
     def owns(self, name, token):
         with self._store.condition:
             record = self._store.records.get(name)
-            return record is not None and record["token"] == token and record["expires"] > _now_ms()
+            return (
+                record is not None and record["token"] == token and record["expires"] > _now_ms()
+            )
 
     def get(self, name):
         with self._store.condition:
@@ -115,8 +124,9 @@ class LocMemBackend(BaseLockBackend):
             self._store.condition.notify_all()
             return info
 
-    def clear(self, *, include_held=False, name_glob=None, older_than=None, dry_run=False,
-              progress=None):
+    def clear(
+        self, *, include_held=False, name_glob=None, older_than=None, dry_run=False, progress=None
+    ):
         result = ClearResult(self.alias)
         with self._store.condition:
             now = _now_ms()

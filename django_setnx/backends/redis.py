@@ -111,17 +111,33 @@ from ..globs import compile_glob, redis_match
 from ..globs import escape as _escape_glob
 from ..validation import ttl_to_ms
 from . import paging, redis_scripts
-from .base import HELD, STALE, STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo, built_once
+from .base import (
+    HELD,
+    STALE,
+    STATES,
+    AcquireResult,
+    BaseLockBackend,
+    ClearResult,
+    LockInfo,
+    built_once,
+)
 from .paging import LockPage, check_ordering, check_window
-from .redis_eviction import ALLOW_EVICTION_OPTION, eviction_refusal, read_eviction_settings
-from .redis_eviction import _EvictionCheck, _EvictionRisk, _pool_label, _watch_shared_pool
-from .redis_eviction import unknown_policy_refusal
+from .redis_eviction import (
+    ALLOW_EVICTION_OPTION,
+    _EvictionCheck,
+    _EvictionRisk,
+    _pool_label,
+    _watch_shared_pool,
+    eviction_refusal,
+    read_eviction_settings,
+    unknown_policy_refusal,
+)
 from .redis_scripts import CLAIM_MS, CLAIM_NOTICE, MAX_SCRIPT_MS, WAITER_MS
 
 try:
     import redis
 except ImportError:  # reported by check_params (E010) and on first use
-    redis = None
+    redis = None  # type: ignore[assignment]
 
 DEFAULT_KEY_PREFIX = "setnx"
 DEFAULT_STALE_RETENTION = 86400
@@ -131,8 +147,15 @@ DEFAULT_WAKE_TTL = 1
 #: increasing across a release if Redis' clock steps back by less than this.
 DEFAULT_FENCING_RETENTION = 60
 DEFAULT_CLIENT_CLASS = "redis.Redis.from_url"
-OPTION_NAMES = {"CACHE", "CONNECTION_KWARGS", "CLIENT_CLASS", "STALE_RETENTION", "WAKE_TTL",
-                "FENCING_RETENTION", ALLOW_EVICTION_OPTION}
+OPTION_NAMES = {
+    "CACHE",
+    "CONNECTION_KWARGS",
+    "CLIENT_CLASS",
+    "STALE_RETENTION",
+    "WAKE_TTL",
+    "FENCING_RETENTION",
+    ALLOW_EVICTION_OPTION,
+}
 
 #: Seconds a command of our own client may take to answer (redis-py < 8 waits forever
 #: by default). Waits stay below it (see MAX_BLOCK).
@@ -179,15 +202,21 @@ def record_info(name, alias, now, fields):
     fields = {_lenient_text(k): v for k, v in fields.items()}
     token = fields.get("token")
     info = LockInfo.from_record(
-        name, alias, now, owner=fields.get("owner"), acquired=fields.get("acquired"),
+        name,
+        alias,
+        now,
+        owner=fields.get("owner"),
+        acquired=fields.get("acquired"),
         expires=fields.get("expires"),
         # A record without its owner token was not written by a backend: unreadable.
         fencing=None if token is None else fields.get("fencing"),
-        raw={k: _lenient_text(v) for k, v in fields.items()}, strict_owner=True)
+        raw={k: _lenient_text(v) for k, v in fields.items()},
+        strict_owner=True,
+    )
     return (None if token is None else _lenient_text(token)), info
 
 
-_OWNER_JSON_CACHE = {}
+_OWNER_JSON_CACHE: dict[tuple[object, ...], str] = {}
 _OWNER_JSON_CACHE_SIZE = 1024
 
 
@@ -313,8 +342,12 @@ def import_dotted(path):
 
 
 def _is_positive_number(value):
-    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0)
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
 
 
 def _no_retry():
@@ -352,12 +385,25 @@ os.register_at_fork(after_in_child=_Process.forked)
 
 
 #: The scripts a connection registers, by the attribute that holds them.
-SCRIPTS = {operation: getattr(redis_scripts, operation.upper()) for operation in (
-    "acquire", "release", "extend", "owns", "get", "delete", "clear", "stop_waiting")}
+SCRIPTS = {
+    operation: getattr(redis_scripts, operation.upper())
+    for operation in (
+        "acquire",
+        "release",
+        "extend",
+        "owns",
+        "get",
+        "delete",
+        "clear",
+        "stop_waiting",
+    )
+}
 #: The asyncio connection serves the lock operations only (the admin and the
 #: commands are synchronous).
-ASYNC_SCRIPTS = {attribute: SCRIPTS[attribute] for attribute in
-                 ("acquire", "release", "extend", "owns", "get", "stop_waiting")}
+ASYNC_SCRIPTS = {
+    attribute: SCRIPTS[attribute]
+    for attribute in ("acquire", "release", "extend", "owns", "get", "stop_waiting")
+}
 
 
 class _AsyncConnection:
@@ -372,8 +418,9 @@ class _AsyncConnection:
         for attribute, source in ASYNC_SCRIPTS.items():
             setattr(self, attribute, BoundedScript(client, source, slots))
         self.max_block = _max_block(socket_timeout)
-        self.waits = InboxWaits(client, f"{key_prefix}:waits:{secrets.token_hex(8)}",
-                                self.max_block)
+        self.waits = InboxWaits(
+            client, f"{key_prefix}:waits:{secrets.token_hex(8)}", self.max_block
+        )
 
 
 class _Connection:
@@ -410,12 +457,15 @@ def check_client_options(options, where, error, *, kwargs_id, eviction_id):
     ALLOW_EVICTION that is not a bool."""
     kwargs = options.get("CONNECTION_KWARGS")
     if kwargs is not None and not isinstance(kwargs, dict):
-        error(kwargs_id, f"{where}['OPTIONS']['CONNECTION_KWARGS'] must be a dict, got "
-                         f"{kwargs!r}.")
+        error(
+            kwargs_id, f"{where}['OPTIONS']['CONNECTION_KWARGS'] must be a dict, got {kwargs!r}."
+        )
     allow = options.get(ALLOW_EVICTION_OPTION, False)
     if not isinstance(allow, bool):
-        error(eviction_id, f"{where}['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] must be True or "
-                           f"False, got {allow!r}.")
+        error(
+            eviction_id,
+            f"{where}['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] must be True or False, got {allow!r}.",
+        )
 
 
 def require_redis_py(alias, backend_label):
@@ -464,7 +514,8 @@ class _ReportedAs:
         if issubclass(exc_type, backend._errors):
             action = self.action if self.name is None else f"{self.action} {self.name!r}"
             raise LockBackendError(
-                backend.alias, f"{action} failed: {exc_type.__name__}: {exc}") from exc
+                backend.alias, f"{action} failed: {exc_type.__name__}: {exc}"
+            ) from exc
         return False
 
 
@@ -490,35 +541,49 @@ class RedisBackend(BaseLockBackend):
                 f"django-redis cache alias)."
             )
         if self.location is not None and self.cache_alias is not None:
-            raise ImproperlyConfigured(f"{where} sets both LOCATION and OPTIONS['CACHE']; "
-                                       f"choose one.")
-        if self.location is not None and (not isinstance(self.location, str)
-                                          or not self.location):
-            raise ImproperlyConfigured(f"{where}['LOCATION'] must be a non-empty redis:// URL "
-                                       f"string, got {self.location!r}.")
+            raise ImproperlyConfigured(
+                f"{where} sets both LOCATION and OPTIONS['CACHE']; choose one."
+            )
+        if self.location is not None and (not isinstance(self.location, str) or not self.location):
+            raise ImproperlyConfigured(
+                f"{where}['LOCATION'] must be a non-empty redis:// URL "
+                f"string, got {self.location!r}."
+            )
         self.allow_eviction = self.options.get(ALLOW_EVICTION_OPTION, False)
         if not isinstance(self.allow_eviction, bool):
-            raise ImproperlyConfigured(f"{where}['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] must be "
-                                       f"True or False, got {self.allow_eviction!r}.")
+            raise ImproperlyConfigured(
+                f"{where}['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] must be "
+                f"True or False, got {self.allow_eviction!r}."
+            )
         self.retention_ms = ttl_to_ms(self.options.get("STALE_RETENTION", DEFAULT_STALE_RETENTION))
         self.wake_ms = ttl_to_ms(self.options.get("WAKE_TTL", DEFAULT_WAKE_TTL))
-        self.fence_ms = ttl_to_ms(self.options.get("FENCING_RETENTION",
-                                                   DEFAULT_FENCING_RETENTION))
-        for option, ms in (("MAX_TTL", ttl_to_ms(self.max_ttl)),
-                           ("STALE_RETENTION", self.retention_ms), ("WAKE_TTL", self.wake_ms)):
+        self.fence_ms = ttl_to_ms(self.options.get("FENCING_RETENTION", DEFAULT_FENCING_RETENTION))
+        for option, ms in (
+            ("MAX_TTL", ttl_to_ms(self.max_ttl)),
+            ("STALE_RETENTION", self.retention_ms),
+            ("WAKE_TTL", self.wake_ms),
+        ):
             if ms > MAX_SCRIPT_MS:
                 raise ImproperlyConfigured(
                     f"{where}['OPTIONS'][{option!r}] is above the Redis backend's limit of "
-                    f"{MAX_SCRIPT_MS / 1000:g} s.")
+                    f"{MAX_SCRIPT_MS / 1000:g} s."
+                )
         # SCAN MATCH pattern head: escaped so that a prefix such as "a*" cannot match
         # keys outside it.
         self._match_head = _escape_glob(self.key_prefix) + ":{"
         # RedisCluster reports an unreachable cluster with an error outside RedisError.
-        self._errors = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException,
-                        OSError)
+        self._errors = (
+            redis.exceptions.RedisError,
+            redis.exceptions.RedisClusterException,
+            OSError,
+        )
         # redis-py lets some socket errors through unwrapped, hence the builtins.
-        self._network_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                                ConnectionError, TimeoutError)
+        self._network_errors = (
+            redis.exceptions.ConnectionError,
+            redis.exceptions.TimeoutError,
+            ConnectionError,
+            TimeoutError,
+        )
         #: token -> (ttl_ms, owner_json) of a queued caller's attempt (see wait).
         self._queued = {}
         self._conn = None
@@ -544,52 +609,80 @@ class RedisBackend(BaseLockBackend):
             error("E019", f"{where}['OPTIONS'] must be a dict, got {options!r}.")
             options = {}
         if redis is None:
-            error("E010", f"{where} uses the Redis backend, but redis-py is not installed.",
-                  hint="pip install django-setnx[redis]")
+            error(
+                "E010",
+                f"{where} uses the Redis backend, but redis-py is not installed.",
+                hint="pip install django-setnx[redis]",
+            )
         location = params.get("LOCATION")
         cache = options.get("CACHE")
         if location is None and cache is None:
-            error("E011", f"{where} needs a LOCATION (a redis:// URL) or OPTIONS['CACHE'] "
-                          f"(a django-redis cache alias).")
+            error(
+                "E011",
+                f"{where} needs a LOCATION (a redis:// URL) or OPTIONS['CACHE'] "
+                f"(a django-redis cache alias).",
+            )
         elif location is not None and cache is not None:
             error("E012", f"{where} sets both LOCATION and OPTIONS['CACHE']; choose one.")
         elif location is not None and (not isinstance(location, str) or not location):
-            error("E011", f"{where}['LOCATION'] must be a non-empty redis:// URL string, "
-                          f"got {location!r}.")
+            error(
+                "E011",
+                f"{where}['LOCATION'] must be a non-empty redis:// URL string, got {location!r}.",
+            )
         prefix = params.get("KEY_PREFIX", DEFAULT_KEY_PREFIX)
         if not isinstance(prefix, str) or not prefix:
             error("E013", f"{where}['KEY_PREFIX'] must be a non-empty str, got {prefix!r}.")
-        for option, id_ in (("STALE_RETENTION", "E014"), ("WAKE_TTL", "E015"),
-                            ("FENCING_RETENTION", "E015")):
+        for option, id_ in (
+            ("STALE_RETENTION", "E014"),
+            ("WAKE_TTL", "E015"),
+            ("FENCING_RETENTION", "E015"),
+        ):
             if option in options and not _is_positive_number(options[option]):
-                error(id_, f"{where}['OPTIONS']['{option}'] must be a positive number of "
-                           f"seconds, got {options[option]!r}.")
+                error(
+                    id_,
+                    f"{where}['OPTIONS']['{option}'] must be a positive number of "
+                    f"seconds, got {options[option]!r}.",
+                )
         if cache is not None:
             from django.conf import settings
 
             if cache not in getattr(settings, "CACHES", {}):
-                error("E016", f"{where}['OPTIONS']['CACHE'] is {cache!r}, which is not an "
-                              f"alias in settings.CACHES.")
+                error(
+                    "E016",
+                    f"{where}['OPTIONS']['CACHE'] is {cache!r}, which is not an "
+                    f"alias in settings.CACHES.",
+                )
             else:
                 try:
                     import django_redis  # noqa: F401
                 except ImportError:
-                    error("E016", f"{where}['OPTIONS']['CACHE'] needs django-redis, which is "
-                                  f"not installed.", hint="pip install django-setnx[django-redis]")
+                    error(
+                        "E016",
+                        f"{where}['OPTIONS']['CACHE'] needs django-redis, which is not installed.",
+                        hint="pip install django-setnx[django-redis]",
+                    )
         client_class = options.get("CLIENT_CLASS")
         if client_class is not None and not isinstance(client_class, str):
-            error("E017", f"{where}['OPTIONS']['CLIENT_CLASS'] must be a dotted path (str), "
-                          f"got {client_class!r}.")
+            error(
+                "E017",
+                f"{where}['OPTIONS']['CLIENT_CLASS'] must be a dotted path (str), "
+                f"got {client_class!r}.",
+            )
         elif client_class is not None:
             try:
                 factory = import_dotted(client_class)
             except ImportError as exc:
-                error("E017", f"{where}['OPTIONS']['CLIENT_CLASS'] {client_class!r} cannot be "
-                              f"imported: {exc}")
+                error(
+                    "E017",
+                    f"{where}['OPTIONS']['CLIENT_CLASS'] {client_class!r} cannot be "
+                    f"imported: {exc}",
+                )
             else:
                 if not callable(factory):
-                    error("E017", f"{where}['OPTIONS']['CLIENT_CLASS'] {client_class!r} is not "
-                                  f"callable.")
+                    error(
+                        "E017",
+                        f"{where}['OPTIONS']['CLIENT_CLASS'] {client_class!r} is not callable.",
+                    )
         check_client_options(options, where, error, kwargs_id="E018", eviction_id="E019")
         return errors
 
@@ -629,8 +722,11 @@ class RedisBackend(BaseLockBackend):
             if check is not None:
                 self._connect_every_primary(client)
             # The URL's query string may set the timeout too, and wins over kwargs.
-            socket_timeout = (pool.connection_kwargs.get("socket_timeout")
-                              if pool is not None else kwargs["socket_timeout"])
+            socket_timeout = (
+                pool.connection_kwargs.get("socket_timeout")
+                if pool is not None
+                else kwargs["socket_timeout"]
+            )
             return _Connection(client, owned=True, socket_timeout=socket_timeout)
         except BaseException:
             client.close()
@@ -670,8 +766,12 @@ class RedisBackend(BaseLockBackend):
         pool = client.connection_pool
         watch = None if self.allow_eviction else _watch_shared_pool(pool)
         self._watch = watch
-        return _Connection(client, owned=False, watch=watch,
-                           socket_timeout=pool.connection_kwargs.get("socket_timeout"))
+        return _Connection(
+            client,
+            owned=False,
+            watch=watch,
+            socket_timeout=pool.connection_kwargs.get("socket_timeout"),
+        )
 
     @property
     def connection(self):
@@ -747,16 +847,17 @@ class RedisBackend(BaseLockBackend):
             alias = self.alias
             check = redis_asyncio.AsyncEvictionCheck(
                 refusal_for=lambda maxmemory, policy, server: eviction_refusal(
-                    alias, server, maxmemory, policy),
-                unknown_policy=lambda error, server: unknown_policy_refusal(
-                    alias, server, error),
-                refusal_error=_EvictionRisk)
+                    alias, server, maxmemory, policy
+                ),
+                unknown_policy=lambda error, server: unknown_policy_refusal(alias, server, error),
+                refusal_error=_EvictionRisk,
+            )
         client = redis_asyncio.async_client_from(sync.client, check)
         if client is None:
             return None
         return _AsyncConnection(
-            client, client.connection_pool.connection_kwargs.get("socket_timeout"),
-            self.key_prefix)
+            client, client.connection_pool.connection_kwargs.get("socket_timeout"), self.key_prefix
+        )
 
     async def aacquire(self, name, token, ttl, owner, wait=0.0):
         """Async twin of :meth:`acquire`, on the event loop's own client."""
@@ -793,9 +894,12 @@ class RedisBackend(BaseLockBackend):
         if conn is None:
             return await super().arelease(name, token)
         with _ReportedAs(self, "release", name, shared=False):
-            return bool(await conn.release(
-                keys=self._keys(name),
-                args=[token, self.retention_ms, self.wake_ms, self.fence_ms]))
+            return bool(
+                await conn.release(
+                    keys=self._keys(name),
+                    args=[token, self.retention_ms, self.wake_ms, self.fence_ms],
+                )
+            )
 
     async def aextend(self, name, token, ttl):
         """Async twin of :meth:`extend`."""
@@ -804,8 +908,11 @@ class RedisBackend(BaseLockBackend):
             return await super().aextend(name, token, ttl)
         ttl_ms = self.check_ttl(ttl)
         with _ReportedAs(self, "extend", name, shared=False):
-            return bool(await conn.extend(keys=[self._keys(name)[0]],
-                                          args=[token, ttl_ms, self.retention_ms]))
+            return bool(
+                await conn.extend(
+                    keys=[self._keys(name)[0]], args=[token, ttl_ms, self.retention_ms]
+                )
+            )
 
     async def aowns(self, name, token):
         """Async twin of :meth:`owns`."""
@@ -842,8 +949,9 @@ class RedisBackend(BaseLockBackend):
         connection of its own, per waiting coroutine. Returns None."""
         conn = self._aconnection()
         if conn is None:
-            return await super().await_release(name, token=token, attempt=attempt,
-                                               max_wait=max_wait, retry_after=retry_after)
+            return await super().await_release(
+                name, token=token, attempt=attempt, max_wait=max_wait, retry_after=retry_after
+            )
         timeout = _block_timeout(conn, max_wait, retry_after)
         if timeout is None:
             return None
@@ -929,9 +1037,11 @@ class RedisBackend(BaseLockBackend):
             pass
 
     def _release(self, conn, name, token):
-        return bool(conn.release(keys=self._keys(name),
-                                 args=[token, self.retention_ms, self.wake_ms,
-                                       self.fence_ms]))
+        return bool(
+            conn.release(
+                keys=self._keys(name), args=[token, self.retention_ms, self.wake_ms, self.fence_ms]
+            )
+        )
 
     def release(self, name, token):
         """Returns True if the record carried ``token`` and was deleted (or handed to
@@ -946,8 +1056,9 @@ class RedisBackend(BaseLockBackend):
         ttl_ms = self.check_ttl(ttl)
         lock_key = self._keys(name)[0]
         with self._errors_as("extend", name):
-            return bool(self.connection.extend(keys=[lock_key],
-                                               args=[token, ttl_ms, self.retention_ms]))
+            return bool(
+                self.connection.extend(keys=[lock_key], args=[token, ttl_ms, self.retention_ms])
+            )
 
     def owns(self, name, token):
         """Returns True if ``name`` is held, not expired, under ``token``."""
@@ -966,9 +1077,10 @@ class RedisBackend(BaseLockBackend):
         Returns the removed LockInfo or None."""
         expected = "" if fencing_token is None else str(int(fencing_token))
         with self._errors_as("delete", name):
-            now, fields = self.connection.delete(keys=self._keys(name),
-                                                 args=[self.retention_ms, self.wake_ms,
-                                                       self.fence_ms, "", expected])
+            now, fields = self.connection.delete(
+                keys=self._keys(name),
+                args=[self.retention_ms, self.wake_ms, self.fence_ms, "", expected],
+            )
         return self._info(name, fields, now) if fields else None
 
     # -- listing and clearing -----------------------------------------------------
@@ -997,6 +1109,7 @@ class RedisBackend(BaseLockBackend):
         with self._errors_as(action):
             clients = self._scan_clients(self.connection)
         for client in clients:
+
             def scan(cursor, client=client):
                 with self._errors_as(action):
                     return client.scan(cursor, match=match, count=SCAN_COUNT, _type=type_)
@@ -1005,8 +1118,15 @@ class RedisBackend(BaseLockBackend):
                 if not (with_names or glob):
                     yield client, keys, None
                     continue
-                found = [(key, _lenient_text(key)[head:tail] if suffix != "lock"
-                          else self._name_from_key(key)) for key in keys]
+                found = [
+                    (
+                        key,
+                        _lenient_text(key)[head:tail]
+                        if suffix != "lock"
+                        else self._name_from_key(key),
+                    )
+                    for key in keys
+                ]
                 if glob is not None:
                     found = [(key, name) for key, name in found if glob.match(name)]
                 yield client, [key for key, _ in found], [name for _, name in found]
@@ -1035,14 +1155,17 @@ class RedisBackend(BaseLockBackend):
         :meth:`list`)."""
         ordering = check_ordering(ordering)
         if ordering:
-            return super().page(state=state, name_glob=name_glob, ordering=ordering,
-                                offset=offset, limit=limit)
+            return super().page(
+                state=state, name_glob=name_glob, ordering=ordering, offset=offset, limit=limit
+            )
         if state is not None and state not in STATES:
             raise ValueError(f"state must be one of {STATES}, got {state!r}.")
         offset, limit = check_window(offset, limit)
         glob = compile_glob(name_glob) if name_glob else None
-        batches = ((len(keys), [(client, key) for key in self._in_state(client, keys, state)])
-                   for client, keys, _ in self._scan_all("list", glob, with_names=False))
+        batches = (
+            (len(keys), [(client, key) for key in self._in_state(client, keys, state)])
+            for client, keys, _ in self._scan_all("list", glob, with_names=False)
+        )
         first, examined, complete = [], 0, True
         for calls, (count, found) in enumerate(batches, 1):
             first.extend(found)
@@ -1052,27 +1175,31 @@ class RedisBackend(BaseLockBackend):
                 break
         if complete:
             # SCAN may return a key twice while Redis rehashes: each key once.
-            found = sorted(dict(((key, client) for client, key in first)).items(),
-                           key=lambda item: self._name_from_key(item[0]))
+            found = sorted(
+                dict(((key, client) for client, key in first)).items(),
+                key=lambda item: self._name_from_key(item[0]),
+            )
             total = sorted_count = len(found)
             found = [(client, key) for key, client in found[offset : offset + limit]]
         else:
-            rest = itertools.chain(first, itertools.chain.from_iterable(
-                found for _count, found in batches))
+            rest = itertools.chain(
+                first, itertools.chain.from_iterable(found for _count, found in batches)
+            )
             found, seen, total, sorted_count = [], 0, None, 0
             for pair in rest:
                 if seen >= offset + limit:
                     break
                 if seen >= offset:
                     found.append(pair)
-                seen += 1  # noqa: SIM113 - also the total when the SCAN ends here
+                seen += 1
             else:
                 total = seen
         by_client = {}
         for client, key in dict.fromkeys(found):
             by_client.setdefault(client, []).append(key)
-        infos = [info for client, keys in by_client.items()
-                 for info in self._records(client, keys)]
+        infos = [
+            info for client, keys in by_client.items() for info in self._records(client, keys)
+        ]
         infos.sort(key=lambda info: info.name)
         return LockPage(infos, total, sorted_count)
 
@@ -1095,10 +1222,25 @@ class RedisBackend(BaseLockBackend):
         now = int(seconds) * 1000 + int(micros) // 1000
         # The rule of every listing (LockInfo.from_record) on ``expires``: the scripts
         # judge a Redis lock held by it alone.
-        return [key for key, expires in zip(keys, expiries)
-                if (state == STALE if isinstance(expires, Exception) else LockInfo.from_record(
-                    "", self.alias, now, owner="{}", acquired=None, expires=expires,
-                    fencing=0, raw=None).state == state)]
+        return [
+            key
+            for key, expires in zip(keys, expiries)
+            if (
+                state == STALE
+                if isinstance(expires, Exception)
+                else LockInfo.from_record(
+                    "",
+                    self.alias,
+                    now,
+                    owner="{}",
+                    acquired=None,
+                    expires=expires,
+                    fencing=0,
+                    raw=None,
+                ).state
+                == state
+            )
+        ]
 
     def _iter_infos(self, state, glob):
         for client, keys, _names in self._scan_all("list", glob, with_names=False):
@@ -1132,8 +1274,9 @@ class RedisBackend(BaseLockBackend):
                 infos.append(self._info(name, fields, now))
         return infos
 
-    def clear(self, *, include_held=False, name_glob=None, older_than=None, dry_run=False,
-              progress=None):
+    def clear(
+        self, *, include_held=False, name_glob=None, older_than=None, dry_run=False, progress=None
+    ):
         """Remove stale records (held ones too with ``include_held``) and return a
         ClearResult. Each key is re-checked atomically by a script at removal time;
         ``:fence`` keys and keys outside the prefix are never touched. Unreadable
@@ -1142,16 +1285,26 @@ class RedisBackend(BaseLockBackend):
         glob = compile_glob(name_glob) if name_glob else None
         if older_than is None:
             older_than_ms = ""
-        elif (isinstance(older_than, numbers.Real) and not isinstance(older_than, bool)
-              and older_than >= 0):
+        elif (
+            isinstance(older_than, numbers.Real)
+            and not isinstance(older_than, bool)
+            and older_than >= 0
+        ):
             # Beyond the scripts' limit (31 years) nothing is that old anyway.
             older_than_ms = int(min(older_than * 1000, MAX_SCRIPT_MS))
         else:
-            raise ValueError(f"older_than must be None or a number of seconds >= 0, got "
-                             f"{older_than!r}.")
+            raise ValueError(
+                f"older_than must be None or a number of seconds >= 0, got {older_than!r}."
+            )
         result = ClearResult(self.alias)
-        args = [int(bool(include_held)), self.retention_ms, self.wake_ms, older_than_ms,
-                int(bool(dry_run)), self.fence_ms]
+        args = [
+            int(bool(include_held)),
+            self.retention_ms,
+            self.wake_ms,
+            older_than_ms,
+            int(bool(dry_run)),
+            self.fence_ms,
+        ]
         with self._errors_as("clear"):
             conn = self.connection
         for client, _, names in self._scan_all("clear", glob):

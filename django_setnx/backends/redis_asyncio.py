@@ -29,12 +29,29 @@ from redis.backoff import NoBackoff
 #: The connection settings carried over from the sync client's pool (what a user
 #: sets through LOCATION and CONNECTION_KWARGS); redis-py's internal objects of the
 #: sync pool (its retry policy, parser, maintenance handlers) are not.
-USER_CONNECTION_KWARGS = frozenset({
-    "host", "port", "path", "db", "username", "password", "credential_provider",
-    "socket_timeout", "socket_connect_timeout", "socket_keepalive",
-    "socket_keepalive_options", "encoding", "encoding_errors", "decode_responses",
-    "client_name", "health_check_interval", "protocol", "lib_name", "lib_version",
-})
+USER_CONNECTION_KWARGS = frozenset(
+    {
+        "host",
+        "port",
+        "path",
+        "db",
+        "username",
+        "password",
+        "credential_provider",
+        "socket_timeout",
+        "socket_connect_timeout",
+        "socket_keepalive",
+        "socket_keepalive_options",
+        "encoding",
+        "encoding_errors",
+        "decode_responses",
+        "client_name",
+        "health_check_interval",
+        "protocol",
+        "lib_name",
+        "lib_version",
+    }
+)
 
 #: "No limit" for redis.asyncio's ConnectionPool (it reads None as 100).
 UNBOUNDED = 2**31
@@ -47,10 +64,13 @@ IN_FLIGHT = 32
 #: What ``ConnectionPool.get_connection`` is called with: redis-py < 5.3 requires a
 #: command name, later versions deprecate it (with a warning on every call).
 _COMMAND_NAME = inspect.signature(async_connection.ConnectionPool.get_connection).parameters.get(
-    "command_name")
+    "command_name"
+)
 GET_CONNECTION_ARGS = (
-    ("EVALSHA",) if _COMMAND_NAME is not None and _COMMAND_NAME.default is inspect.Parameter.empty
-    else ())
+    ("EVALSHA",)
+    if _COMMAND_NAME is not None and _COMMAND_NAME.default is inspect.Parameter.empty
+    else ()
+)
 
 #: redis-py's sync connection classes and their asyncio twins.
 ASYNC_CONNECTION_CLASSES = {
@@ -66,14 +86,20 @@ def async_client_from(sync_client, connect_check):
     or None) run on every new connection. Returns None if ``sync_client`` is not a plain
     ``redis.Redis`` on a plain connection pool (Sentinel, Cluster, a custom class)."""
     pool = getattr(sync_client, "connection_pool", None)
-    if (type(sync_client) is not redis.Redis or pool is None
-            or type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool)):
+    if (
+        type(sync_client) is not redis.Redis
+        or pool is None
+        or type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool)
+    ):
         return None
     connection_class = ASYNC_CONNECTION_CLASSES.get(pool.connection_class)
     if connection_class is None:
         return None
-    kwargs = {key: value for key, value in pool.connection_kwargs.items()
-              if key in USER_CONNECTION_KWARGS or key.startswith("ssl_")}
+    kwargs = {
+        key: value
+        for key, value in pool.connection_kwargs.items()
+        if key in USER_CONNECTION_KWARGS or key.startswith("ssl_")
+    }
     kwargs["retry"] = Retry(NoBackoff(), 0)
     if connect_check is not None:
         kwargs["redis_connect_func"] = connect_check.on_connect
@@ -83,7 +109,8 @@ def async_client_from(sync_client, connect_check):
     # at ~20% of the cost of every command.) Waiting coroutines share one connection
     # (InboxWaits).
     async_pool = redis_asyncio.ConnectionPool(
-        connection_class=connection_class, max_connections=UNBOUNDED, **kwargs)
+        connection_class=connection_class, max_connections=UNBOUNDED, **kwargs
+    )
     return redis_asyncio.Redis(connection_pool=async_pool)
 
 
@@ -257,16 +284,18 @@ class InboxWaits:
         try:
             while True:
                 now = loop.time()
-                for key in [key for key, future in self.futures.items()
-                            if future is None and now - self.last_used[key] > self.GRACE]:
+                for key in [
+                    key
+                    for key, future in self.futures.items()
+                    if future is None and now - self.last_used[key] > self.GRACE
+                ]:
                     del self.futures[key], self.last_used[key]
                 if not self.futures:
                     return
                 keys = list(self.futures)
                 self.covered, self.poked = frozenset(keys), False
                 try:
-                    reply = await self.client.blpop([*keys, self.control],
-                                                    timeout=self.max_block)
+                    reply = await self.client.blpop([*keys, self.control], timeout=self.max_block)
                 except (redis.exceptions.RedisError, OSError):
                     self._wake_all(True)
                     return

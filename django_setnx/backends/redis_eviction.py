@@ -11,16 +11,16 @@ import weakref
 try:
     import redis
 except ImportError:  # the backends report it (require_redis_py)
-    redis = None
+    redis = None  # type: ignore[assignment]
 
 #: The option that accepts a Redis which may evict lock keys (see eviction_refusal).
 ALLOW_EVICTION_OPTION = "ALLOW_EVICTION"
 
 
-_RedisError = redis.exceptions.RedisError if redis is not None else Exception
+_RedisError: type[Exception] = redis.exceptions.RedisError if redis is not None else Exception
 
 
-class _EvictionRisk(_RedisError):
+class _EvictionRisk(_RedisError):  # type: ignore[valid-type,misc]
     """A server that may evict lock keys, found while connecting (inside redis-py).
 
     A RedisError, so that redis-py closes the connection it was found on; not a
@@ -199,7 +199,9 @@ class _SharedPoolWatch:
             raise _EvictionRisk(refusal)
 
 
-_WATCHES = weakref.WeakKeyDictionary()  # shared pool -> its _SharedPoolWatch
+_WATCHES: weakref.WeakKeyDictionary[object, object] = (
+    weakref.WeakKeyDictionary()
+)  # pool -> its _SharedPoolWatch
 _WATCHES_LOCK = threading.Lock()
 
 

@@ -186,11 +186,17 @@ end
 # ARGV: token, ttl_ms, owner_json, retention_ms, wait_ms (-1: the caller waits
 #       indefinitely, 0: it will not retry, n: it retries for n ms).
 # Returns {1, fencing} when written, {0, ms until the holder's expiry} when not.
-ACQUIRE = _WHOLE + _MS_ARG + """
+ACQUIRE = (
+    _WHOLE
+    + _MS_ARG
+    + """
 local ttl = ms_arg(2, 'ttl_ms', 1)
 local retention = ms_arg(4, 'retention_ms', 0)
 local wait = ms_arg(5, 'wait_ms', -1)
-""" + _NOW + _FENCING + f"""
+"""
+    + _NOW
+    + _FENCING
+    + f"""
 local held = redis.pcall('HMGET', KEYS[1], 'token', 'expires', 'fencing', 'queued', 'claim')
 if held.err then
   -- Not a hash (written by hand): an unreadable record, taken over like a stale one.
@@ -248,13 +254,17 @@ end
 redis.call('PEXPIRE', KEYS[1], ttl + retention)
 return {{1, fencing}}
 """
+)
 
 # KEYS: lock, fence, waiters, requests. ARGV: token, retention_ms, signal_ms, fence_ms,
 # and optionally the holder's fencing token if it may be larger than this record's
 # (Redlock: the largest of its masters' tokens), remembered instead.
 # Returns 1 if released (or handed to a waiter), 0 if not ours. An expired record
 # still carrying our token is ours: nobody else held it since.
-RELEASE = _MS_ARG + _LAST + """
+RELEASE = (
+    _MS_ARG
+    + _LAST
+    + """
 local retention = ms_arg(2, 'retention_ms', 0)
 local signal = ms_arg(3, 'signal_ms', 1)
 local fence = ms_arg(4, 'fence_ms', 1)
@@ -271,22 +281,34 @@ if not held[3] then
   end
   return 1
 end
-""" + _NOW + _FENCING + _GRANT + """
+"""
+    + _NOW
+    + _FENCING
+    + _GRANT
+    + """
 if not grant(last, retention, signal) then
   retire(last, fence)
 end
 return 1
 """
+)
 
 # KEYS: lock, fence, waiters, requests, inbox. ARGV: token, retention_ms, signal_ms,
 # fence_ms. A queued caller gives up: withdraw it. If a release handed it the lock
 # meanwhile, returns {1, fencing} (it holds the lock: the caller keeps it); else
 # {0, 0}. A handed lock that already expired unused is passed on instead.
-STOP_WAITING = _WHOLE + _MS_ARG + """
+STOP_WAITING = (
+    _WHOLE
+    + _MS_ARG
+    + """
 local retention = ms_arg(2, 'retention_ms', 0)
 local signal = ms_arg(3, 'signal_ms', 1)
 local fence = ms_arg(4, 'fence_ms', 1)
-""" + _NOW + _FENCING + _GRANT + """
+"""
+    + _NOW
+    + _FENCING
+    + _GRANT
+    + """
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
 redis.call('DEL', KEYS[5])
@@ -309,36 +331,48 @@ if not grant(held[3], retention, signal) then
 end
 return {0, 0}
 """
+)
 
 # KEYS: lock. ARGV: token, ttl_ms, retention_ms, and optionally the holder's fencing
 # token, recorded if larger than the record's (Redlock: the largest of its masters').
 # Returns 1 if extended, 0 if not ours.
-EXTEND = _MS_ARG + _LAST + """
+EXTEND = (
+    _MS_ARG
+    + _LAST
+    + """
 local ttl = ms_arg(2, 'ttl_ms', 1)
 local retention = ms_arg(3, 'retention_ms', 0)
 local held = redis.pcall('HMGET', KEYS[1], 'token', 'fencing')
 if held.err or held[1] ~= ARGV[1] then
   return 0
 end
-""" + _NOW + """
+"""
+    + _NOW
+    + """
 redis.call('HSET', KEYS[1], 'expires', now + ttl, 'fencing', last_of(held[2], ARGV[4]))
 redis.call('PEXPIRE', KEYS[1], ttl + retention)
 return 1
 """
+)
 
 # KEYS: lock. ARGV: token. Returns 1 if held (not expired) under token, else 0.
-OWNS = _WHOLE + """
+OWNS = (
+    _WHOLE
+    + """
 local held = redis.pcall('HMGET', KEYS[1], 'token', 'expires')
 if held.err or held[1] ~= ARGV[1] then
   return 0
 end
-""" + _NOW + """
+"""
+    + _NOW
+    + """
 local expires = whole(held[2])
 if expires and expires > now then
   return 1
 end
 return 0
 """
+)
 
 # KEYS: lock. Returns {now, {field, value, ...}} ({} when there is no record; a key
 # that is not a hash gives {'error', <its type>}, read as an unreadable record).
@@ -351,9 +385,13 @@ local function fields_of(key)
   return fields
 end
 """
-GET = _NOW + _FIELDS + """
+GET = (
+    _NOW
+    + _FIELDS
+    + """
 return {now, fields_of(KEYS[1])}
 """
+)
 
 # KEYS: lock, fence, waiters, requests. ARGV: retention_ms, signal_ms, fence_ms,
 # optionally a fencing token to remember if larger than the record's (as RELEASE, ''
@@ -362,11 +400,21 @@ return {now, fields_of(KEYS[1])}
 # Force-release whoever holds it; a queued waiter gets it next. The removed record's
 # fencing token is remembered, so the next holder's is larger.
 # Returns {now, {field, value, ...}} of the removed record ({} when none was removed).
-DELETE = _MS_ARG + _LAST + _FIELDS + _WHOLE + _PLAUSIBLE + """
+DELETE = (
+    _MS_ARG
+    + _LAST
+    + _FIELDS
+    + _WHOLE
+    + _PLAUSIBLE
+    + """
 local retention = ms_arg(1, 'retention_ms', 0)
 local signal = ms_arg(2, 'signal_ms', 1)
 local fence = ms_arg(3, 'fence_ms', 1)
-""" + _NOW + _FENCING + _GRANT + """
+"""
+    + _NOW
+    + _FENCING
+    + _GRANT
+    + """
 local fields = fields_of(KEYS[1])
 if #fields > 0 and ARGV[5] and ARGV[5] ~= '' then
   -- The fencing token LockInfo.from_record reads: 0 unless the token and the three
@@ -400,6 +448,7 @@ if #fields > 0 then
 end
 return {now, fields}
 """
+)
 
 # KEYS: lock, fence, waiters, requests.
 # ARGV: include_held (0/1), retention_ms, signal_ms, older_than_ms ('' = any),
@@ -409,7 +458,12 @@ return {now, fields}
 # readable ``expires`` blocks nobody (ACQUIRE takes it over), so it counts as stale;
 # one without a readable ``acquired`` has no known age and is not kept by older_than.
 # Returns 1 if removed (or removable, on a dry run), else 0.
-CLEAR = _WHOLE + _MS_ARG + _FLAG_ARG + _LAST + """
+CLEAR = (
+    _WHOLE
+    + _MS_ARG
+    + _FLAG_ARG
+    + _LAST
+    + """
 local include_held = flag_arg(1, 'include_held')
 local retention = ms_arg(2, 'retention_ms', 0)
 local signal = ms_arg(3, 'signal_ms', 1)
@@ -419,7 +473,11 @@ if ARGV[4] ~= '' then
 end
 local dry_run = flag_arg(5, 'dry_run')
 local fence = ms_arg(6, 'fence_ms', 1)
-""" + _NOW + _FENCING + _GRANT + """
+"""
+    + _NOW
+    + _FENCING
+    + _GRANT
+    + """
 if redis.call('EXISTS', KEYS[1]) == 0 then
   return 0
 end
@@ -443,6 +501,7 @@ if not dry_run then
 end
 return 1
 """
+)
 
 
 # KEYS: the lock keys of one SCAN batch (on one server; on a Cluster, where one script
@@ -450,7 +509,11 @@ return 1
 # ARGV: '1' for held, '0' for stale. Returns the keys in that state, by Redis' clock,
 # as every script judges a lock (by ``expires`` alone) and LockInfo.from_record shows
 # it: held while ``expires`` is a plausible time ahead; a key of another type is stale.
-FILTER_BY_STATE = _NOW + _WHOLE + """
+FILTER_BY_STATE = (
+    _NOW
+    + _WHOLE
+    + (
+        """
 local want_held = ARGV[1] == '1'
 local out = {}
 for _, key in ipairs(KEYS) do
@@ -460,9 +523,11 @@ for _, key in ipairs(KEYS) do
   else
     expires = whole(expires)
   end
-  if (expires ~= nil and expires > now and expires <= %d) == want_held then
+  if (expires ~= nil and expires > now and expires <= MAX_PLAUSIBLE_MS) == want_held then
     out[#out + 1] = key
   end
 end
 return out
-""" % MAX_PLAUSIBLE_MS
+"""
+    ).replace("MAX_PLAUSIBLE_MS", str(MAX_PLAUSIBLE_MS))
+)

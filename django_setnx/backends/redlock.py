@@ -154,8 +154,8 @@ try:
 
     from . import redlock_wire as wire
 except ImportError:  # reported by check_params (E030) and on first use
-    redis = None
-    CoreCommands = object
+    redis = None  # type: ignore[assignment]
+    CoreCommands = object  # type: ignore[assignment,misc]
 
 logger = logging.getLogger("django_setnx")
 
@@ -171,8 +171,14 @@ BATCH_TIMEOUT = 10.0
 #: Least time one SCAN call may take (it is max(this, 4 * NODE_TIMEOUT)).
 MIN_SCAN_TIMEOUT = 1.0
 MARKER_SUFFIX = "__node__"
-OPTION_NAMES = {"NODE_TIMEOUT", "CLOCK_DRIFT_FACTOR", "STALE_RETENTION", "FENCING_RETENTION",
-                "CONNECTION_KWARGS", ALLOW_EVICTION_OPTION}
+OPTION_NAMES = {
+    "NODE_TIMEOUT",
+    "CLOCK_DRIFT_FACTOR",
+    "STALE_RETENTION",
+    "FENCING_RETENTION",
+    "CONNECTION_KWARGS",
+    ALLOW_EVICTION_OPTION,
+}
 #: How many granted fencing tokens this process remembers until their release (a
 #: lock that is never released is forgotten first).
 FENCING_MEMORY = 10_000
@@ -223,6 +229,7 @@ return {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000),
         redis.call('GET', KEYS[1])}
 """
 
+
 class _Script:
     __slots__ = ("sha", "text")
 
@@ -248,7 +255,8 @@ def _is_no_script(reply):
     """True for a NOSCRIPT error reply (redis-py's NoScriptError, or the raw error of
     the fast path): the script is not cached there, and nothing ran."""
     return isinstance(reply, NoScriptError) or (
-        isinstance(reply, ResponseError) and str(reply).startswith("NOSCRIPT"))
+        isinstance(reply, ResponseError) and str(reply).startswith("NOSCRIPT")
+    )
 
 
 def _is_wrong_type(reply):
@@ -287,14 +295,17 @@ class _Node:
         self.alias = alias
         self.allow_eviction = allow_eviction
         # The client parses the replies of _on_connect's checks; it never connects.
-        self.client = redis.Redis.from_url(url, **{**kwargs,
-                                                   "redis_connect_func": self._on_connect})
+        self.client = redis.Redis.from_url(
+            url, **{**kwargs, "redis_connect_func": self._on_connect}
+        )
         pool = self.client.connection_pool
         ck = pool.connection_kwargs
         self.label = ck.get("path") or f"{ck.get('host', '?')}:{ck.get('port', '?')}"
         self.server = wire.Server(
-            self.label, lambda: pool.connection_class(**ck),
-            tls=issubclass(pool.connection_class, redis.connection.SSLConnection))
+            self.label,
+            lambda: pool.connection_class(**ck),
+            tls=issubclass(pool.connection_class, redis.connection.SSLConnection),
+        )
         self._warned = {}  # problem -> monotonic time of its last log message
 
     def __repr__(self):
@@ -312,8 +323,10 @@ class _Node:
             if refusal:
                 self.log_once("eviction", logging.ERROR, "%s", refusal)
                 raise EvictionRefused(refusal)
-        conn.send_packed_command(conn.pack_commands([("SCRIPT", "LOAD", s.text)
-                                                     for s in _ALL_SCRIPTS]), check_health=False)
+        conn.send_packed_command(
+            conn.pack_commands([("SCRIPT", "LOAD", s.text) for s in _ALL_SCRIPTS]),
+            check_health=False,
+        )
         for _ in _ALL_SCRIPTS:
             conn.read_response()
 
@@ -368,8 +381,11 @@ class RedlockBackend(BaseLockBackend):
         super().__init__(alias, params)
         require_redis_py(alias, "Redlock")
         location = params.get("LOCATION")
-        if isinstance(location, str) or not isinstance(location, (list, tuple)) \
-                or len(location) < 3:
+        if (
+            isinstance(location, str)
+            or not isinstance(location, (list, tuple))
+            or len(location) < 3
+        ):
             raise ImproperlyConfigured(
                 f"SETNX_LOCKS[{alias!r}]['LOCATION'] must be a list of at least 3 redis:// "
                 f"URLs of independent masters, got {location!r}."
@@ -409,28 +425,46 @@ class RedlockBackend(BaseLockBackend):
             errors.append(checks.Error(msg, hint=hint, id=f"django_setnx.{id_}"))
 
         if redis is None:
-            error("E030", f"{where} uses the Redlock backend, but redis-py is not installed.",
-                  hint="pip install django-setnx[redis]")
+            error(
+                "E030",
+                f"{where} uses the Redlock backend, but redis-py is not installed.",
+                hint="pip install django-setnx[redis]",
+            )
         location = params.get("LOCATION")
-        if isinstance(location, str) or not isinstance(location, (list, tuple)) or not all(
-                isinstance(url, str) and url for url in location):
-            error("E031", f"{where}['LOCATION'] must be a list of redis:// URLs (one per "
-                          f"independent master), got {location!r}.",
-                  hint='Example: ["redis://10.0.0.1:6379/0", "redis://10.0.0.2:6379/0", '
-                       '"redis://10.0.0.3:6379/0"]')
+        if (
+            isinstance(location, str)
+            or not isinstance(location, (list, tuple))
+            or not all(isinstance(url, str) and url for url in location)
+        ):
+            error(
+                "E031",
+                f"{where}['LOCATION'] must be a list of redis:// URLs (one per "
+                f"independent master), got {location!r}.",
+                hint='Example: ["redis://10.0.0.1:6379/0", "redis://10.0.0.2:6379/0", '
+                '"redis://10.0.0.3:6379/0"]',
+            )
         else:
             if len(location) < 3:
-                error("E032", f"{where}['LOCATION'] lists {len(location)} master(s); Redlock "
-                              f"needs at least 3 (a majority of 1 or 2 tolerates no failure).")
+                error(
+                    "E032",
+                    f"{where}['LOCATION'] lists {len(location)} master(s); Redlock "
+                    f"needs at least 3 (a majority of 1 or 2 tolerates no failure).",
+                )
             duplicates = sorted({url for url in location if list(location).count(url) > 1})
             if duplicates:
-                error("E033", f"{where}['LOCATION'] lists {duplicates} more than once; every "
-                              f"entry must be a different, independent master.")
+                error(
+                    "E033",
+                    f"{where}['LOCATION'] lists {duplicates} more than once; every "
+                    f"entry must be a different, independent master.",
+                )
             if len(location) >= 3 and len(location) % 2 == 0:
-                errors.append(checks.Warning(
-                    f"{where}['LOCATION'] lists an even number of masters ({len(location)}); "
-                    f"an odd number tolerates as many failures with one node fewer.",
-                    id="django_setnx.W030"))
+                errors.append(
+                    checks.Warning(
+                        f"{where}['LOCATION'] lists an even number of masters ({len(location)}); "
+                        f"an odd number tolerates as many failures with one node fewer.",
+                        id="django_setnx.W030",
+                    )
+                )
         prefix = params.get("KEY_PREFIX", DEFAULT_KEY_PREFIX)
         if not isinstance(prefix, str) or not prefix:
             error("E034", f"{where}['KEY_PREFIX'] must be a non-empty str, got {prefix!r}.")
@@ -441,18 +475,26 @@ class RedlockBackend(BaseLockBackend):
             return errors
         for option in ("NODE_TIMEOUT", "MAX_TTL", "STALE_RETENTION"):
             if option in options and not _is_number(options[option]):
-                error("E035", f"{where}['OPTIONS']['{option}'] must be a positive number of "
-                              f"seconds, got {options[option]!r}.")
+                error(
+                    "E035",
+                    f"{where}['OPTIONS']['{option}'] must be a positive number of "
+                    f"seconds, got {options[option]!r}.",
+                )
         factor = options.get("CLOCK_DRIFT_FACTOR", DEFAULT_CLOCK_DRIFT_FACTOR)
         if not _is_number(factor, inclusive=True) or factor >= 1:
-            error("E036", f"{where}['OPTIONS']['CLOCK_DRIFT_FACTOR'] must be a number in "
-                          f"[0, 1), got {factor!r}.")
+            error(
+                "E036",
+                f"{where}['OPTIONS']['CLOCK_DRIFT_FACTOR'] must be a number in "
+                f"[0, 1), got {factor!r}.",
+            )
         max_ttl = options.get("MAX_TTL", DEFAULT_MAX_TTL)
         ttl = params.get("TTL")
         if _is_number(max_ttl) and _is_number(ttl) and ttl > max_ttl:
-            error("E038", f"{where}['TTL'] = {ttl!r} s is above OPTIONS['MAX_TTL'] = "
-                          f"{max_ttl!r} s.",
-                  hint="MAX_TTL bounds every ttl and is how long a restarted node sits out.")
+            error(
+                "E038",
+                f"{where}['TTL'] = {ttl!r} s is above OPTIONS['MAX_TTL'] = {max_ttl!r} s.",
+                hint="MAX_TTL bounds every ttl and is how long a restarted node sits out.",
+            )
         check_client_options(options, where, error, kwargs_id="E037", eviction_id="E039")
         return errors
 
@@ -521,10 +563,12 @@ class RedlockBackend(BaseLockBackend):
             if node_commands is None:
                 node_commands = commands[id(node_calls)] = [
                     ("EVALSHA", script.sha, len(keys), *keys, *args) if script else keys
-                    for script, keys, args in node_calls]
+                    for script, keys, args in node_calls
+                ]
             requests[index] = (nodes[index].server, node_commands)
         replies, started = self._round_trip(
-            requests, self.node_timeout if timeout is None else timeout)
+            requests, self.node_timeout if timeout is None else timeout
+        )
         results = _Results(replies)
         results.started = started
         missing = {}  # node index -> call numbers that got NOSCRIPT
@@ -548,10 +592,23 @@ class RedlockBackend(BaseLockBackend):
     def _eval_missing(self, calls, missing, results, timeout, wrong_type_is_a_reply):
         """Re-run the calls that got NOSCRIPT with EVAL (which also caches the
         scripts), in one more parallel round. Rare: after a SCRIPT FLUSH."""
-        evals = {index: [(None, ("EVAL", calls[index][n][0].text, len(calls[index][n][1]),
-                                 *calls[index][n][1], *calls[index][n][2]), ())
-                         for n in call_nos]
-                 for index, call_nos in missing.items()}
+        evals = {
+            index: [
+                (
+                    None,
+                    (
+                        "EVAL",
+                        calls[index][n][0].text,
+                        len(calls[index][n][1]),
+                        *calls[index][n][1],
+                        *calls[index][n][2],
+                    ),
+                    (),
+                )
+                for n in call_nos
+            ]
+            for index, call_nos in missing.items()
+        }
         again = self._round(evals, timeout, wrong_type_is_a_reply)
         for index, call_nos in missing.items():
             if isinstance(again[index], wire.Failure):
@@ -577,10 +634,15 @@ class RedlockBackend(BaseLockBackend):
             raise LockBackendError(self.alias, self._quorum_message(action, answered, failed))
 
     def _quorum_message(self, action, answered, failed):
-        count = "no Redis node answered" if answered == 0 else (
-            f"only {answered} of {len(self.locations)} Redis nodes answered")
-        return (f"{action} failed: {count}, and a majority needs {self.quorum} "
-                f"({'; '.join(map(str, failed))})")
+        count = (
+            "no Redis node answered"
+            if answered == 0
+            else (f"only {answered} of {len(self.locations)} Redis nodes answered")
+        )
+        return (
+            f"{action} failed: {count}, and a majority needs {self.quorum} "
+            f"({'; '.join(map(str, failed))})"
+        )
 
     # -- the atomic operations ----------------------------------------------------
 
@@ -591,14 +653,18 @@ class RedlockBackend(BaseLockBackend):
         majority of the nodes answered, or than a majority of trusted nodes (some sit
         out after losing their data). ``wait`` is not used (no waiter queue)."""
         ttl_ms = self.check_ttl(ttl)
-        results = self._round(self._all(
-            _ACQUIRE, (*self._keys(name), self.marker_key),
-            (token, ttl_ms, _owner_json(owner), self.retention_ms, 0, self.max_ttl_ms)))
+        results = self._round(
+            self._all(
+                _ACQUIRE,
+                (*self._keys(name), self.marker_key),
+                (token, ttl_ms, _owner_json(owner), self.retention_ms, 0, self.max_ttl_ms),
+            )
+        )
         started = results.started
-        granted = {}          # node index -> fencing value
-        maybe_ours = []       # nodes that granted or may have: released if we lose
-        remainders = []       # ms until expiry, as the holders' nodes report it
-        untrusted = {}        # node index -> ms until it votes
+        granted = {}  # node index -> fencing value
+        maybe_ours = []  # nodes that granted or may have: released if we lose
+        remainders = []  # ms until expiry, as the holders' nodes report it
+        untrusted = {}  # node index -> ms until it votes
         for index, replies in results.items():
             if isinstance(replies, wire.Failure):
                 maybe_ours.append(index)  # it may have granted before the reply was lost
@@ -619,8 +685,7 @@ class RedlockBackend(BaseLockBackend):
             if answered < self.quorum:
                 message = self._quorum_message(f"acquire {name!r}", answered, failed)
             else:
-                message = self._untrusted_message(f"acquire {name!r}", answered, untrusted,
-                                                  failed)
+                message = self._untrusted_message(f"acquire {name!r}", answered, untrusted, failed)
             raise LockBackendError(self.alias, message)
         if untrusted:
             self._warn_untrusted(untrusted)
@@ -634,8 +699,10 @@ class RedlockBackend(BaseLockBackend):
         return AcquireResult.lost(retry_after=retry_after)
 
     def _untrusted_message(self, action, answered, untrusted, failed):
-        sitting_out = ", ".join(f"{self.nodes[i].label} (votes in {ms / 1000:.0f} s)"
-                                for i, ms in sorted(untrusted.items()))
+        sitting_out = ", ".join(
+            f"{self.nodes[i].label} (votes in {ms / 1000:.0f} s)"
+            for i, ms in sorted(untrusted.items())
+        )
         down = f" Not answering: {'; '.join(map(str, failed))}." if failed else ""
         voters = answered - len(untrusted)
         return (
@@ -669,16 +736,26 @@ class RedlockBackend(BaseLockBackend):
         for index, ms in untrusted.items():
             node = self.nodes[index]
             node.log_once(
-                "untrusted", logging.WARNING,
+                "untrusted",
+                logging.WARNING,
                 "Redlock %r: node %s lost its data (restarted empty, or new) and does not "
                 "vote for %.0f s more (MAX_TTL = %g s, the delayed-restart rule). For a "
                 "brand-new set of masters run `manage.py %s --backend %s` once.",
-                self.alias, node.label, ms / 1000, self.max_ttl, TRUST_COMMAND, self.alias)
+                self.alias,
+                node.label,
+                ms / 1000,
+                self.max_ttl,
+                TRUST_COMMAND,
+                self.alias,
+            )
 
     def _count(self, results):
         """The number of nodes whose single reply is 1."""
-        return sum(1 for replies in results.values()
-                   if not isinstance(replies, wire.Failure) and replies[0] == 1)
+        return sum(
+            1
+            for replies in results.values()
+            if not isinstance(replies, wire.Failure) and replies[0] == 1
+        )
 
     def release(self, name, token):
         """Release on every node. True if a majority held our token and deleted it;
@@ -689,9 +766,19 @@ class RedlockBackend(BaseLockBackend):
         # a later majority shares a master with the one that released, and mints
         # above it (see the module docstring, "Fencing tokens").
         fencing = self._fencing_of.pop(token)
-        results = self._round(self._all(_RELEASE, self._keys(name),
-                                        (token, self.retention_ms, 1000, self.fence_ms,
-                                         "" if fencing is None else fencing)))
+        results = self._round(
+            self._all(
+                _RELEASE,
+                self._keys(name),
+                (
+                    token,
+                    self.retention_ms,
+                    1000,
+                    self.fence_ms,
+                    "" if fencing is None else fencing,
+                ),
+            )
+        )
         self._require_majority(action, results)
         released = self._count(results)
         if released >= self.quorum:
@@ -699,9 +786,11 @@ class RedlockBackend(BaseLockBackend):
         failed = self._failures(results)
         if released + len(failed) >= self.quorum:
             raise LockBackendError(
-                self.alias, f"{action} failed: only {released} of {len(self.locations)} nodes "
-                            f"confirmed it and {len(failed)} did not answer; whether a majority "
-                            f"held it is unknown ({'; '.join(map(str, failed))})")
+                self.alias,
+                f"{action} failed: only {released} of {len(self.locations)} nodes "
+                f"confirmed it and {len(failed)} did not answer; whether a majority "
+                f"held it is unknown ({'; '.join(map(str, failed))})",
+            )
         return False
 
     def extend(self, name, token, ttl):
@@ -710,9 +799,13 @@ class RedlockBackend(BaseLockBackend):
         and False returned. LockBackendError if fewer than a majority answered."""
         ttl_ms = self.check_ttl(ttl)
         fencing = self._fencing_of.get(token)
-        results = self._round(self._all(_EXTEND, (self._keys(name)[0],),
-                                        (token, ttl_ms, self.retention_ms,
-                                         "" if fencing is None else fencing)))
+        results = self._round(
+            self._all(
+                _EXTEND,
+                (self._keys(name)[0],),
+                (token, ttl_ms, self.retention_ms, "" if fencing is None else fencing),
+            )
+        )
         self._require_majority(f"extend {name!r}", results)
         if self._count(results) >= self.quorum and self._valid(results.started, ttl_ms):
             return True
@@ -761,8 +854,9 @@ class RedlockBackend(BaseLockBackend):
         def remainder(info):
             return info.expires_at_ms - info.now_ms
 
-        token, infos = max(by_token.items(),
-                           key=lambda item: (len(item[1]), max(map(remainder, item[1]))))
+        token, infos = max(
+            by_token.items(), key=lambda item: (len(item[1]), max(map(remainder, item[1])))
+        )
         if token is None:
             return None, infos[0]
         best = max(infos, key=remainder)
@@ -787,8 +881,7 @@ class RedlockBackend(BaseLockBackend):
     def get(self, name):
         """The majority view of ``name`` (see _merge), or None. LockBackendError if
         fewer than a majority answered."""
-        results = self._round(self._all(_GET, (self._keys(name)[0],)),
-                              wrong_type_is_a_reply=True)
+        results = self._round(self._all(_GET, (self._keys(name)[0],)), wrong_type_is_a_reply=True)
         self._require_majority(f"get {name!r}", results)
         return self._merge(name, self._replies(results))[1]
 
@@ -810,13 +903,29 @@ class RedlockBackend(BaseLockBackend):
             if info is None or info.fencing_token != fencing_token:
                 return None
             if token is not None:
-                results = self._round(self._all(_RELEASE, keys, (
-                    token, self.retention_ms, 1000, self.fence_ms, info.fencing_token)))
+                results = self._round(
+                    self._all(
+                        _RELEASE,
+                        keys,
+                        (token, self.retention_ms, 1000, self.fence_ms, info.fencing_token),
+                    )
+                )
                 self._require_majority(action, results)
                 return info if self._count(results) else None
-        results = self._round(self._all(_DELETE, keys, (
-            self.retention_ms, 1000, self.fence_ms, "",
-            "" if fencing_token is None else fencing_token)), wrong_type_is_a_reply=True)
+        results = self._round(
+            self._all(
+                _DELETE,
+                keys,
+                (
+                    self.retention_ms,
+                    1000,
+                    self.fence_ms,
+                    "",
+                    "" if fencing_token is None else fencing_token,
+                ),
+            ),
+            wrong_type_is_a_reply=True,
+        )
         self._require_majority(action, results)
         return self._merge(name, self._replies(results))[1]
 
@@ -846,18 +955,31 @@ class RedlockBackend(BaseLockBackend):
         labels of the nodes marked.
         """
         results = self._round(self._all(_TRUST, (self.marker_key,)))
-        return [self.nodes[i].label for i, r in sorted(results.items())
-                if not isinstance(r, wire.Failure)]
+        return [
+            self.nodes[i].label
+            for i, r in sorted(results.items())
+            if not isinstance(r, wire.Failure)
+        ]
 
     # -- listing and clearing -----------------------------------------------------
 
     def _scan(self, index, match):
         """Yield the lock keys matching ``match`` on node ``index``, one SCAN batch at
         a time (maybe none). Raises _ScanFailed naming the node if it fails."""
+
         def scan(cursor):
-            results = self._round({index: [(None, ("SCAN", cursor, "MATCH", match, "COUNT",
-                                                   SCAN_COUNT, "TYPE", "hash"), ())]},
-                                  timeout=self.scan_timeout)
+            results = self._round(
+                {
+                    index: [
+                        (
+                            None,
+                            ("SCAN", cursor, "MATCH", match, "COUNT", SCAN_COUNT, "TYPE", "hash"),
+                            (),
+                        )
+                    ]
+                },
+                timeout=self.scan_timeout,
+            )
             if isinstance(results[index], wire.Failure):
                 raise _ScanFailed(results[index])
             return results[index][0]
@@ -884,28 +1006,42 @@ class RedlockBackend(BaseLockBackend):
                     if not names:
                         continue
                     calls = [(_GET, (self._keys(n)[0],), ()) for n in names]
-                    results = self._round({i: calls for i in everyone},
-                                          timeout=BATCH_TIMEOUT, wrong_type_is_a_reply=True)
+                    results = self._round(
+                        {i: calls for i in everyone},
+                        timeout=BATCH_TIMEOUT,
+                        wrong_type_is_a_reply=True,
+                    )
                     self._require_majority(action, results)
-                    keep = [j for j in range(len(names))
-                            if not any(self._has_record(results[k], j) for k in scanned)]
+                    keep = [
+                        j
+                        for j in range(len(names))
+                        if not any(self._has_record(results[k], j) for k in scanned)
+                    ]
                     if keep:
-                        yield ([names[j] for j in keep],
-                               {i: r if isinstance(r, wire.Failure) else [r[j] for j in keep]
-                                for i, r in results.items()})
+                        yield (
+                            [names[j] for j in keep],
+                            {
+                                i: r if isinstance(r, wire.Failure) else [r[j] for j in keep]
+                                for i, r in results.items()
+                            },
+                        )
             except _ScanFailed as exc:
                 failed.append(exc.failure)
                 answered = len(self.locations) - len(failed)
                 if answered < self.quorum:
                     raise LockBackendError(
-                        self.alias, self._quorum_message(action, answered, failed)) from None
+                        self.alias, self._quorum_message(action, answered, failed)
+                    ) from None
                 continue
             scanned.append(index)
 
     @staticmethod
     def _has_record(replies, j):
-        return (not isinstance(replies, wire.Failure) and not isinstance(replies[j], ResponseError)
-                and bool(replies[j][1]))
+        return (
+            not isinstance(replies, wire.Failure)
+            and not isinstance(replies[j], ResponseError)
+            and bool(replies[j][1])
+        )
 
     def _compile(self, name_glob):
         """The compiled glob (None for "every name"); ValueError/TypeError naming a
@@ -924,13 +1060,15 @@ class RedlockBackend(BaseLockBackend):
     def _iter_infos(self, state, glob):
         for names, results in self._batches("list", glob):
             for j, name in enumerate(names):
-                _token, info = self._merge(name, [r[j] for r in results.values()
-                                                  if not isinstance(r, wire.Failure)])
+                _token, info = self._merge(
+                    name, [r[j] for r in results.values() if not isinstance(r, wire.Failure)]
+                )
                 if info is not None and (state is None or info.state == state):
                     yield info
 
-    def clear(self, *, include_held=False, name_glob=None, older_than=None, dry_run=False,
-              progress=None):
+    def clear(
+        self, *, include_held=False, name_glob=None, older_than=None, dry_run=False, progress=None
+    ):
         """Remove the locks that ``list`` shows as stale (held ones too with
         ``include_held``) from every node. Each node re-checks atomically, by its own
         clock, that its record is removable (a lock re-acquired meanwhile is kept);
@@ -939,25 +1077,37 @@ class RedlockBackend(BaseLockBackend):
         glob = self._compile(name_glob)
         result = ClearResult(self.alias)
         older_than_ms = "" if older_than is None else int(older_than * 1000)
-        args = (int(bool(include_held)), self.retention_ms, 1000, older_than_ms,
-                int(bool(dry_run)), self.fence_ms)
+        args = (
+            int(bool(include_held)),
+            self.retention_ms,
+            1000,
+            older_than_ms,
+            int(bool(dry_run)),
+            self.fence_ms,
+        )
         for names, results in self._batches("clear", glob):
             chosen = []  # (name, the majority view's fencing token: every master keeps it)
             for j, name in enumerate(names):
-                _token, info = self._merge(name, [r[j] for r in results.values()
-                                                  if not isinstance(r, wire.Failure)])
+                _token, info = self._merge(
+                    name, [r[j] for r in results.values() if not isinstance(r, wire.Failure)]
+                )
                 if info is not None and (include_held or info.is_stale):
                     chosen.append((name, info.fencing_token))
             if not chosen:
                 continue
             calls = [(_CLEAR, self._keys(n), (*args, fencing)) for n, fencing in chosen]
             chosen = [n for n, _ in chosen]
-            done = self._round({i: calls for i in range(len(self.locations))},
-                               timeout=BATCH_TIMEOUT, wrong_type_is_a_reply=True)
+            done = self._round(
+                {i: calls for i in range(len(self.locations))},
+                timeout=BATCH_TIMEOUT,
+                wrong_type_is_a_reply=True,
+            )
             self._require_majority("clear", done)
-            removed = [name for j, name in enumerate(chosen)
-                       if any(not isinstance(r, wire.Failure) and r[j] == 1
-                              for r in done.values())]
+            removed = [
+                name
+                for j, name in enumerate(chosen)
+                if any(not isinstance(r, wire.Failure) and r[j] == 1 for r in done.values())
+            ]
             if removed:
                 result.names.extend(removed)
                 if progress is not None:

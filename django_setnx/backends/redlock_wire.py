@@ -43,7 +43,7 @@ from redis.exceptions import InvalidResponse, ResponseError
 try:
     import hiredis
 except ImportError:
-    hiredis = None
+    hiredis = None  # type: ignore[assignment]
 
 #: Shortest wait for a reply: one that has already arrived is still taken after the
 #: deadline.
@@ -55,8 +55,9 @@ READ_SIZE = 65536
 ERRORS = (redis.exceptions.RedisError, OSError)
 
 #: redis-py >= 5.1 reads a reply with a per-call timeout.
-_READ_TIMEOUT = "timeout" in inspect.signature(
-    redis.connection.Connection.read_response).parameters
+_READ_TIMEOUT = (
+    "timeout" in inspect.signature(redis.connection.Connection.read_response).parameters
+)
 
 
 class Failure:
@@ -100,8 +101,7 @@ class _Link:
             self.sock.setblocking(False)
             # Error replies are returned (as ResponseError), not raised, as redis-py
             # does in read_response; every reply is then read off the connection.
-            self.reader = hiredis.Reader(protocolError=InvalidResponse,
-                                         replyError=ResponseError)
+            self.reader = hiredis.Reader(protocolError=InvalidResponse, replyError=ResponseError)
             self.buffer = bytearray(READ_SIZE)
         else:
             self.sock = self.reader = self.buffer = None
@@ -183,8 +183,9 @@ def _renew_closed(out, results):
     """An idle connection has nothing to read: one that has (EOF: the server restarted
     or closed it) is reconnected now rather than failing the round. One poll for all."""
     try:
-        readable = _readable({link.conn._sock.fileno(): key
-                              for key, (_, link, _) in out.items()}, 0)
+        readable = _readable(
+            {link.conn._sock.fileno(): key for key, (_, link, _) in out.items()}, 0
+        )
     except (OSError, ValueError):  # a socket already closed
         readable = set(out)
     for key in [key for key, (_, link, _) in out.items() if key in readable]:
@@ -238,7 +239,7 @@ def _send_all(sock, data, deadline):
     view = memoryview(data)
     while view:
         try:
-            view = view[sock.send(view):]
+            view = view[sock.send(view) :]
         except BlockingIOError:
             pass
         if view:
@@ -282,8 +283,12 @@ def _exchange_fast(out, results, timeout):
                 continue
             if not size:
                 del pending[link.sock.fileno()]
-                _fail(out, results, key, redis.exceptions.ConnectionError(
-                    "the server closed the connection"))
+                _fail(
+                    out,
+                    results,
+                    key,
+                    redis.exceptions.ConnectionError("the server closed the connection"),
+                )
                 continue
             link.reader.feed(link.buffer, 0, size)
             got = replies[key]
@@ -303,8 +308,7 @@ def _exchange_fast(out, results, timeout):
                 server.give_back(link)
                 results[key] = got
     for key in list(pending.values()):
-        _fail(out, results, key, redis.exceptions.TimeoutError(
-            f"no reply within {timeout:g} s"))
+        _fail(out, results, key, redis.exceptions.TimeoutError(f"no reply within {timeout:g} s"))
 
 
 def _exchange_redis_py(out, results, timeout):
@@ -313,8 +317,7 @@ def _exchange_redis_py(out, results, timeout):
     for key in list(out):
         _, link, commands = out[key]
         try:
-            link.conn.send_packed_command(_packed(link.conn, commands, cache),
-                                          check_health=False)
+            link.conn.send_packed_command(_packed(link.conn, commands, cache), check_health=False)
         except ERRORS as exc:
             _fail(out, results, key, exc)
     deadline = time.monotonic() + timeout

@@ -188,19 +188,24 @@ try:  # Celery >= 5.4: the Django task class (delay_on_commit)
 except ImportError:  # pragma: no cover - older Celery
     _DefaultBase = Task
 
+from .. import dead_owners
 from ..backends.base import LockInfo
 from ..conf import DEFAULT_LOCK_ALIAS, MAX_NAME_LENGTH
 from ..decorators import LockName
-from .. import dead_owners
 from ..exceptions import LockBackendError, LockError, LockNotAcquired
 from ..handler import locks
 from ..locking import Lock
-from ..semaphore import Semaphore, slot_record, validate_limit
+from ..semaphore import Semaphore, validate_limit
 from ..transactions import deferred_lock
-from ..validation import validate_name, validate_timeout, validate_ttl
+from ..validation import slot_record, validate_name, validate_timeout, validate_ttl
 
-__all__ = ["ONCE_NAME_HEADER", "ONCE_TOKEN_HEADER", "AlreadyQueued", "ExclusiveTask",
-           "ExclusiveTaskMixin"]
+__all__ = [
+    "ONCE_NAME_HEADER",
+    "ONCE_TOKEN_HEADER",
+    "AlreadyQueued",
+    "ExclusiveTask",
+    "ExclusiveTaskMixin",
+]
 
 logger = logging.getLogger("django_setnx.celery")
 
@@ -238,10 +243,14 @@ class AlreadyQueued(LockNotAcquired):
 
     def __init__(self, name, task_name=None, task_id=None, info=None):
         holder = f" as {task_id}" if task_id else ""
-        super().__init__(name, 0, (
-            f"Task {task_name} is already queued or running{holder} (enqueue-once lock "
-            f"{name!r}); not enqueued again."
-        ))
+        super().__init__(
+            name,
+            0,
+            (
+                f"Task {task_name} is already queued or running{holder} (enqueue-once lock "
+                f"{name!r}); not enqueued again."
+            ),
+        )
         if isinstance(info, dict):  # rebuilt from args (pickle, Celery's JSON)
             info = LockInfo(**info)
         # ``info`` travels as a plain dict, so that JSON carries it whole too.
@@ -433,8 +442,9 @@ class ExclusiveTaskMixin:
         if make_once is not None:
             return validate_name(make_once(args, kwargs))
         if make_lock is not None:
-            return validate_name(_bounded_name(
-                f"celery-once:{self.name}:{make_lock(args, kwargs)}"))
+            return validate_name(
+                _bounded_name(f"celery-once:{self.name}:{make_lock(args, kwargs)}")
+            )
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         payload = json.dumps(_canonical(dict(bound.arguments)), separators=(",", ":"))
@@ -443,8 +453,17 @@ class ExclusiveTaskMixin:
 
     # -- enqueue-once -----------------------------------------------------------
 
-    def apply_async(self, args=None, kwargs=None, task_id=None, producer=None, link=None,
-                    link_error=None, shadow=None, **options):
+    def apply_async(
+        self,
+        args=None,
+        kwargs=None,
+        task_id=None,
+        producer=None,
+        link=None,
+        link_error=None,
+        shadow=None,
+        **options,
+    ):
         """Send the task; with ``once_policy``, only if no copy is queued or running.
 
         Returns the AsyncResult, or None when ``once_policy="drop"`` dropped a
@@ -466,8 +485,12 @@ class ExclusiveTaskMixin:
         task_id = task_id or uuid()
         name = self.once_lock_name(args, kwargs)
         ttl = self.once_ttl + _delay_seconds(options.get("countdown"), options.get("eta"))
-        lk = Lock(name, ttl, backend=self._once_backend_alias(),
-                  guards=f"celery task {self.name}[{task_id}]")
+        lk = Lock(
+            name,
+            ttl,
+            backend=self._once_backend_alias(),
+            guards=f"celery task {self.name}[{task_id}]",
+        )
         lk.owner_extra["celery_task_id"] = task_id
         if not lk.acquire(blocking=False):
             if any(options.get(key) for key in CANVAS_OPTIONS):
@@ -491,10 +514,19 @@ class ExclusiveTaskMixin:
         ``policy`` without running the body, so the canvas neither hangs nor blames
         the step before."""
         holder = self._holder(name)
-        options["headers"] = {**(options.get("headers") or {}),
-                              DUPLICATE_HEADER: [policy, name, holder]}
-        logger.info("Task %s[%s] is a duplicate inside a canvas (%r held by %s): sent to be "
-                    "settled by once_policy=%r", self.name, task_id, name, holder, policy)
+        options["headers"] = {
+            **(options.get("headers") or {}),
+            DUPLICATE_HEADER: [policy, name, holder],
+        }
+        logger.info(
+            "Task %s[%s] is a duplicate inside a canvas (%r held by %s): sent to be "
+            "settled by once_policy=%r",
+            self.name,
+            task_id,
+            name,
+            holder,
+            policy,
+        )
         return super().apply_async(args, kwargs, task_id, **options)
 
     def _holder(self, name):
@@ -507,8 +539,9 @@ class ExclusiveTaskMixin:
     def already_queued(self, name, args, kwargs, options, policy=None):
         """Called when ``apply_async`` finds a copy queued or running: raise or drop."""
         if (policy or self.once_policy) == DROP:
-            logger.info("Task %s not enqueued: a copy is already queued or running (%r)",
-                        self.name, name)
+            logger.info(
+                "Task %s not enqueued: a copy is already queued or running (%r)", self.name, name
+            )
             return  # apply_async() returns None
         info = None
         try:
@@ -526,8 +559,10 @@ class ExclusiveTaskMixin:
             # A plain call: Task.__call__ pushes a request and runs the body, which
             # we wrap in the run lock.
             return self._run_exclusive(
-                request, args, kwargs, lambda: super(ExclusiveTaskMixin, self).__call__(
-                    *args, **kwargs)
+                request,
+                args,
+                kwargs,
+                lambda: super(ExclusiveTaskMixin, self).__call__(*args, **kwargs),
             )
         duplicate = _header(request, DUPLICATE_HEADER)
         if duplicate:
@@ -560,8 +595,12 @@ class ExclusiveTaskMixin:
 
     def _settle_duplicate(self, policy, name, holder):
         if policy == DROP:
-            logger.info("Task %s[%s] not run: a copy is already queued or running (%r)",
-                        self.name, self.request.id, name)
+            logger.info(
+                "Task %s[%s] not run: a copy is already queued or running (%r)",
+                self.name,
+                self.request.id,
+                name,
+            )
             return None
         raise AlreadyQueued(name, self.name, holder)
 
@@ -584,7 +623,9 @@ class ExclusiveTaskMixin:
             logger.warning(
                 "Task %s[%s]: its enqueue-once lock %r expired and was taken over (or "
                 "removed) before it ran; running it anyway, a duplicate may be queued.",
-                self.name, request.id, name,
+                self.name,
+                request.id,
+                name,
             )
             return None
         return once
@@ -597,9 +638,14 @@ class ExclusiveTaskMixin:
             guards = f"celery task {self.name} (called directly)"
         else:
             guards = f"celery task {self.name}[{request.id}]"
-        options = {"backend": self.lock_backend, "timeout": self.lock_timeout,
-                   "auto_renew": self.lock_auto_renew, "guards": guards,
-                   "release_on_commit": self.lock_release_on_commit, "using": self.lock_using}
+        options = {
+            "backend": self.lock_backend,
+            "timeout": self.lock_timeout,
+            "auto_renew": self.lock_auto_renew,
+            "guards": guards,
+            "release_on_commit": self.lock_release_on_commit,
+            "using": self.lock_using,
+        }
         if self.lock_limit is None:
             lk = Lock(name, self.lock_ttl, **options)
         else:
@@ -659,20 +705,35 @@ class ExclusiveTaskMixin:
         if owners:
             holder = " by " + ", ".join(
                 owner.get("guards") or f"pid {owner.get('pid')} on {owner.get('host')}"
-                for owner in owners)
-        what = (f"lock {lock.name!r} is held" if not isinstance(lock, Semaphore) else
-                f"semaphore {lock.name!r} has all {lock.limit} slots held")
+                for owner in owners
+            )
+        what = (
+            f"lock {lock.name!r} is held"
+            if not isinstance(lock, Semaphore)
+            else f"semaphore {lock.name!r} has all {lock.limit} slots held"
+        )
         exc = LockNotAcquired(
-            lock.name, lock.timeout, f"Task {self.name}[{task_id}]: {what}{holder}.")
+            lock.name, lock.timeout, f"Task {self.name}[{task_id}]: {what}{holder}."
+        )
         if self.on_contention == RETRY:
-            raise self.retry(exc=exc, countdown=self.lock_retry_countdown,
-                             max_retries=self.lock_max_retries)
+            raise self.retry(
+                exc=exc, countdown=self.lock_retry_countdown, max_retries=self.lock_max_retries
+            )
         raise exc
 
     # -- retries ----------------------------------------------------------------
 
-    def retry(self, args=None, kwargs=None, exc=None, throw=True, eta=None, countdown=None,
-              max_retries=None, **options):
+    def retry(
+        self,
+        args=None,
+        kwargs=None,
+        exc=None,
+        throw=True,
+        eta=None,
+        countdown=None,
+        max_retries=None,
+        **options,
+    ):
         """Celery's retry, keeping the locks right.
 
         When a retry message will be sent: the run lock is released first (the retry
@@ -689,8 +750,11 @@ class ExclusiveTaskMixin:
                     try:
                         run_lock.release()
                     except LockError:
-                        logger.warning("Could not release lock %r before a retry",
-                                       run_lock.name, exc_info=True)
+                        logger.warning(
+                            "Could not release lock %r before a retry",
+                            run_lock.name,
+                            exc_info=True,
+                        )
                 once = getattr(request, _ONCE_ATTR, None)
                 if once is not None:
                     # Stop the renewer first: it would shorten the expiry set here.
@@ -702,15 +766,27 @@ class ExclusiveTaskMixin:
                     try:
                         once.extend(self.once_ttl + delay)
                     except LockError:
-                        logger.warning("Could not extend enqueue-once lock %r for a retry",
-                                       once.name, exc_info=True)
+                        logger.warning(
+                            "Could not extend enqueue-once lock %r for a retry",
+                            once.name,
+                            exc_info=True,
+                        )
                     options["headers"] = {
                         **(options.get("headers") or request.headers or {}),
-                        ONCE_TOKEN_HEADER: once._token, ONCE_NAME_HEADER: once.name,
+                        ONCE_TOKEN_HEADER: once._token,
+                        ONCE_NAME_HEADER: once.name,
                     }
         try:
-            ret = super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta,
-                                countdown=countdown, max_retries=max_retries, **options)
+            ret = super().retry(
+                args=args,
+                kwargs=kwargs,
+                exc=exc,
+                throw=throw,
+                eta=eta,
+                countdown=countdown,
+                max_retries=max_retries,
+                **options,
+            )
         except Retry:
             setattr(request, _RETRY_SENT_ATTR, True)
             raise
@@ -730,8 +806,12 @@ def _release_quietly(once):
     try:
         once.release()
     except LockError:
-        logger.info("Enqueue-once lock %r was no longer this task's, or could not be "
-                    "released; it expires by itself", once.name, exc_info=True)
+        logger.info(
+            "Enqueue-once lock %r was no longer this task's, or could not be "
+            "released; it expires by itself",
+            once.name,
+            exc_info=True,
+        )
 
 
 def _release_once_of(task, request_like):
@@ -747,8 +827,12 @@ def _release_once_of(task, request_like):
     try:
         once.release()
     except LockError:
-        logger.info("Enqueue-once lock %r of a task that never ran was no longer its own, "
-                    "or could not be released", name, exc_info=True)
+        logger.info(
+            "Enqueue-once lock %r of a task that never ran was no longer its own, "
+            "or could not be released",
+            name,
+            exc_info=True,
+        )
         return False
     return True
 
@@ -763,9 +847,13 @@ def _release_once_on_revoke(sender=None, request=None, terminated=False, **kwarg
     try:
         _release_once_of(sender, request)
         if terminated:
-            _free_locks_of_a_dead_run(sender, request.id, getattr(request, "args", None),
-                                      getattr(request, "kwargs", None),
-                                      "it was revoked with terminate=True")
+            _free_locks_of_a_dead_run(
+                sender,
+                request.id,
+                getattr(request, "args", None),
+                getattr(request, "kwargs", None),
+                "it was revoked with terminate=True",
+            )
     except Exception:  # a signal handler must never break the worker
         logger.warning("Could not release the locks of a revoked task", exc_info=True)
 
@@ -777,8 +865,9 @@ ONCE_ONLY_GRACE = 1.0
 
 
 @celery_signals.task_failure.connect(weak=False, dispatch_uid="django_setnx_lost_run")
-def _free_locks_on_lost_run(sender=None, task_id=None, exception=None, args=None,
-                            kwargs=None, **extra):
+def _free_locks_on_lost_run(
+    sender=None, task_id=None, exception=None, args=None, kwargs=None, **extra
+):
     """The worker's main process reports a pool child lost mid-task (SIGKILL, the OOM
     killer: WorkerLostError) or killed for its hard ``time_limit``
     (TimeLimitExceeded): free that run's locks now rather than after their ttl."""
@@ -817,8 +906,11 @@ class _PoolChildWatch(threading.Thread):
         while True:
             time.sleep(self.POLL_INTERVAL)
             try:
-                dead = [pid for pid in self.children()
-                        if pid and pid not in self.handled and dead_owners.has_exited(pid)]
+                dead = [
+                    pid
+                    for pid in self.children()
+                    if pid and pid not in self.handled and dead_owners.has_exited(pid)
+                ]
             except Exception:  # noqa: BLE001 - the pool is being rebuilt: look again
                 continue
             for pid in dead:
@@ -849,21 +941,25 @@ def _free_runs_of_dead_child(pid):
     ``pid`` and a Celery task) and the enqueue-once lock of each of those runs."""
     for alias in list(locks):
         try:
-            runs = [run for run in locks[alias].list() if run.owner.get("celery_task_id")
-                    and dead_owners.owned_by(run, pid)]
+            runs = [
+                run
+                for run in locks[alias].list()
+                if run.owner.get("celery_task_id") and dead_owners.owned_by(run, pid)
+            ]
             for run in runs:
-                reason = (f"{run.owner.get('guards', 'celery task')}: its worker process "
-                          f"{pid} died")
+                reason = f"{run.owner.get('guards', 'celery task')}: its worker process {pid} died"
                 dead_owners.free(alias, run, reason)
                 once_alias, once_name = run.owner.get("celery_once_lock") or (None, None)
                 if once_alias in locks:
                     once = locks[once_alias].get(once_name)
-                    if once is not None and (once.owner.get("celery_task_id")
-                                             == run.owner["celery_task_id"]):
+                    if once is not None and (
+                        once.owner.get("celery_task_id") == run.owner["celery_task_id"]
+                    ):
                         dead_owners.free(once_alias, once, reason)
         except LockBackendError:
-            logger.warning("Could not free the locks of dead pool child %s on %r", pid, alias,
-                           exc_info=True)
+            logger.warning(
+                "Could not free the locks of dead pool child %s on %r", pid, alias, exc_info=True
+            )
 
 
 def _free_locks_of_a_dead_run(task, task_id, args, kwargs, reason):
@@ -872,8 +968,10 @@ def _free_locks_of_a_dead_run(task, task_id, args, kwargs, reason):
     ``task_id`` (and, for the run lock, this host), each fencing-checked, so a lock
     that passed to another run is never touched (see :mod:`django_setnx.dead_owners`)."""
     targets = {}
-    for kind, alias, build in (("run", task.lock_backend, task.run_lock_name),
-                               ("once", task._once_backend_alias(), task.once_lock_name)):
+    for kind, alias, build in (
+        ("run", task.lock_backend, task.run_lock_name),
+        ("once", task._once_backend_alias(), task.once_lock_name),
+    ):
         try:
             name = build(args or (), kwargs or {})
         except Exception:  # noqa: BLE001 - arguments the name cannot be built from
@@ -882,13 +980,16 @@ def _free_locks_of_a_dead_run(task, task_id, args, kwargs, reason):
             continue
         if kind == "run" and task.lock_limit is not None:
             # A semaphore's run holds one of its slots: whichever names task_id.
-            targets[kind] = (alias, [slot_record(name, slot)
-                                     for slot in range(1, task.lock_limit + 1)])
+            targets[kind] = (
+                alias,
+                [slot_record(name, slot) for slot in range(1, task.lock_limit + 1)],
+            )
         else:
             targets[kind] = (alias, [name])
     if targets:
-        dead_owners.in_background(_free_after_exit, targets, task_id,
-                                  f"task {task.name}[{task_id}]: {reason}")
+        dead_owners.in_background(
+            _free_after_exit, targets, task_id, f"task {task.name}[{task_id}]: {reason}"
+        )
 
 
 def _free_after_exit(targets, task_id, reason):
@@ -939,13 +1040,17 @@ def _install_revoke_hook():
                     continue
                 try:
                     released = _release_once_of(waiting.task, _RequestHeaders(waiting))
-                except Exception:  # noqa: BLE001 - a control command must answer
-                    logger.warning("Could not release the enqueue-once lock of revoked "
-                                   "task %s", waiting.id, exc_info=True)
+                except Exception:
+                    logger.warning(
+                        "Could not release the enqueue-once lock of revoked task %s",
+                        waiting.id,
+                        exc_info=True,
+                    )
                 else:
                     if released:
-                        logger.info("Released the enqueue-once lock of revoked task %s",
-                                    waiting.id)
+                        logger.info(
+                            "Released the enqueue-once lock of revoked task %s", waiting.id
+                        )
         return result
 
     revoke.__dict__.update(original.__dict__)

@@ -33,11 +33,12 @@ def child_exit(server, worker):
         from .. import dead_owners
 
         freed = dead_owners.free_locks_of_pid(
-            worker.pid, f"gunicorn worker {worker.pid} exited (killed by the arbiter for "
-                        f"its timeout, crashed, or out of memory)")
+            worker.pid,
+            f"gunicorn worker {worker.pid} exited (killed by the arbiter for "
+            f"its timeout, crashed, or out of memory)",
+        )
     except Exception:  # a server hook must never take the arbiter down
-        logger.warning("Could not free the locks of gunicorn worker %s", worker.pid,
-                       exc_info=True)
+        logger.warning("Could not free the locks of gunicorn worker %s", worker.pid, exc_info=True)
         return []
     return freed
 

@@ -20,42 +20,69 @@ def binary_names_on_mysql(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='FencingCounter',
+            name="FencingCounter",
             fields=[
-                ('name', models.CharField(max_length=200, primary_key=True, serialize=False, verbose_name='name')),
-                ('value', models.BigIntegerField(verbose_name='last fencing token')),
+                (
+                    "name",
+                    models.CharField(
+                        max_length=200, primary_key=True, serialize=False, verbose_name="name"
+                    ),
+                ),
+                ("value", models.BigIntegerField(verbose_name="last fencing token")),
             ],
             options={
-                'verbose_name': 'fencing counter',
-                'verbose_name_plural': 'fencing counters',
-                'db_table': 'django_setnx_fence',
-                'default_permissions': (),
+                "verbose_name": "fencing counter",
+                "verbose_name_plural": "fencing counters",
+                "db_table": "django_setnx_fence",
+                "default_permissions": (),
             },
         ),
         migrations.CreateModel(
-            name='LockRecord',
+            name="LockRecord",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=200, unique=True, verbose_name='name')),
-                ('token', models.CharField(max_length=64, verbose_name='token')),
-                ('owner', models.TextField(default='{}', help_text='JSON: host, pid, thread, guards.', verbose_name='owner')),
-                ('acquired_at', models.BigIntegerField(help_text='Milliseconds since the epoch, database clock.', verbose_name='acquired at')),
-                ('expires_at', models.BigIntegerField(help_text='Milliseconds since the epoch, database clock.', verbose_name='expires at')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=200, unique=True, verbose_name="name")),
+                ("token", models.CharField(max_length=64, verbose_name="token")),
+                (
+                    "owner",
+                    models.TextField(
+                        default="{}",
+                        help_text="JSON: host, pid, thread, guards.",
+                        verbose_name="owner",
+                    ),
+                ),
+                (
+                    "acquired_at",
+                    models.BigIntegerField(
+                        help_text="Milliseconds since the epoch, database clock.",
+                        verbose_name="acquired at",
+                    ),
+                ),
+                (
+                    "expires_at",
+                    models.BigIntegerField(
+                        help_text="Milliseconds since the epoch, database clock.",
+                        verbose_name="expires at",
+                    ),
+                ),
             ],
             options={
-                'verbose_name': 'lock',
-                'verbose_name_plural': 'locks',
-                'db_table': 'django_setnx_lock',
-                'permissions': [('release_lock', 'Can force-release locks')],
-                'default_permissions': ('view',),
+                "verbose_name": "lock",
+                "verbose_name_plural": "locks",
+                "db_table": "django_setnx_lock",
+                "permissions": [("release_lock", "Can force-release locks")],
+                "default_permissions": ("view",),
             },
         ),
         migrations.RunPython(

@@ -13,7 +13,9 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name="lockrecord",
             name="next_token",
-            field=models.CharField(blank=True, default="", max_length=64, verbose_name="next in line"),
+            field=models.CharField(
+                blank=True, default="", max_length=64, verbose_name="next in line"
+            ),
         ),
         migrations.AddField(
             model_name="lockrecord",

@@ -69,14 +69,14 @@ def copy_rows_into_counters(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
         ("django_setnx", "0002_next_in_line"),
     ]
 
     operations = [
-        migrations.RunPython(check_counters_are_behind_the_clock, migrations.RunPython.noop,
-                             elidable=False),
+        migrations.RunPython(
+            check_counters_are_behind_the_clock, migrations.RunPython.noop, elidable=False
+        ),
         migrations.AddField(
             model_name="lockrecord",
             name="fencing",
@@ -88,7 +88,8 @@ class Migration(migrations.Migration):
         migrations.AlterField(
             model_name="lockrecord",
             name="name",
-            field=models.CharField(max_length=200, primary_key=True, serialize=False,
-                                   verbose_name="name"),
+            field=models.CharField(
+                max_length=200, primary_key=True, serialize=False, verbose_name="name"
+            ),
         ),
     ]

@@ -21,8 +21,14 @@ from example_project.celery import EAGER, app
 
 from django_setnx.contrib.celery import AlreadyQueued, ExclusiveTask
 
-__all__ = ["EAGER", "TASK_SECONDS", "AlreadyQueued", "app", "export_invoices",
-           "rebuild_search_index"]
+__all__ = [
+    "EAGER",
+    "TASK_SECONDS",
+    "AlreadyQueued",
+    "app",
+    "export_invoices",
+    "rebuild_search_index",
+]
 
 TASK_SECONDS = 5
 

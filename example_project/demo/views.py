@@ -84,11 +84,15 @@ def _fencing_token(name):
 
 def index(request):
     """Links to every part of the demo."""
-    return render(request, "demo/index.html", {
-        "backend": _backend_name(),
-        "redis_url": settings.SETNX_REDIS_URL,
-        "aliases": list(locks),
-    })
+    return render(
+        request,
+        "demo/index.html",
+        {
+            "backend": _backend_name(),
+            "redis_url": settings.SETNX_REDIS_URL,
+            "aliases": list(locks),
+        },
+    )
 
 
 @locked(LOCK_NAME, ttl=LOCK_TTL, on_contention=busy_page)
@@ -96,13 +100,17 @@ def slow_report(request):
     """Run the 5-second "report" unless another request is running it right now."""
     started = time.monotonic()
     time.sleep(JOB_SECONDS)  # the slow job
-    return render(request, "demo/report.html", {
-        "lock_name": LOCK_NAME,
-        "fencing_token": _fencing_token(LOCK_NAME),
-        "seconds": time.monotonic() - started,
-        "backend": _backend_name(),
-        "is_async": False,
-    })
+    return render(
+        request,
+        "demo/report.html",
+        {
+            "lock_name": LOCK_NAME,
+            "fencing_token": _fencing_token(LOCK_NAME),
+            "seconds": time.monotonic() - started,
+            "backend": _backend_name(),
+            "is_async": False,
+        },
+    )
 
 
 @locked(ASYNC_LOCK_NAME, ttl=LOCK_TTL, on_contention=async_busy_page)
@@ -110,13 +118,17 @@ async def async_report(request):
     """The same job as an ``async def`` view: the lock is taken with ``aacquire()``."""
     started = time.monotonic()
     await asyncio.sleep(JOB_SECONDS)  # the slow job, without blocking the event loop
-    return render(request, "demo/report.html", {
-        "lock_name": ASYNC_LOCK_NAME,
-        "fencing_token": await sync_to_async(_fencing_token)(ASYNC_LOCK_NAME),
-        "seconds": time.monotonic() - started,
-        "backend": _backend_name(),
-        "is_async": True,
-    })
+    return render(
+        request,
+        "demo/report.html",
+        {
+            "lock_name": ASYNC_LOCK_NAME,
+            "fencing_token": await sync_to_async(_fencing_token)(ASYNC_LOCK_NAME),
+            "seconds": time.monotonic() - started,
+            "backend": _backend_name(),
+            "is_async": True,
+        },
+    )
 
 
 @locked(EXPORTS_NAME, ttl=LOCK_TTL, limit=EXPORTS_LIMIT, on_contention=busy_page)
@@ -125,13 +137,17 @@ def export(request):
     request holds one of the three slots of the semaphore ``demo:exports``."""
     started = time.monotonic()
     time.sleep(JOB_SECONDS)
-    return render(request, "demo/report.html", {
-        "lock_name": EXPORTS_NAME,
-        "limit": EXPORTS_LIMIT,
-        "seconds": time.monotonic() - started,
-        "backend": _backend_name(),
-        "is_async": False,
-    })
+    return render(
+        request,
+        "demo/report.html",
+        {
+            "lock_name": EXPORTS_NAME,
+            "limit": EXPORTS_LIMIT,
+            "seconds": time.monotonic() - started,
+            "backend": _backend_name(),
+            "is_async": False,
+        },
+    )
 
 
 @require_http_methods(["GET", "POST"])
@@ -141,8 +157,11 @@ def task(request):
         from demo import tasks
     except (ImportError, ImproperlyConfigured) as exc:  # celery is optional
         return render(request, "demo/task.html", {"celery_missing": str(exc)})
-    context = {"broker": tasks.app.conf.broker_url if not tasks.EAGER else None,
-               "eager": tasks.EAGER, "task_seconds": tasks.TASK_SECONDS}
+    context = {
+        "broker": tasks.app.conf.broker_url if not tasks.EAGER else None,
+        "eager": tasks.EAGER,
+        "task_seconds": tasks.TASK_SECONDS,
+    }
     if request.method == "POST":
         try:
             result = tasks.rebuild_search_index.delay("shop-1")

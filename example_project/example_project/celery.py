@@ -19,8 +19,12 @@ EAGER = not BROKER_URL
 
 app = Celery("example_project")
 if EAGER:
-    app.conf.update(task_always_eager=True, task_eager_propagates=True,
-                    broker_url="memory://", result_backend=None)
+    app.conf.update(
+        task_always_eager=True,
+        task_eager_propagates=True,
+        broker_url="memory://",
+        result_backend=None,
+    )
 else:
     app.conf.update(broker_url=BROKER_URL, broker_connection_retry_on_startup=True)
 app.autodiscover_tasks(["demo"])

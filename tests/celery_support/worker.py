@@ -48,10 +48,22 @@ class CeleryWorker:
 
     def command(self):
         return [
-            sys.executable, "-m", "celery", "-A", "tests.celery_app", "worker",
-            f"--pool={self.pool}", "--concurrency=1", "-n", self.nodename,
-            "--without-gossip", "--without-mingle", "--without-heartbeat",
-            "-Q", self.queue, "--loglevel=INFO",
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.celery_app",
+            "worker",
+            f"--pool={self.pool}",
+            "--concurrency=1",
+            "-n",
+            self.nodename,
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-Q",
+            self.queue,
+            "--loglevel=INFO",
         ]
 
     def start(self):
@@ -70,8 +82,13 @@ class CeleryWorker:
             log.write(f"\n===== start #{self.starts} =====\n".encode())
             log.flush()
             self.process = subprocess.Popen(
-                self.command(), cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                self.command(),
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         return self
 
@@ -132,10 +149,25 @@ class CeleryBeat:
         }
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "tests.celery_app", "beat",
-                 "-s", str(self.schedule), "--max-interval", "1", "--loglevel=INFO"],
-                cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "tests.celery_app",
+                    "beat",
+                    "-s",
+                    str(self.schedule),
+                    "--max-interval",
+                    "1",
+                    "--loglevel=INFO",
+                ],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         return self
 

@@ -16,13 +16,18 @@ _UNSAFE_CATEGORIES = {"Cc", "Cf", "Zl", "Zp", "Cs"}
 
 def add_backend_arguments(parser, action):
     parser.add_argument(
-        "--backend", action="append", dest="backends", metavar="ALIAS",
+        "--backend",
+        action="append",
+        dest="backends",
+        metavar="ALIAS",
         help=f"{action} only this alias of SETNX_LOCKS (repeatable; default: every alias).",
     )
     parser.add_argument(
-        "--name", dest="name_glob", metavar="GLOB",
+        "--name",
+        dest="name_glob",
+        metavar="GLOB",
         help="Only locks whose name matches this glob (*, ?, [abc], [a-z], [!a] or [^a], "
-             "\\ escapes), with the same meaning on every backend.",
+        "\\ escapes), with the same meaning on every backend.",
     )
 
 
@@ -30,8 +35,10 @@ def confirm_or_cancel(question, cancelled):
     """Ask ``question`` (which ends by asking for 'yes'); anything but 'yes', or no
     answer at all (EOF, Ctrl-C), raises CommandError(``cancelled``)."""
     try:
-        answer = input(question + "\nAre you sure you want to do this?\n\n"
-                       "    Type 'yes' to continue, or 'no' to cancel: ")
+        answer = input(
+            question + "\nAre you sure you want to do this?\n\n"
+            "    Type 'yes' to continue, or 'no' to cancel: "
+        )
     except (EOFError, KeyboardInterrupt):
         answer = ""
     if answer.strip() != "yes":

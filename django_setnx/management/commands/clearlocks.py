@@ -42,21 +42,29 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument(
-            "--all", action="store_true", dest="include_held",
+            "--all",
+            action="store_true",
+            dest="include_held",
             help="Also remove locks that are currently held. Their holders are not told and "
-                 "another process may then acquire the same lock while they still run.",
+            "another process may then acquire the same lock while they still run.",
         )
         add_backend_arguments(parser, "Clear")
         parser.add_argument(
-            "--older-than", dest="older_than", metavar="SECONDS",
+            "--older-than",
+            dest="older_than",
+            metavar="SECONDS",
             help="Only locks acquired more than SECONDS ago (a number > 0).",
         )
         parser.add_argument(
-            "--dry-run", action="store_true",
+            "--dry-run",
+            action="store_true",
             help="Remove nothing; print the locks that would be removed.",
         )
         parser.add_argument(
-            "--noinput", "--no-input", action="store_false", dest="interactive",
+            "--noinput",
+            "--no-input",
+            action="store_false",
+            dest="interactive",
             help="Do not ask for confirmation before removing held locks (--all).",
         )
         # Hidden: how often the running count is printed (tests use a small step).
@@ -81,8 +89,11 @@ class Command(BaseCommand):
             progress = _Progress(self, alias, verbosity, every, dry_run)
             try:
                 result = backend.clear(
-                    include_held=include_held, name_glob=name_glob, older_than=older_than,
-                    dry_run=dry_run, progress=progress,
+                    include_held=include_held,
+                    name_glob=name_glob,
+                    older_than=older_than,
+                    dry_run=dry_run,
+                    progress=progress,
                 )
             except (LockBackendError, ImproperlyConfigured) as exc:
                 message = backend_failure(alias, exc)
@@ -93,7 +104,7 @@ class Command(BaseCommand):
             if progress.seen < count:
                 # A backend that returned names without reporting them all as progress:
                 # still list what it removed.
-                progress(result.names[progress.seen:])
+                progress(result.names[progress.seen :])
             verb = "would remove" if dry_run else "removed"
             self.stdout.write(self.style.SUCCESS(f"{alias}: {verb} {_count(count, include_held)}"))
 
@@ -113,7 +124,8 @@ class Command(BaseCommand):
             f"You have requested to remove every lock {scope}, held ones included.\n"
             "Their holders will not be told: another process can then acquire the same "
             "lock while they still run.",
-            "Clearing locks cancelled: nothing was removed.")
+            "Clearing locks cancelled: nothing was removed.",
+        )
 
 
 def _count(count, include_held):
@@ -164,4 +176,5 @@ class _Progress:
     def abort(self, message):
         if self.seen and not self.dry_run:
             self.command.stderr.write(
-                f"{self.alias}: removed {plural(self.seen, 'lock')} before failing: {message}")
+                f"{self.alias}: removed {plural(self.seen, 'lock')} before failing: {message}"
+            )

@@ -51,9 +51,11 @@ class Command(BaseCommand):
         parser.add_argument("--state", choices=STATES, help="Only held or only stale locks.")
         add_backend_arguments(parser, "List")
         parser.add_argument(
-            "--json", action="store_true", dest="as_json",
+            "--json",
+            action="store_true",
+            dest="as_json",
             help="Print one JSON object per lock and line (NDJSON), every value in full, "
-                 "streamed: for scripts and large listings.",
+            "streamed: for scripts and large listings.",
         )
 
     def handle(self, *args, **options):

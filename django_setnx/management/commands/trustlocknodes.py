@@ -29,17 +29,24 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument(
-            "--backend", action="append", dest="backends", metavar="ALIAS",
+            "--backend",
+            action="append",
+            dest="backends",
+            metavar="ALIAS",
             help="Only this Redlock alias of SETNX_LOCKS (repeatable; default: every "
-                 "Redlock alias).",
+            "Redlock alias).",
         )
         parser.add_argument(
-            "--dry-run", action="store_true",
+            "--dry-run",
+            action="store_true",
             help="Change nothing; list the masters that do not vote yet and how long until "
-                 "each does.",
+            "each does.",
         )
         parser.add_argument(
-            "--noinput", "--no-input", action="store_false", dest="interactive",
+            "--noinput",
+            "--no-input",
+            action="store_false",
+            dest="interactive",
             help="Do not ask for confirmation.",
         )
 
@@ -53,11 +60,15 @@ class Command(BaseCommand):
             if any(status.error is None and not status.trusted for status in statuses):
                 to_trust.append((alias, backend, statuses))
             elif not any(status.error for status in statuses):
-                self.stdout.write(self.style.SUCCESS(
-                    f"{alias}: every master votes already; nothing to do."))
+                self.stdout.write(
+                    self.style.SUCCESS(f"{alias}: every master votes already; nothing to do.")
+                )
             if not dry_run:
-                failures.extend(f"{alias}: {status.label} did not answer ({status.error})"
-                                for status in statuses if status.error is not None)
+                failures.extend(
+                    f"{alias}: {status.label} did not answer ({status.error})"
+                    for status in statuses
+                    if status.error is not None
+                )
         if dry_run or not to_trust:
             self.raise_failures(failures)
             return
@@ -66,33 +77,42 @@ class Command(BaseCommand):
         for alias, backend, statuses in to_trust:
             marked = backend.trust_nodes()
             if marked:
-                self.stdout.write(self.style.SUCCESS(
-                    f"{alias}: {plural(len(marked), 'master')} trusted now: "
-                    f"{', '.join(marked)}."))
-            failures.extend(f"{alias}: {status.label} could not be marked trusted"
-                            for status in statuses
-                            if status.error is None and status.label not in marked)
+                self.stdout.write(
+                    self.style.SUCCESS(
+                        f"{alias}: {plural(len(marked), 'master')} trusted now: "
+                        f"{', '.join(marked)}."
+                    )
+                )
+            failures.extend(
+                f"{alias}: {status.label} could not be marked trusted"
+                for status in statuses
+                if status.error is None and status.label not in marked
+            )
         self.raise_failures(failures)
 
     def raise_failures(self, failures):
         if failures:
             raise CommandError(
-                "; ".join(failures) + ". Run the command again once every master answers.")
+                "; ".join(failures) + ". Run the command again once every master answers."
+            )
 
     def redlock_backends(self, requested):
         """``[(alias, backend)]``: the requested aliases (CommandError for one that is
         unknown or not Redlock), or every Redlock alias."""
         if requested:
             selected = select_backends(requested)
-            others = [f"{alias!r} is a {type(backend).__name__}" for alias, backend in selected
-                      if not isinstance(backend, RedlockBackend)]
+            others = [
+                f"{alias!r} is a {type(backend).__name__}"
+                for alias, backend in selected
+                if not isinstance(backend, RedlockBackend)
+            ]
             if others:
                 raise CommandError(
                     f"Lock backend {'; '.join(others)}, not a RedlockBackend: only Redlock "
-                    f"masters sit out after losing their data.")
+                    f"masters sit out after losing their data."
+                )
             return selected
-        aliases = [alias for alias, params in locks.settings.items()
-                   if _is_redlock(params)]
+        aliases = [alias for alias, params in locks.settings.items() if _is_redlock(params)]
         if not aliases:
             raise CommandError("No Redlock backend is configured in SETNX_LOCKS.")
         try:
@@ -102,16 +122,19 @@ class Command(BaseCommand):
 
     def report(self, alias, backend, statuses):
         """Write one line per master: whether it votes, and if not, when it will."""
-        self.stdout.write(f"{alias}: {plural(len(statuses), 'master')} "
-                          f"(MAX_TTL = {backend.max_ttl:g} s)")
+        self.stdout.write(
+            f"{alias}: {plural(len(statuses), 'master')} (MAX_TTL = {backend.max_ttl:g} s)"
+        )
         for status in statuses:
             if status.error is not None:
                 state = f"did not answer: {status.error}"
             elif status.trusted:
                 state = "trusted: votes"
             elif status.votes_in is None:
-                state = (f"no marker (brand-new, or restarted empty): sits out for "
-                         f"{backend.max_ttl:g} s from the first acquire that reaches it")
+                state = (
+                    f"no marker (brand-new, or restarted empty): sits out for "
+                    f"{backend.max_ttl:g} s from the first acquire that reaches it"
+                )
             else:
                 state = f"untrusted: votes in {status.votes_in:.0f} s"
             self.stdout.write(f"  {status.label}  {state}")
@@ -125,7 +148,8 @@ class Command(BaseCommand):
             "second holder take them.\n"
             "Only continue for brand-new masters, or masters restarted while certainly no "
             "lock was held.",
-            f"{TRUST_COMMAND} cancelled: no master was marked trusted.")
+            f"{TRUST_COMMAND} cancelled: no master was marked trusted.",
+        )
 
 
 def _is_redlock(params):

@@ -29,23 +29,29 @@ class Command(BaseCommand):
     help = "Create a few held and stale demo locks on a lock backend (idempotent)."
 
     def add_arguments(self, parser):
-        parser.add_argument("--backend", default=DEFAULT_LOCK_ALIAS,
-                            help="lock backend alias (default: %(default)s)")
-        parser.add_argument("--ttl", type=float, default=3600,
-                            help="TTL of the held locks, in seconds (default: %(default)s)")
+        parser.add_argument(
+            "--backend",
+            default=DEFAULT_LOCK_ALIAS,
+            help="lock backend alias (default: %(default)s)",
+        )
+        parser.add_argument(
+            "--ttl",
+            type=float,
+            default=3600,
+            help="TTL of the held locks, in seconds (default: %(default)s)",
+        )
 
     def handle(self, *, backend, ttl, **options):
         store = locks[backend]
         created_stale = False
-        for name, guards, lock_ttl in (
-            [(n, g, ttl) for n, g in HELD] + [(n, g, STALE_TTL) for n, g in STALE]
-        ):
+        for name, guards, lock_ttl in [(n, g, ttl) for n, g in HELD] + [
+            (n, g, STALE_TTL) for n, g in STALE
+        ]:
             if store.get(name) is not None:
                 self.stdout.write(f"  exists  {name}")
                 continue
             # Taken and never released: the record stays until it expires.
-            taken = lock(name, ttl=lock_ttl, backend=backend, timeout=0,
-                         guards=guards).acquire()
+            taken = lock(name, ttl=lock_ttl, backend=backend, timeout=0, guards=guards).acquire()
             if taken:
                 created_stale |= lock_ttl == STALE_TTL
                 kind = "stale" if lock_ttl == STALE_TTL else "held"
@@ -56,5 +62,6 @@ class Command(BaseCommand):
             time.sleep(STALE_TTL * 4)  # let the short ones expire: they are stale now
         held = sum(1 for _ in store.list(state="held"))
         stale = sum(1 for _ in store.list(state="stale"))
-        self.stdout.write(self.style.SUCCESS(
-            f"Backend {backend!r}: {held} held and {stale} stale lock(s)."))
+        self.stdout.write(
+            self.style.SUCCESS(f"Backend {backend!r}: {held} held and {stale} stale lock(s).")
+        )
