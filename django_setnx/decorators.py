@@ -25,6 +25,8 @@ first argument, or the second for a method (``self, request``). Class-based view
 work through Django's ``method_decorator`` on ``dispatch`` or on a handler method.
 """
 
+from __future__ import annotations
+
 import asyncio
 import contextvars
 import functools
@@ -34,7 +36,8 @@ import math
 import string
 import threading
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
 
 from asgiref.sync import iscoroutinefunction
 from django.core.exceptions import ImproperlyConfigured
@@ -54,11 +57,16 @@ SKIP = "skip"
 #: Request methods a decorated view serves without taking the lock by default.
 UNLOCKED_METHODS = ("HEAD", "OPTIONS")
 
+#: ``begin(args, kwargs) -> (lock or None, request, HttpRequest or None)`` and
+#: ``contended(lock, request, args, kwargs) -> result`` of one decorated callable.
+_Begin = Callable[[Sequence[Any], dict[str, Any]], tuple[Lock | None, Any, HttpRequest | None]]
+_Contended = Callable[[Lock, Any, Sequence[Any], dict[str, Any]], Any]
+
 _formatter = string.Formatter()
 
 
 @functools.lru_cache(maxsize=512)
-def _template_roots(template):
+def _template_roots(template: str) -> frozenset[str]:
     """The argument names a template refers to: ``"{request.user.pk}"`` -> {"request"}."""
     roots = set()
     for _, field, _, _ in _formatter.parse(template):
@@ -74,14 +82,14 @@ def _template_roots(template):
 
 
 @functools.lru_cache(maxsize=512)
-def _unbound_signature(function):
+def _unbound_signature(function: Callable[..., Any]) -> inspect.Signature:
     """The signature of ``function`` called as a bound method (its first parameter
     dropped), computed once per function."""
     signature = inspect.signature(function)
     return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
-def call_signature(func):
+def call_signature(func: Callable[..., Any]) -> inspect.Signature:
     """The signature ``func`` is *called* with.
 
     ``inspect.signature`` follows ``__wrapped__``, which is right for a function
@@ -106,11 +114,11 @@ def call_signature(func):
     return inspect.signature(func)
 
 
-def _is_async_view_dispatch(func):
+def _is_async_view_dispatch(func: Callable[..., Any]) -> bool:
     """True for the per-call partial of an async class-based view's method that is
     itself sync and returns the handler's coroutine (``View.dispatch`` of a view whose
     handlers are ``async def``): it must be locked the async way."""
-    target = func
+    target: Any = func
     while not isinstance(target, functools.partial):
         target = getattr(target, "__wrapped__", None)
         if target is None:
@@ -122,7 +130,7 @@ def _is_async_view_dispatch(func):
 class LockName:
     """Builds the lock name of one call from the decorated callable's arguments."""
 
-    def __init__(self, func, template):
+    def __init__(self, func: Callable[..., Any], template: str | Callable[..., str]) -> None:
         self.func = func
         self.template = template
         self.signature = call_signature(func)
@@ -142,7 +150,7 @@ class LockName:
                 f"which {qualname(func)}{self.signature} does not take."
             )
 
-    def __call__(self, args, kwargs):
+    def __call__(self, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
         if callable(self.template):
             name = self.template(*args, **kwargs)
             if not isinstance(name, str):
@@ -166,13 +174,13 @@ class LockName:
             ) from exc
 
 
-def qualname(func):
+def qualname(func: object) -> str:
     func = getattr(func, "func", func)  # a partial: name what it calls
     func = getattr(func, "__func__", func)  # a bound method: its function
     return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
 
 
-def find_request(args):
+def find_request(args: Sequence[Any]) -> tuple[Any, HttpRequest | None]:
     """``(request, http_request)`` of a view call, or ``(None, None)``.
 
     ``request`` is what the view got (a Django ``HttpRequest``, or a wrapper such as
@@ -189,7 +197,11 @@ def find_request(args):
     return None, None
 
 
-def retry_after_seconds(lock, retry_after=None, request=None):
+def retry_after_seconds(
+    lock: Lock,
+    retry_after: float | Callable[[Lock, Any], float] | None = None,
+    request: Any = None,
+) -> int:
     """The ``Retry-After`` of a contended view, in whole seconds (at least 1).
 
     ``retry_after``: None (the holder's remaining ttl, by the backend's clock), a
@@ -208,7 +220,7 @@ def retry_after_seconds(lock, retry_after=None, request=None):
     return max(1, math.ceil(retry_after))
 
 
-def _wants_json(http_request, is_api):
+def _wants_json(http_request: HttpRequest, is_api: bool) -> bool:
     """Content negotiation for the contention response: JSON when the client
     prefers it (or sent no preference to an API view, as DRF's are), else text."""
     accept = http_request.headers.get("Accept", "").strip()
@@ -216,11 +228,18 @@ def _wants_json(http_request, is_api):
         return is_api
     preferred = getattr(http_request, "get_preferred_type", None)  # Django >= 5.2
     if preferred is not None:
-        return preferred(["text/plain", "text/html", "application/json"]) == "application/json"
+        return bool(
+            preferred(["text/plain", "text/html", "application/json"]) == "application/json"
+        )
     return http_request.accepts("application/json") and not http_request.accepts("text/html")
 
 
-def default_contention_response(request, lock, status=409, retry_after=None):
+def default_contention_response(
+    request: Any,
+    lock: Lock,
+    status: int = 409,
+    retry_after: float | Callable[[Lock, Any], float] | None = None,
+) -> HttpResponse:
     """The view response on contention: ``status`` (409) with ``Retry-After``.
 
     JSON (``{"detail": ..., "retry_after": seconds}``) when content negotiation asks
@@ -230,7 +249,8 @@ def default_contention_response(request, lock, status=409, retry_after=None):
     request, http_request = find_request((request,))
     seconds = retry_after_seconds(lock, retry_after, request)
     detail = f"The resource is busy (a lock is held by another request). Retry in {seconds} s."
-    if _wants_json(http_request, request is not http_request):
+    response: HttpResponse
+    if http_request is not None and _wants_json(http_request, request is not http_request):
         response = JsonResponse({"detail": detail, "retry_after": seconds}, status=status)
     else:
         response = HttpResponse(
@@ -243,10 +263,12 @@ def default_contention_response(request, lock, status=409, retry_after=None):
 # -- re-entry -------------------------------------------------------------------------
 
 #: The locks held by @locked calls in progress in this thread or task.
-_in_progress = contextvars.ContextVar("django_setnx_in_progress", default=())
+_in_progress: contextvars.ContextVar[tuple[_Held, ...]] = contextvars.ContextVar(
+    "django_setnx_in_progress", default=()
+)
 
 
-def _current_runner():
+def _current_runner() -> object:
     """The asyncio task running this code, or else this thread's id."""
     try:
         task = asyncio.current_task()
@@ -258,13 +280,13 @@ def _current_runner():
 class _Held:
     __slots__ = ("key", "runner", "active")
 
-    def __init__(self, key):
+    def __init__(self, key: tuple[Any, ...]) -> None:
         self.key = key
         self.runner = _current_runner()
         self.active = True
 
 
-def _refuse_reentry(lk, func):
+def _refuse_reentry(lk: Lock, func: Callable[..., Any]) -> None:
     """Raise a clear LockError for a recursive call: a lock is not reentrant, and the
     inner call would wait for its own caller's lock until the ttl (then the outer
     call's release would fail with LockNotOwned)."""
@@ -283,12 +305,12 @@ def _refuse_reentry(lk, func):
         )
 
 
-def _enter(lk):
+def _enter(lk: Lock) -> tuple[_Held, contextvars.Token[tuple[_Held, ...]]]:
     held = _Held(lk.identity)
     return held, _in_progress.set(_in_progress.get() + (held,))
 
 
-def _leave(entered):
+def _leave(entered: tuple[_Held, contextvars.Token[tuple[_Held, ...]]]) -> None:
     held, token = entered
     held.active = False
     try:
@@ -301,20 +323,20 @@ def _leave(entered):
 
 
 def locked(
-    name,
-    ttl=None,
+    name: str | Callable[..., str],
+    ttl: float | None = None,
     *,
-    timeout=0,
-    backend=DEFAULT_LOCK_ALIAS,
-    on_contention=None,
-    auto_renew=False,
-    status=409,
-    retry_after=None,
-    unlocked_methods=UNLOCKED_METHODS,
-    release_on_commit=True,
-    using=None,
-    limit=None,
-):
+    timeout: float | None = 0,
+    backend: str = DEFAULT_LOCK_ALIAS,
+    on_contention: str | Callable[..., Any] | None = None,
+    auto_renew: bool = False,
+    status: int = 409,
+    retry_after: float | Callable[[Lock, Any], float] | None = None,
+    unlocked_methods: Sequence[str] | None = UNLOCKED_METHODS,
+    release_on_commit: bool = True,
+    using: str | Sequence[str] | None = None,
+    limit: int | None = None,
+) -> Callable[[Callable[..., Any]], Any]:
     """Decorate a callable so that each call runs while holding a lock (or, with
     ``limit``, one of the ``limit`` slots of a semaphore).
 
@@ -387,7 +409,7 @@ def locked(
     unlocked = frozenset(method.upper() for method in unlocked_methods or ())
     using = database_aliases(using)
 
-    def decorator(func):
+    def decorator(func: Any) -> Any:
         if isinstance(func, (staticmethod, classmethod)):
             # Decorate the function inside, and keep the descriptor around it.
             return type(func)(decorator(func.__func__))
@@ -396,7 +418,9 @@ def locked(
         make_name = LockName(func, name)
         dotted = qualname(func)
 
-        def begin(args, kwargs):
+        def begin(
+            args: Sequence[Any], kwargs: dict[str, Any]
+        ) -> tuple[Lock | None, Any, HttpRequest | None]:
             """``(lock, request, http_request)`` for one call; lock is None for an
             unlocked request method."""
             request, http_request = find_request(args)
@@ -407,7 +431,7 @@ def locked(
                 if http_request is not None
                 else dotted
             )
-            options = {
+            options: dict[str, Any] = {
                 "backend": backend,
                 "timeout": timeout,
                 "auto_renew": auto_renew,
@@ -422,7 +446,7 @@ def locked(
             _refuse_reentry(lk, func)
             return lk, request, http_request
 
-        def contended(lk, request, args, kwargs):
+        def contended(lk: Lock, request: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
             if callable(on_contention):
                 return on_contention(lk, *args, **kwargs)
             if request is not None and on_contention in (None, SKIP):
@@ -443,7 +467,7 @@ def locked(
             wrapper = _coroutine_wrapper(func, begin, contended, returns_awaitable=True)
         else:
             wrapper = _function_wrapper(func, begin, contended)
-        wrapper.lock_name = make_name
+        wrapper.lock_name = make_name  # type: ignore[attr-defined]
         return wrapper
 
     return decorator
@@ -458,29 +482,33 @@ class _Running:
 
     __slots__ = ("lk", "entered")
 
-    def __init__(self, lk):
+    def __init__(self, lk: Lock) -> None:
         self.lk = lk
 
-    def __enter__(self):
+    def __enter__(self) -> Lock:
         self.entered = _enter(self.lk)
+        return self.lk
 
-    def __exit__(self, exc_type, exc, traceback):
+    def __exit__(self, exc_type: Any, exc: BaseException | None, traceback: Any) -> None:
         _leave(self.entered)
         if exc is not None:
             self.lk.release_at_exit(exc)
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> Lock:
         self.entered = _enter(self.lk)
+        return self.lk
 
-    async def __aexit__(self, exc_type, exc, traceback):
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, traceback: Any) -> None:
         _leave(self.entered)
         if exc is not None:
             await self.lk.arelease_at_exit(exc)
 
 
-def _function_wrapper(func, begin, contended):
+def _function_wrapper(
+    func: Callable[..., Any], begin: _Begin, contended: _Contended
+) -> Callable[..., Any]:
     @functools.wraps(func)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         lk, request, http_request = begin(args, kwargs)
         if lk is None or deferred_lock(lk) is not None:
             # An unlocked method, or this transaction's earlier call still holds it.
@@ -497,12 +525,17 @@ def _function_wrapper(func, begin, contended):
     return wrapper
 
 
-def _coroutine_wrapper(func, begin, contended, returns_awaitable=False):
+def _coroutine_wrapper(
+    func: Callable[..., Any],
+    begin: _Begin,
+    contended: _Contended,
+    returns_awaitable: bool = False,
+) -> Callable[..., Any]:
     """``async def`` functions, and (``returns_awaitable``) sync callables whose
     result is awaited by the caller: held until that result has been awaited."""
 
     @functools.wraps(func)
-    async def wrapper(*args, **kwargs):
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
         lk, request, http_request = begin(args, kwargs)
         if lk is None or deferred_lock(lk) is not None:
             result = func(*args, **kwargs)
@@ -522,9 +555,11 @@ def _coroutine_wrapper(func, begin, contended, returns_awaitable=False):
     return wrapper
 
 
-def _generator_wrapper(func, begin, contended):
+def _generator_wrapper(
+    func: Callable[..., Any], begin: _Begin, contended: _Contended
+) -> Callable[..., Any]:
     @functools.wraps(func)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         lk, request, _ = begin(args, kwargs)
         if lk is None or deferred_lock(lk) is not None:
             return (yield from func(*args, **kwargs))
@@ -543,9 +578,11 @@ def _generator_wrapper(func, begin, contended):
     return wrapper
 
 
-def _async_generator_wrapper(func, begin, contended):
+def _async_generator_wrapper(
+    func: Callable[..., Any], begin: _Begin, contended: _Contended
+) -> Callable[..., Any]:
     @functools.wraps(func)
-    async def wrapper(*args, **kwargs):
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
         lk, request, _ = begin(args, kwargs)
         if lk is None or deferred_lock(lk) is not None:
             async for item in _delegate(func(*args, **kwargs)):
@@ -567,7 +604,7 @@ def _async_generator_wrapper(func, begin, contended):
     return wrapper
 
 
-async def _delegate(agen):
+async def _delegate(agen: Any) -> AsyncIterator[Any]:
     """Iterate ``agen``, closing it when the consumer stops early (an async
     generator has no ``yield from``: asend/athrow are not passed on)."""
     try:
@@ -577,7 +614,7 @@ async def _delegate(agen):
         await agen.aclose()
 
 
-def _hold_while_streaming(response, lk):
+def _hold_while_streaming(response: Any, lk: Lock) -> Any:
     """Keep ``lk`` held until the streaming ``response`` is sent or discarded.
 
     The server iterates the body after the view returned, then calls
@@ -589,12 +626,12 @@ def _hold_while_streaming(response, lk):
     """
     state = {"released": False}
 
-    def release(exc=None):
+    def release(exc: BaseException | None = None) -> None:
         if not state["released"]:
             state["released"] = True
             lk.release_at_exit(exc)
 
-    def release_quietly():
+    def release_quietly() -> None:
         # From close() or the garbage collector: nobody to raise to. A lock lost
         # meanwhile has sent lock_lost; say so in the log.
         try:
@@ -606,7 +643,7 @@ def _hold_while_streaming(response, lk):
                 exc_info=True,
             )
 
-    async def arelease(exc=None):
+    async def arelease(exc: BaseException | None = None) -> None:
         if not state["released"]:
             state["released"] = True
             await lk.arelease_at_exit(exc)
@@ -618,25 +655,26 @@ def _hold_while_streaming(response, lk):
     if getattr(response, "file_to_stream", None) is not None:
         return response
     content = response.streaming_content
+
+    async def astream() -> AsyncIterator[Any]:
+        try:
+            async for chunk in content:
+                yield chunk
+        except BaseException as exc:
+            await arelease(exc)
+            raise
+        await arelease()
+
+    def stream() -> Iterator[Any]:
+        try:
+            yield from content
+        except BaseException as exc:
+            release(exc)
+            raise
+        release()
+
     if getattr(response, "is_async", False) or isinstance(content, AsyncIterator):
-
-        async def stream():
-            try:
-                async for chunk in content:
-                    yield chunk
-            except BaseException as exc:
-                await arelease(exc)
-                raise
-            await arelease()
+        response.streaming_content = astream()
     else:
-
-        def stream():
-            try:
-                yield from content
-            except BaseException as exc:
-                release(exc)
-                raise
-            release()
-
-    response.streaming_content = stream()
+        response.streaming_content = stream()
     return response
