@@ -15,6 +15,11 @@ is logged with the reason and sends ``lock_force_released`` (see
 :mod:`django_setnx.dead_owners`). It reads every lock of each backend, which only
 happens when a worker exits.
 
+The arbiter must never wait for that: the hook returns at once, and each backend is
+read in a daemon thread of its own, so a backend that hangs (a Redis failover, a
+database at ``max_connections``) holds up neither the arbiter (its replacement
+worker, its timeouts, its signals) nor the other backends' locks.
+
 The arbiter needs Django's settings: with ``--preload`` they are loaded already;
 otherwise the hook calls ``django.setup()`` (``DJANGO_SETTINGS_MODULE`` must be set
 in the arbiter's environment, as it is for ``manage.py``). If you have a
@@ -27,20 +32,28 @@ logger = logging.getLogger("django_setnx")
 
 
 def child_exit(server, worker):
-    """gunicorn's ``child_exit`` server hook (see the module documentation)."""
+    """gunicorn's ``child_exit`` server hook (see the module documentation).
+
+    Returns the threads freeing the worker's locks, one per backend (joining them is
+    only for tests: the arbiter does not wait)."""
     try:
         _ensure_django()
         from .. import dead_owners
+        from ..handler import locks
 
-        freed = dead_owners.free_locks_of_pid(
-            worker.pid,
-            f"gunicorn worker {worker.pid} exited (killed by the arbiter for "
-            f"its timeout, crashed, or out of memory)",
+        reason = (
+            f"gunicorn worker {worker.pid} exited (killed by the arbiter for its timeout, "
+            f"crashed, or out of memory)"
         )
+        return [
+            dead_owners.in_background(
+                dead_owners.free_locks_of_pid, worker.pid, reason, aliases=[alias]
+            )
+            for alias in list(locks)
+        ]
     except Exception:  # a server hook must never take the arbiter down
         logger.warning("Could not free the locks of gunicorn worker %s", worker.pid, exc_info=True)
         return []
-    return freed
 
 
 def _ensure_django():
