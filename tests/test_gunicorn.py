@@ -183,4 +183,34 @@ def _stuck_worker_is_freed_at_once(alias, tmp_path, extra_env=None):
         pool.shutdown()
         log = log_path.read_text()
         assert "Freed lock 'preload:stuck'" in log, log[-3000:]
-        assert f"gunicorn worker {holder} exited" in log
+        assert f"gunicorn worker {holder} died without exiting" in log
+
+
+def test_a_worker_that_exits_in_order_keeps_what_it_left_held(tmp_path):
+    """``--max-requests`` recycles a worker, which exits in order: a lock it left held
+    on purpose (a cooldown; or one handed to another process with ``adopt``) is not
+    freed by the child_exit hook; only a worker that died without exiting counts."""
+    from django_setnx import locks
+
+    config = tmp_path / "gunicorn.conf.py"
+    config.write_text("from django_setnx.contrib.gunicorn import child_exit  # noqa: F401\n")
+    for base, _counter, log_path in start_gunicorn(
+        "default", tmp_path, "-c", str(config), "--workers", "1", "--max-requests", "3"
+    ):
+        status, body = get(f"{base}/keep/", 10)
+        first_pid, kept = body.split()
+        assert (status, kept) == (200, "True")
+        held = locks["default"].get("preload:kept")
+        # Requests until the worker has been recycled (a new pid answers).
+        deadline = time.monotonic() + 30
+        while True:
+            assert time.monotonic() < deadline, "the worker was never recycled"
+            status, body = get(f"{base}/keep/", 10)
+            if body.split()[0] != first_pid:
+                break
+        time.sleep(1)  # well past the moment the hook would have freed it
+        still = locks["default"].get("preload:kept")
+        assert still is not None and still.fencing_token == held.fencing_token
+        assert body.split()[1] == "False"  # the new worker finds it held
+        assert "Freed lock" not in log_path.read_text()
+        locks["default"].delete("preload:kept")
