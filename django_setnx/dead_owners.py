@@ -25,7 +25,7 @@ import time
 
 from .exceptions import LockBackendError
 from .handler import locks
-from .locking import _hostname
+from .locking import _hostname, pid_namespace
 from .signals import lock_force_released
 
 logger = logging.getLogger("django_setnx")
@@ -70,11 +70,20 @@ def wait_for_exit(pid, timeout=None):
 
 def owned_by(info, pid, host=None, **fields):
     """Whether the lock ``info`` was taken by process ``pid`` of ``host`` (default:
-    this host), with every owner field of ``fields`` equal."""
+    this host) in this process' PID namespace, with every owner field of ``fields``
+    equal.
+
+    A pid is only a process within its PID namespace: containers that share a host
+    name (a pod's containers, host networking) reuse the same small pids. So where
+    this process knows its namespace, a record must name the same one; one that
+    names none (written where there is none, or by an older version) is not taken
+    for ours, and is left to its ttl."""
     owner = info.owner if isinstance(info.owner, dict) else {}
+    namespace = pid_namespace()
     return (
         owner.get("host") == (host or this_host())
         and owner.get("pid") == pid
+        and (namespace is None or owner.get("pidns") == namespace)
         and all(owner.get(key) == value for key, value in fields.items())
     )
 

@@ -36,6 +36,8 @@ logger = logging.getLogger("django_setnx")
 _UNSET = object()
 _MARK_LOST_GUARD = threading.Lock()
 _HOSTNAME = None
+_UNKNOWN = object()
+_PID_NAMESPACE: object = _UNKNOWN
 
 
 def _hostname() -> str:
@@ -45,10 +47,42 @@ def _hostname() -> str:
     return _HOSTNAME
 
 
+def pid_namespace() -> int | None:
+    """The inode of this process' PID namespace (Linux), or None where there is none.
+
+    A pid means a process only within its PID namespace: two containers that share a
+    host name (a Kubernetes pod's containers, ``docker run --network host``) each
+    have their own pid 2. Owner records carry it, so that the locks of a dead pid are
+    only ever freed by an observer in the same namespace (see dead_owners)."""
+    global _PID_NAMESPACE
+    if _PID_NAMESPACE is _UNKNOWN:
+        try:
+            _PID_NAMESPACE = os.stat("/proc/self/ns/pid").st_ino
+        except OSError:
+            _PID_NAMESPACE = None
+    return _PID_NAMESPACE  # type: ignore[return-value]
+
+
+def _forget_pid_namespace() -> None:
+    # A child forked after unshare(CLONE_NEWPID) lives in another namespace.
+    global _PID_NAMESPACE
+    _PID_NAMESPACE = _UNKNOWN
+
+
+os.register_at_fork(after_in_child=_forget_pid_namespace)
+
+
 def current_owner(guards: str | None = None) -> dict[str, Any]:
     """The owner record written with each acquire: who holds the lock, and what for."""
     thread = threading.current_thread()
-    owner = {"host": _hostname(), "pid": os.getpid(), "thread": f"{thread.name} ({thread.ident})"}
+    owner: dict[str, Any] = {
+        "host": _hostname(),
+        "pid": os.getpid(),
+        "thread": f"{thread.name} ({thread.ident})",
+    }
+    namespace = pid_namespace()
+    if namespace is not None:
+        owner["pidns"] = namespace
     if guards:
         owner["guards"] = guards
     return owner

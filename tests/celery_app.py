@@ -220,6 +220,25 @@ def _register(alias):
         **opts,
     )(hang)
 
+    # As hang, acknowledged late and rejected when its child is lost: Celery puts the
+    # message back at once, and the run delivered again lasts 1 s.
+    def hang_requeue(self, key, log, tag, duration):
+        if already_started(log, self.request.id):
+            tag, duration = "again", 1
+        return work(self, log, tag, duration)
+
+    app.task(
+        name=f"setnx_tests.hang_requeue.{alias}",
+        lock_name="celery-test:{key}",
+        lock_ttl=60,
+        once_policy="raise",
+        once_name="celery-once-test:{key}",
+        once_ttl=60,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        **opts,
+    )(hang_requeue)
+
     # As hang, with a semaphore of two slots as its run lock (lock_limit=2).
     app.task(
         name=f"setnx_tests.hang_limited.{alias}",

@@ -53,6 +53,13 @@ def stuck(request):
     return HttpResponse("woke up")
 
 
+def keep(request):
+    """Takes ``preload:kept`` (ttl 60) and leaves it held on purpose, as a cooldown
+    does: a worker recycled afterwards must not have it freed."""
+    kept = lock("preload:kept", ttl=60, backend=ALIAS)
+    return HttpResponse(f"{os.getpid()} {kept.acquire(blocking=False)}")
+
+
 def try_stuck(request):
     attempt = lock("preload:stuck", ttl=5, backend=ALIAS)
     if not attempt.acquire(blocking=False):
@@ -65,6 +72,7 @@ urlpatterns = [
     path("increment/", increment),
     path("stuck/", stuck),
     path("try-stuck/", try_stuck),
+    path("keep/", keep),
     path("ping/", lambda request: HttpResponse("pong")),
 ]
 application = get_wsgi_application()

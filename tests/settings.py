@@ -156,6 +156,18 @@ if "redis" in TEST_BACKENDS:
         "KEY_PREFIX": "setnx-test",
     }
 
+# A backend that never answers (a TCP listener that never replies), listed first:
+# tests/test_gunicorn.py checks that it holds nothing up in the arbiter's hook.
+if os.environ.get("SETNX_TEST_HUNG_REDIS_URL"):
+    SETNX_LOCKS = {
+        "hung": {
+            "BACKEND": "django_setnx.backends.redis.RedisBackend",
+            "LOCATION": os.environ["SETNX_TEST_HUNG_REDIS_URL"],
+            "KEY_PREFIX": "setnx-test",
+        },
+        **SETNX_LOCKS,
+    }
+
 #: Lock aliases the contract suite runs against, in order.
 CONTRACT_ALIASES = [
     alias

@@ -1062,6 +1062,33 @@ def test_a_lock_that_changed_hands_is_never_freed_for_a_dead_run(
     assert "Freed lock" not in prefork_worker.log_tail(20000)
 
 
+def test_a_requeued_run_runs_again_and_keeps_its_once_lock(
+    workers, prefork_worker, worker_alias, tmp_path
+):
+    """``acks_late`` + ``reject_on_worker_lost``: Celery puts the message of a
+    SIGKILLed child back at once. The run delivered again gets its run lock (the dead
+    run's is freed, by the pool watch or by the new run itself) and succeeds; its
+    enqueue-once lock stays held meanwhile, so a duplicate is refused."""
+    import os
+    import signal
+
+    job = celery_task("hang_requeue", worker_alias)
+    key, log = uuid.uuid4().hex, str(tmp_path / "runs.jsonl")
+    once_name = f"celery-once-test:{key}"
+    original = job.apply_async((key, log, "first", 60), queue=prefork_worker.queue)
+    wait_until(lambda: started(log, "first"), 30, "the run", [prefork_worker])
+    run = locks[worker_alias].get(f"celery-test:{key}")
+    assert run.owner["celery_requeued_if_lost"] is True
+    os.kill(run.owner["pid"], signal.SIGKILL)
+    wait_for_exit(run.owner["pid"], [prefork_worker])
+    assert held(worker_alias, once_name), "the requeued message's once lock was freed"
+    with pytest.raises(AlreadyQueued):
+        job.apply_async((key, log, "duplicate", 0.1), queue=workers[1].queue)
+    assert get(original, [prefork_worker], timeout=60) == "again"
+    assert original.state == "SUCCESS"
+    assert not held(worker_alias, once_name)
+
+
 def test_a_lost_pool_child_frees_its_semaphore_slot_at_once(
     workers, prefork_worker, worker_alias, tmp_path
 ):

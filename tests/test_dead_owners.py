@@ -6,6 +6,8 @@ import os
 import signal
 import time
 
+import pytest
+
 from django_setnx import lock, locks
 from django_setnx.dead_owners import free_locks_of_pid, has_exited, owned_by, wait_for_exit
 from django_setnx.signals import lock_force_released
@@ -88,3 +90,37 @@ def test_a_lock_that_changed_hands_is_left_alone(shared_alias, name, spawn):
     assert dead_owners.free(shared_alias, stale, "too late") is None
     assert successor.owned()
     successor.release()
+
+
+@pytest.mark.parametrize("namespace", ["another", "none"])
+def test_a_pid_of_another_pid_namespace_is_not_ours(name, spawn, monkeypatch, namespace):
+    """Containers that share a host name (a Kubernetes pod, host networking) reuse
+    the same small pids: a dead pid's locks are freed only if their record names
+    this process' PID namespace; a record of another namespace, or of none (an older
+    version), is left to its ttl."""
+    from django_setnx import dead_owners
+    from django_setnx.locking import pid_namespace
+
+    assert pid_namespace() is not None  # Linux: the test means something here
+    monkeypatch.setattr(dead_owners, "EXIT_WAIT", 0.3)
+    other = {"pidns": pid_namespace() + 1} if namespace == "another" else {"pidns": None}
+    acquired = spawn.ctx.Event()
+    child = spawn(
+        workers.crash_holder_as, workers.child_environment(), "redis", name, 60, other, acquired
+    )
+    assert acquired.wait(30)
+    held = locks["redis"].get(name)
+    assert held.owner["pid"] == child.pid and held.owner["pidns"] == other["pidns"]
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(10)
+    assert not owned_by(held, child.pid)
+    assert free_locks_of_pid(child.pid, "killed by the test", aliases=["redis"]) == []
+    assert locks["redis"].get(name).fencing_token == held.fencing_token
+    locks["redis"].delete(name)
+
+
+def test_owner_records_name_the_pid_namespace(name):
+    from django_setnx.locking import pid_namespace
+
+    with lock(name, ttl=10, backend="locmem") as lk:
+        assert lk.info().owner["pidns"] == pid_namespace() == os.stat("/proc/self/ns/pid").st_ino

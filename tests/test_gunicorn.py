@@ -12,6 +12,7 @@ the lock of a worker the arbiter killed is free within 2 s, not after its ttl.
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,9 +37,10 @@ def get(url, timeout=60):
         return response.status, response.read().decode()
 
 
-def start_gunicorn(alias, tmp_path, *options):
-    """A gunicorn serving tests/preload_app.py on a free port, with ``options``;
-    yields ``(base url, counter file, log file)``, stopped afterwards."""
+def start_gunicorn(alias, tmp_path, *options, extra_env=None):
+    """A gunicorn serving tests/preload_app.py on a free port, with ``options`` (and
+    ``extra_env`` in its environment); yields ``(base url, counter file, log file)``,
+    stopped afterwards."""
     counter = tmp_path / "counter"
     counter.write_text("0")
     port = free_port()
@@ -50,6 +52,7 @@ def start_gunicorn(alias, tmp_path, *options):
         "SETNX_PRELOAD_COUNTER": str(counter),
         "PYTHONPATH": str(ROOT),
         "DJANGO_SETTINGS_MODULE": "tests.settings",
+        **(extra_env or {}),
     }
     log_path = tmp_path / "gunicorn.log"
     log = open(log_path, "w+")
@@ -118,13 +121,42 @@ def test_a_worker_killed_for_its_timeout_frees_its_locks_at_once(shared_alias, t
     (one line of gunicorn.conf.py; no --preload, so the arbiter sets Django up
     itself): a view holding a lock with ttl=60 is stuck past the timeout; the arbiter
     kills its worker, and the lock is free within 2 s of the kill, not after 60 s."""
+    _stuck_worker_is_freed_at_once(shared_alias, tmp_path)
+
+
+def test_a_backend_that_hangs_holds_up_neither_the_arbiter_nor_the_others(tmp_path):
+    """As above, with another lock backend listed first that never answers (a
+    listener that accepts and never replies): the hook reads each backend in a
+    thread of its own, so the stuck view's lock is still free within 2 s."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)  # connections complete in the backlog; nothing ever answers
+    try:
+        url = f"redis://127.0.0.1:{hung.getsockname()[1]}/0"
+        _stuck_worker_is_freed_at_once(
+            "default", tmp_path, extra_env={"SETNX_TEST_HUNG_REDIS_URL": url}
+        )
+    finally:
+        hung.close()
+
+
+def _stuck_worker_is_freed_at_once(alias, tmp_path, extra_env=None):
     from django_setnx import locks
     from django_setnx.dead_owners import has_exited
 
+    shared_alias = alias
     config = tmp_path / "gunicorn.conf.py"
     config.write_text("from django_setnx.contrib.gunicorn import child_exit  # noqa: F401\n")
     for base, _counter, log_path in start_gunicorn(
-        shared_alias, tmp_path, "-c", str(config), "--workers", "2", "--timeout", "2"
+        shared_alias,
+        tmp_path,
+        "-c",
+        str(config),
+        "--workers",
+        "2",
+        "--timeout",
+        "2",
+        extra_env=extra_env,
     ):
         pool = ThreadPoolExecutor(max_workers=1)
         stuck = pool.submit(get, f"{base}/stuck/", 30)
@@ -151,4 +183,34 @@ def test_a_worker_killed_for_its_timeout_frees_its_locks_at_once(shared_alias, t
         pool.shutdown()
         log = log_path.read_text()
         assert "Freed lock 'preload:stuck'" in log, log[-3000:]
-        assert f"gunicorn worker {holder} exited" in log
+        assert f"gunicorn worker {holder} died without exiting" in log
+
+
+def test_a_worker_that_exits_in_order_keeps_what_it_left_held(tmp_path):
+    """``--max-requests`` recycles a worker, which exits in order: a lock it left held
+    on purpose (a cooldown; or one handed to another process with ``adopt``) is not
+    freed by the child_exit hook; only a worker that died without exiting counts."""
+    from django_setnx import locks
+
+    config = tmp_path / "gunicorn.conf.py"
+    config.write_text("from django_setnx.contrib.gunicorn import child_exit  # noqa: F401\n")
+    for base, _counter, log_path in start_gunicorn(
+        "default", tmp_path, "-c", str(config), "--workers", "1", "--max-requests", "3"
+    ):
+        status, body = get(f"{base}/keep/", 10)
+        first_pid, kept = body.split()
+        assert (status, kept) == (200, "True")
+        held = locks["default"].get("preload:kept")
+        # Requests until the worker has been recycled (a new pid answers).
+        deadline = time.monotonic() + 30
+        while True:
+            assert time.monotonic() < deadline, "the worker was never recycled"
+            status, body = get(f"{base}/keep/", 10)
+            if body.split()[0] != first_pid:
+                break
+        time.sleep(1)  # well past the moment the hook would have freed it
+        still = locks["default"].get("preload:kept")
+        assert still is not None and still.fencing_token == held.fencing_token
+        assert body.split()[1] == "False"  # the new worker finds it held
+        assert "Freed lock" not in log_path.read_text()
+        locks["default"].delete("preload:kept")

@@ -183,3 +183,17 @@ def semaphore_crash_holder(env, alias, name, limit, ttl, acquired):
     acquired.set()
     while True:
         time.sleep(60)
+
+
+def crash_holder_as(env, alias, name, ttl, owner_extra, acquired):
+    """As crash_holder, with ``owner_extra`` in the owner record (the namespace
+    another container's process would write, say)."""
+    _setup(env)
+    from django_setnx import lock
+
+    lk = lock(name, ttl=ttl, backend=alias)
+    lk.owner_extra.update(owner_extra)
+    lk.acquire(timeout=10)
+    acquired.set()
+    while True:
+        time.sleep(60)

@@ -657,10 +657,15 @@ class ExclusiveTaskMixin:
             # Where this run's enqueue-once lock is: the worker's main process frees
             # both if the pool child running it dies (see _PoolChildWatch).
             lk.owner_extra["celery_once_lock"] = [once.backend_alias, once.name]
+        if self._requeued_if_lost():
+            # Celery puts the message back if the child dies: its once lock stays.
+            lk.owner_extra["celery_requeued_if_lost"] = True
         if self.lock_release_on_commit and deferred_lock(lk) is not None:
             # An earlier run in this transaction holds it until COMMIT: run under it.
             return body()
-        if not lk.acquire():
+        if not lk.acquire() and not (
+            request.id and _free_own_dead_run(lk, request.id) and lk.acquire()
+        ):
             return self.lock_contended(lk, args, kwargs)
         holder = request if not request.called_directly else None
         if holder is not None:
@@ -675,6 +680,14 @@ class ExclusiveTaskMixin:
         if self._take_run_lock(holder, lk):
             lk.release_at_exit()  # LockNotOwned here: the run was not exclusive; say so.
         return result
+
+    def _requeued_if_lost(self):
+        """Whether Celery requeues this task's message when its pool child dies
+        (``acks_late`` with ``reject_on_worker_lost``, per task or app-wide)."""
+        reject = getattr(self, "reject_on_worker_lost", None)
+        if reject is None:
+            reject = self.app.conf.get("task_reject_on_worker_lost")
+        return bool(getattr(self, "acks_late", False) and reject)
 
     @staticmethod
     def _take_run_lock(holder, lk):
@@ -898,24 +911,32 @@ class _PoolChildWatch(threading.Thread):
         super().__init__(name="django-setnx-pool-watch", daemon=True)
         self.pool = pool
         self.handled = set()
+        #: Children seen at the last look: the pool may drop a dead child from its
+        #: list within milliseconds, so one seen once and gone since counts too.
+        self.known = set()
 
     def children(self):
-        return [proc.pid for proc in list(getattr(self.pool, "_pool", None) or ())]
+        return {proc.pid for proc in list(getattr(self.pool, "_pool", None) or ()) if proc.pid}
 
     def run(self):
         while True:
             time.sleep(self.POLL_INTERVAL)
             try:
-                dead = [
-                    pid
-                    for pid in self.children()
-                    if pid and pid not in self.handled and dead_owners.has_exited(pid)
-                ]
+                current = self.children()
             except Exception:  # noqa: BLE001 - the pool is being rebuilt: look again
                 continue
+            dead = [
+                pid
+                for pid in (self.known | current) - self.handled
+                if pid not in current or dead_owners.has_exited(pid)
+            ]
+            self.known = current
             for pid in dead:
                 self.handled.add(pid)
-                dead_owners.in_background(_free_runs_of_dead_child, pid)
+                # A child retired normally (max_tasks_per_child) released its locks:
+                # the scan then finds nothing. One gone from the list may not be
+                # reaped yet: wait for its exit first.
+                dead_owners.in_background(_free_runs_after_exit, pid)
 
 
 @celery_signals.worker_ready.connect(weak=False, dispatch_uid="django_setnx_pool_watch")
@@ -936,6 +957,11 @@ _pool_watch = None
 _pool_watch_lock = threading.Lock()
 
 
+def _free_runs_after_exit(pid):
+    if dead_owners.wait_for_exit(pid):
+        _free_runs_of_dead_child(pid)
+
+
 def _free_runs_of_dead_child(pid):
     """Free the run locks the dead pool child ``pid`` held (records naming this host,
     ``pid`` and a Celery task) and the enqueue-once lock of each of those runs."""
@@ -949,6 +975,8 @@ def _free_runs_of_dead_child(pid):
             for run in runs:
                 reason = f"{run.owner.get('guards', 'celery task')}: its worker process {pid} died"
                 dead_owners.free(alias, run, reason)
+                if run.owner.get("celery_requeued_if_lost"):
+                    continue  # the message is queued again: its once lock is still its
                 once_alias, once_name = run.owner.get("celery_once_lock") or (None, None)
                 if once_alias in locks:
                     once = locks[once_alias].get(once_name)
@@ -960,6 +988,29 @@ def _free_runs_of_dead_child(pid):
             logger.warning(
                 "Could not free the locks of dead pool child %s on %r", pid, alias, exc_info=True
             )
+
+
+def _free_own_dead_run(lk, task_id):
+    """A message delivered again (``acks_late``: its pool child died) may find its run
+    lock still held by its own earlier run, if the cleanup has not run yet: free the
+    records of that run (same task id, this host and PID namespace, a pid that has
+    exited; fencing-checked) so that the new run can take the lock. Returns True if
+    it freed one."""
+    try:
+        infos = lk.holders() if isinstance(lk, Semaphore) else [lk.info()]
+        freed = False
+        for info in infos:
+            if info is None or info.owner.get("celery_task_id") != task_id:
+                continue
+            pid = info.owner.get("pid")
+            if dead_owners.owned_by(info, pid, celery_task_id=task_id) and (
+                dead_owners.has_exited(pid)
+            ):
+                reason = f"task {task_id} delivered again: its earlier run's process {pid} died"
+                freed = dead_owners.free(lk.backend_alias, info, reason) is not None or freed
+        return freed
+    except LockBackendError:
+        return False
 
 
 def _free_locks_of_a_dead_run(task, task_id, args, kwargs, reason):
