@@ -296,7 +296,6 @@ class Lock:
         """The attempts on one record until it is won (returns the AcquireResult) or
         ``deadline`` (monotonic) passes (returns None), queued meanwhile where the
         backend queues waiters; see :meth:`_acquire_steps`."""
-        attempt = 0
         max_wait = _remaining(deadline)
         while True:
             calls.tick()
@@ -321,12 +320,12 @@ class Lock:
             handed = yield (
                 _WAIT,
                 record,
-                {"attempt": attempt, "max_wait": max_wait, "retry_after": result.retry_after},
+                {"attempt": calls.waits, "max_wait": max_wait, "retry_after": result.retry_after},
             )
             if handed is not None:  # a release handed the lock to us
                 calls.queued = None
                 return handed
-            attempt += 1
+            calls.waits += 1
 
     def adopt(self, token: str) -> bool:
         """Take over an acquisition made elsewhere under ``token``: for integrations
@@ -656,7 +655,7 @@ class _CallClock:
     the two: a safe lower bound for when the record's ttl started.
     """
 
-    __slots__ = ("current", "previous", "queued", "signalled")
+    __slots__ = ("current", "previous", "queued", "signalled", "waits")
 
     def __init__(self) -> None:
         self.current: float | None = None
@@ -665,6 +664,9 @@ class _CallClock:
         self.queued: str | None = None
         #: Whether the acquire's first refusal was signalled (lock_contended).
         self.signalled = False
+        #: The waits of the acquire so far, on every record it tried: a semaphore's
+        #: backoff goes on growing when it moves to another slot.
+        self.waits = 0
 
     def tick(self) -> None:
         self.previous, self.current = self.current, time.monotonic()

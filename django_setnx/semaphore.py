@@ -13,7 +13,10 @@ waiter of that slot.
 An acquire tries the slots from a random one, so concurrent callers spread over
 them and the common case, a free slot, costs one round trip like a lock. When
 every slot is taken, the caller queues on one of them (woken, or handed the slot,
-when its holder releases) for a short slice, then looks at every slot again.
+when its holder releases) for a slice, then looks at every slot again. The slice
+doubles with each look, from SLOT_WAIT_SLICE to SLOT_WAIT_MAX, so that a long wait
+costs about ``limit`` attempts a second, not ten times that (a thousand waiters
+looking every 0.1 s saturated their event loop and the server).
 """
 
 from __future__ import annotations
@@ -30,10 +33,13 @@ from .exceptions import LockError
 from .locking import _ACQUIRE, _GET, Lock, Step, Steps, _CallClock, _remaining
 from .validation import MAX_LIMIT, SLOT_SEPARATOR, slot_record, split_slot  # noqa: F401
 
-#: How long (seconds, before jitter) a waiter stays queued on one slot before it
-#: looks at the others again: a slot freed with nobody queued on it stays unused for
-#: at most about this long while others wait.
+#: How long (seconds, before jitter) a waiter first stays queued on one slot before it
+#: looks at the others again. Each later slice is twice as long, up to SLOT_WAIT_MAX:
+#: a slot freed with nobody queued on it stays unused for at most about that long
+#: while others wait (with at least ``limit`` waiters, every slot likely has a queue,
+#: and its release hands it over at once).
 SLOT_WAIT_SLICE = 0.1
+SLOT_WAIT_MAX = 0.8
 
 #: (backend alias, name, limit) whose slots this process checked for another limit.
 _checked_limits: set[tuple[str, str, int]] = set()
@@ -115,6 +121,7 @@ class Semaphore(Lock):
         if self.limit == 1:
             result = yield from self._steps_on(self.slots[0], calls, deadline)
             yield None, self.slots[0], result
+        slice_length = SLOT_WAIT_SLICE
         while True:
             start = random.randrange(self.limit)
             order = self.slots[start:] + self.slots[:start]
@@ -127,7 +134,8 @@ class Semaphore(Lock):
             # Every other slot is taken: queue on the last one for a slice (a release
             # of it hands it over at once), then look at all of them again.
             left = _remaining(deadline)
-            slice_ = SLOT_WAIT_SLICE * random.uniform(0.5, 1.5)
+            slice_ = slice_length * random.uniform(0.5, 1.5)
+            slice_length = min(2 * slice_length, SLOT_WAIT_MAX)
             slice_deadline = (
                 deadline if left is not None and left <= slice_ else (time.monotonic() + slice_)
             )

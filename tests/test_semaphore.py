@@ -418,3 +418,28 @@ def test_a_limit_an_owner_record_cannot_have_is_not_believed(alias, name):
     assert info.display_name == f"{name} [slot {sem.slot}/?]"
     assert info.as_dict()["semaphore"] == {"name": name, "slot": sem.slot, "limit": None}
     sem.release()
+
+
+def test_a_long_wait_looks_at_the_slots_less_and_less_often(alias, name, monkeypatch):
+    # A waiter re-reads every slot after each slice; the slices double (up to
+    # SLOT_WAIT_MAX), so a thousand waiters do not flood the server and their event
+    # loop.
+    holders = fill(name, alias, 2, ttl=30)
+    backend = locks[alias]
+    attempts = []
+    real_acquire = backend.acquire
+
+    def counting_acquire(record, *args, **kwargs):
+        attempts.append(record)
+        return real_acquire(record, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "acquire", counting_acquire)
+    waiter = semaphore(name, 2, ttl=10, backend=alias)
+    assert waiter.acquire(timeout=3) is False
+    assert set(attempts) == set(waiter.slots)
+    # Each look at the slots moves to another one; 0.1 s slices made about 60 moves
+    # in 3 s, doubling slices (0.1, 0.2, 0.4, 0.8, 0.8, ...) about a dozen.
+    moves = sum(1 for before, after in zip(attempts, attempts[1:]) if before != after)
+    assert moves <= 20, attempts
+    for holder in holders:
+        holder.release()
