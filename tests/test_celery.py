@@ -213,6 +213,30 @@ def test_lock_limit_runs_at_most_that_many(alias, name):
     assert semaphore(name, 2, backend=alias).holders() == []
 
 
+def test_a_run_delivered_again_tries_again_when_the_cleanup_freed_its_lock(alias, name):
+    """A run delivered again after its pool child died is refused while the dead run's
+    lock is held. If the worker's cleanup frees that lock between the refusal and the
+    run's look at the holder, the run tries again instead of reporting the lock held
+    (a race seen in CI)."""
+    from django_setnx.contrib.celery import _free_own_dead_run
+
+    other = lock(name, ttl=30, backend=alias)
+    other.owner_extra["celery_task_id"] = "another task"
+    assert other.acquire()
+    run = lock(name, ttl=30, backend=alias)
+    assert _free_own_dead_run(run, "this task") is False  # a live run of another task
+    assert other.owned()
+    other.release()  # the cleanup, meanwhile
+    assert _free_own_dead_run(run, "this task") is True
+
+    slot = semaphore(name, 2, ttl=30, backend=alias)
+    slot.owner_extra["celery_task_id"] = "another task"
+    assert slot.acquire()
+    run_slot = semaphore(name, 2, ttl=30, backend=alias)
+    assert _free_own_dead_run(run_slot, "this task") is True  # a slot is free
+    slot.release()
+
+
 def test_bad_lock_limits_fail_at_definition():
     for limit, message in ((0, "from 1 to 1000, got 0"), ("2", "not str")):
         with pytest.raises(ImproperlyConfigured, match=message):

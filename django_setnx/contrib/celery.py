@@ -995,9 +995,17 @@ def _free_own_dead_run(lk, task_id):
     lock still held by its own earlier run, if the cleanup has not run yet: free the
     records of that run (same task id, this host and PID namespace, a pid that has
     exited; fencing-checked) so that the new run can take the lock. Returns True if
-    it freed one."""
+    it freed one, or if the lock is free by now (the cleanup in the worker's main
+    process may free it between the new run's refused acquire and this look)."""
     try:
-        infos = lk.holders() if isinstance(lk, Semaphore) else [lk.info()]
+        if isinstance(lk, Semaphore):
+            infos = lk.holders()
+            free_now = len(infos) < lk.limit
+        else:
+            info = lk.info()
+            infos, free_now = [info], info is None or not info.is_held
+        if free_now:
+            return True
         freed = False
         for info in infos:
             if info is None or info.owner.get("celery_task_id") != task_id:
