@@ -1,7 +1,7 @@
 """Every Python example of the documentation runs.
 
 The tutorial's examples are doctests, run by ``scripts/check.py doctest`` (Sphinx's
-doctest builder). The other pages' ```python blocks run here, each in a fresh
+doctest builder). The other pages' ```python blocks, and the README's, run here, each in a fresh
 namespace, against the test settings and the real backends; a block whose page marks
 it ``<!-- docs-test: compile-only (why) -->`` (it needs the reader's own model, say)
 is compiled only.
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
 BLOCK = re.compile(
     r"^(<!-- docs-test: compile-only \((?P<why>[^)]*)\) -->\n)?```python\n(?P<code>.*?)^```",
     re.S | re.M,
@@ -23,13 +24,13 @@ pytestmark = pytest.mark.autocommit
 
 def examples():
     found = []
-    for path in sorted(DOCS.rglob("*.md")):
+    for path in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
         text = path.read_text()
         for match in BLOCK.finditer(text):
             line = text[: match.start("code")].count("\n") + 1
             found.append(
                 pytest.param(
-                    path, line, match["code"], match["why"], id=f"{path.relative_to(DOCS)}:{line}"
+                    path, line, match["code"], match["why"], id=f"{path.relative_to(ROOT)}:{line}"
                 )
             )
     return found
