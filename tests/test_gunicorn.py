@@ -127,7 +127,10 @@ def test_a_worker_killed_for_its_timeout_frees_its_locks_at_once(shared_alias, t
 def test_a_backend_that_hangs_holds_up_neither_the_arbiter_nor_the_others(tmp_path):
     """As above, with another lock backend listed first that never answers (a
     listener that accepts and never replies): the hook reads each backend in a
-    thread of its own, so the stuck view's lock is still free within 2 s."""
+    thread of its own, so the stuck view's lock is still free within 2 s; and those
+    threads run in a cleanup process, never in the arbiter, which forks the
+    replacement worker meanwhile (a fork copies another thread's locks, an import's
+    for one, locked for good into the new worker)."""
     hung = socket.socket()
     hung.bind(("127.0.0.1", 0))
     hung.listen(64)  # connections complete in the backlog; nothing ever answers
@@ -140,15 +143,28 @@ def test_a_backend_that_hangs_holds_up_neither_the_arbiter_nor_the_others(tmp_pa
         hung.close()
 
 
-def _stuck_worker_is_freed_at_once(alias, tmp_path, extra_env=None):
-    from django_setnx import locks
-    from django_setnx.dead_owners import has_exited
+def test_a_preloaded_arbiter_frees_them_too(shared_alias, tmp_path):
+    """As above with ``--preload``: the arbiter holds open connections of its own
+    (tests/preload_app.py takes a lock at import); the cleanup process it forks
+    talks over new ones, and a second kill is handled as well as the first."""
+    _stuck_worker_is_freed_at_once(shared_alias, tmp_path, "--preload", kills=2)
 
-    shared_alias = alias
+
+def _stuck_worker_is_freed_at_once(alias, tmp_path, *options, extra_env=None, kills=1):
     config = tmp_path / "gunicorn.conf.py"
-    config.write_text("from django_setnx.contrib.gunicorn import child_exit  # noqa: F401\n")
+    # Our hook, called from a hook of the project's own (as the docs say), which
+    # then notes the arbiter's Python threads: none may be ours.
+    threads_seen = tmp_path / "arbiter-threads"
+    config.write_text(
+        "import threading\n"
+        "from django_setnx.contrib.gunicorn import child_exit as free_locks_of_dead_worker\n"
+        "def child_exit(server, worker):\n"
+        "    free_locks_of_dead_worker(server, worker)\n"
+        f"    with open({str(threads_seen)!r}, 'a') as seen:\n"
+        "        seen.write(' '.join(t.name for t in threading.enumerate()) + '\\n')\n"
+    )
     for base, _counter, log_path in start_gunicorn(
-        shared_alias,
+        alias,
         tmp_path,
         "-c",
         str(config),
@@ -156,37 +172,55 @@ def _stuck_worker_is_freed_at_once(alias, tmp_path, extra_env=None):
         "2",
         "--timeout",
         "2",
+        *options,
         extra_env=extra_env,
     ):
-        pool = ThreadPoolExecutor(max_workers=1)
-        stuck = pool.submit(get, f"{base}/stuck/", 30)
-        deadline = time.monotonic() + 20
-        while (info := locks[shared_alias].get("preload:stuck")) is None or not info.is_held:
-            assert time.monotonic() < deadline, "the stuck view never took its lock"
-            time.sleep(0.02)
-        holder = info.owner["pid"]
-        assert info.expires_in > 50
-        while not has_exited(holder):
-            assert time.monotonic() < deadline + 30, "the arbiter never killed the worker"
-            time.sleep(0.01)
-        killed = time.monotonic()
-        while True:
-            try:
-                if get(f"{base}/try-stuck/", timeout=5) == (200, "free"):
-                    break
-            except urllib.error.HTTPError as exc:
-                assert exc.code == 409
-            assert time.monotonic() - killed <= 2.0, "the lock was not freed within 2 s"
-            time.sleep(0.05)
-        with pytest.raises(OSError):
-            stuck.result(timeout=30)  # the killed worker never answered
-        pool.shutdown()
-        # The hook's thread logs right after its delete: give the line a moment.
-        log_deadline = time.monotonic() + 10
-        while "Freed lock 'preload:stuck'" not in (log := log_path.read_text()):
-            assert time.monotonic() < log_deadline, log[-3000:]
-            time.sleep(0.05)
-        assert f"gunicorn worker {holder} died without exiting" in log
+        for _ in range(kills):
+            _kill_a_stuck_worker(alias, base, log_path)
+        # The hook ran in the arbiter and left no thread there: gunicorn forks the
+        # replacement worker meanwhile, and a fork copies another thread's locks (an
+        # import's, a connection pool's) locked for good into the new worker.
+        seen = threads_seen.read_text()
+        assert len(seen.splitlines()) >= kills
+        assert "django-setnx" not in seen
+
+
+def _kill_a_stuck_worker(alias, base, log_path):
+    """Has a worker hold ``preload:stuck`` past its timeout; checks that once the
+    arbiter killed it, the lock is free within 2 s and the hook logged why."""
+    from django_setnx import locks
+    from django_setnx.dead_owners import has_exited
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    stuck = pool.submit(get, f"{base}/stuck/", 30)
+    deadline = time.monotonic() + 20
+    while (info := locks[alias].get("preload:stuck")) is None or not info.is_held:
+        assert time.monotonic() < deadline, "the stuck view never took its lock"
+        time.sleep(0.02)
+    holder = info.owner["pid"]
+    assert info.expires_in > 50
+    while not has_exited(holder):
+        assert time.monotonic() < deadline + 30, "the arbiter never killed the worker"
+        time.sleep(0.01)
+    killed = time.monotonic()
+    while True:
+        try:
+            if get(f"{base}/try-stuck/", timeout=5) == (200, "free"):
+                break
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 409
+        assert time.monotonic() - killed <= 2.0, "the lock was not freed within 2 s"
+        time.sleep(0.05)
+    with pytest.raises(OSError):
+        stuck.result(timeout=30)  # the killed worker never answered
+    pool.shutdown()
+    # The cleanup process logs right after its delete: give the line a moment.
+    log_deadline = time.monotonic() + 10
+    freed = f"Freed lock 'preload:stuck' on '{alias}' (fencing token {info.fencing_token})"
+    while freed not in (log := log_path.read_text()):
+        assert time.monotonic() < log_deadline, log[-3000:]
+        time.sleep(0.05)
+    assert f"gunicorn worker {holder} died without exiting" in log
 
 
 def test_a_worker_that_exits_in_order_keeps_what_it_left_held(tmp_path):

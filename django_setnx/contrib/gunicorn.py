@@ -24,10 +24,16 @@ handed to another process with ``Lock.adopt``) stays. Each worker marks its orde
 exit (an ``atexit`` handler, armed at fork, touches a file named after its pid in a
 directory the arbiter made); the hook skips a worker that left that mark.
 
-The arbiter must never wait for that: the hook returns at once, and each backend is
-read in a daemon thread of its own, so a backend that hangs (a Redis failover, a
-database at ``max_connections``) holds up neither the arbiter (its replacement
-worker, its timeouts, its signals) nor the other backends' locks.
+The arbiter must never wait for that, and must never run a thread: it forks its
+replacement workers, and a fork copies a lock held by another thread (an import in
+progress, a connection pool's lock) locked forever into the child, which then hangs
+on it. So the hook forks one short-lived cleanup process and returns at once; there
+each backend is read in a thread of its own, so a backend that hangs (a Redis
+failover, a database at ``max_connections``) holds up neither the arbiter (its
+replacement worker, its timeouts, its signals) nor the other backends' locks. The
+cleanup process inherits no connection of the arbiter's (each backend reconnects
+after a fork), exits with status 0 once every backend is done or after
+``CLEANUP_DEADLINE`` seconds, and is reaped by the arbiter like any other child.
 
 The arbiter needs Django's settings: with ``--preload`` they are loaded already;
 otherwise the hook calls ``django.setup()`` (``DJANGO_SETTINGS_MODULE`` must be set
@@ -39,7 +45,9 @@ import atexit
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import time
 
 logger = logging.getLogger("django_setnx")
 
@@ -47,6 +55,9 @@ logger = logging.getLogger("django_setnx")
 #: module (gunicorn's arbiter, reading gunicorn.conf.py), inherited by its workers.
 _EXIT_MARKS = tempfile.mkdtemp(prefix="django-setnx-gunicorn-")
 _ARBITER_PID = os.getpid()
+#: How long a cleanup process may take (seconds): a backend that has not answered by
+#: then is left to its locks' ttl, and the process exits.
+CLEANUP_DEADLINE = 60.0
 
 
 def _mark_orderly_exit(pid):
@@ -84,29 +95,91 @@ def exited_in_order(pid):
 def child_exit(server, worker):
     """gunicorn's ``child_exit`` server hook (see the module documentation).
 
-    Returns the threads freeing the worker's locks, one per backend (joining them is
-    only for tests: the arbiter does not wait)."""
+    Returns the pid of the cleanup process freeing the worker's locks, or None when
+    there is nothing to free (the worker exited in order) or the hook failed (it logs
+    why). The arbiter does not wait for that process; it reaps it when it exits."""
     try:
         if exited_in_order(worker.pid):
             logger.debug("gunicorn worker %s exited in order: its locks stay", worker.pid)
-            return []
+            return None
+        # Set Django up here, once, rather than in every cleanup process: it only
+        # imports and reads settings (no connection is opened).
         _ensure_django()
-        from .. import dead_owners
-        from ..handler import locks
-
-        reason = (
-            f"gunicorn worker {worker.pid} died without exiting (SIGKILL after its "
-            f"timeout, the OOM killer, or a crash)"
-        )
-        return [
-            dead_owners.in_background(
-                dead_owners.free_locks_of_pid, worker.pid, reason, aliases=[alias]
-            )
-            for alias in list(locks)
-        ]
+        cleaner = os.fork()
     except Exception:  # a server hook must never take the arbiter down
         logger.warning("Could not free the locks of gunicorn worker %s", worker.pid, exc_info=True)
-        return []
+        return None
+    if cleaner:
+        return cleaner
+    # The cleanup process: it must never return into gunicorn's arbiter loop.
+    try:
+        _detach_from_arbiter(server)
+        _free_locks_of_dead_worker(worker.pid)
+    except Exception:
+        logger.warning("Could not free the locks of gunicorn worker %s", worker.pid, exc_info=True)
+    finally:
+        logging.shutdown()  # flush what the threads logged
+        os._exit(0)  # 0: gunicorn halts on a child's boot/load error codes
+
+
+def _detach_from_arbiter(server):
+    """In the cleanup process: drop what was the arbiter's, so that a signal sent to
+    the process group ends this process instead of running the arbiter's handlers
+    (which write to the arbiter's wake-up pipe), and the listening sockets are not
+    kept open by it."""
+    for signum in (
+        signal.SIGHUP,
+        signal.SIGINT,
+        signal.SIGQUIT,
+        signal.SIGTERM,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+        signal.SIGWINCH,
+        signal.SIGTTIN,
+        signal.SIGTTOU,
+        signal.SIGCHLD,
+    ):
+        signal.signal(signum, signal.SIG_DFL)
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not the main thread (cannot happen in a fresh fork)
+        pass
+    for listener in getattr(server, "LISTENERS", None) or ():
+        try:
+            listener.close()
+        except OSError:  # best effort: the process is short-lived anyway
+            pass
+    for fd in getattr(server, "PIPE", None) or ():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _free_locks_of_dead_worker(pid):
+    """In the cleanup process: free ``pid``'s locks, one thread per backend, waiting
+    for all of them up to CLEANUP_DEADLINE."""
+    from .. import dead_owners
+    from ..handler import locks
+
+    reason = (
+        f"gunicorn worker {pid} died without exiting (SIGKILL after its "
+        f"timeout, the OOM killer, or a crash)"
+    )
+    threads = [
+        dead_owners.in_background(dead_owners.free_locks_of_pid, pid, reason, aliases=[alias])
+        for alias in list(locks)
+    ]
+    deadline = time.monotonic() + CLEANUP_DEADLINE
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    if any(thread.is_alive() for thread in threads):
+        logger.warning(
+            "Freeing the locks of gunicorn worker %s took longer than %s s on some "
+            "backend: its locks there are left to their ttl",
+            pid,
+            CLEANUP_DEADLINE,
+        )
 
 
 def _ensure_django():
