@@ -15,7 +15,8 @@ with the remaining arguments and exits with pytest's exit code.
 CI mode (``--ci`` or ``CI=true``) makes sure PostgreSQL and MariaDB answer on
 127.0.0.1 (starting them if they do not), runs the suite with every backend
 required (a skipped backend fails the run), then the checks (``scripts/check.py``:
-ruff, mypy, the docs), the packaging smoke test and the nox matrix.
+ruff, mypy, the docs), the packaging smoke test and the nox matrix, less the session
+whose Python and Django are .venv's own (the suite has just run there).
 
 Options of this script (everything else goes to pytest; put ``--`` before pytest
 arguments that would clash):
@@ -266,6 +267,49 @@ def ensure_chromium():
     return Path(path).exists()
 
 
+#: Run in .venv: prints each nox session of noxfile.MATRIX, and whether its Python
+#: and Django are .venv's own (read from the file: nox is not imported).
+_MATRIX_PROBE = """
+import ast, sys, django
+from packaging.requirements import Requirement
+tree = ast.parse(open(sys.argv[1]).read())
+matrix = next(
+    node.value for node in tree.body
+    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "MATRIX"
+)
+here = "%d.%d" % sys.version_info[:2]
+for row in matrix.elts:
+    name, python, requirement = (element.value for element in row.elts[:3])
+    same = python == here and Requirement(requirement).specifier.contains(django.__version__)
+    print(name, python, django.__version__ if same else requirement, int(same))
+"""
+
+
+def sessions_not_run_yet(python):
+    """The nox sessions CI runs after the suite: every one of noxfile.MATRIX except
+    the one whose Python and Django are .venv's own, which the suite (under
+    coverage, with every backend) has just run. Returns their names, or None when
+    the matrix cannot be read (then all of it runs)."""
+    probe = subprocess.run(
+        [python, "-c", _MATRIX_PROBE, ROOT / "noxfile.py"],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    if probe.returncode != 0:
+        info(f"Could not read the nox matrix ({probe.stderr.strip()}): running all of it.")
+        return None
+    rows = [line.split() for line in probe.stdout.splitlines()]
+    for name, python_version, django_version, same in rows:
+        if same == "1":
+            info(
+                f"Matrix: session {name} (Python {python_version}, Django "
+                f"{django_version}) is the suite's own .venv, run above: not run twice."
+            )
+    return [name for name, *_rest, same in rows if same == "0"]
+
+
 def main(argv):
     ci, matrix, sessions, pytest_args = parse_args(argv)
     started = time.monotonic()
@@ -326,6 +370,9 @@ def main(argv):
 
     if ci or matrix:
         cmd = [python, "-m", "nox", "--noxfile", ROOT / "noxfile.py"]
+        if ci and not matrix and not sessions:
+            # None: the matrix could not be read, so all of it runs.
+            sessions = sessions_not_run_yet(python) or []
         for name in sessions:
             cmd += ["--session", name]
         if pytest_args:
@@ -333,7 +380,7 @@ def main(argv):
         if ci and results and results[-1][0].startswith("Services"):
             info("Skipping the nox matrix: the databases it needs are not up.")
         else:
-            step("Matrix: nox (Django 4.2 / 5.2 / 6.x)", cmd)
+            step(f"Matrix: nox ({', '.join(sessions) or 'every session'})", cmd)
 
     header("Summary")
     for title, code, seconds in results:
