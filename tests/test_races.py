@@ -24,9 +24,9 @@ def env():
 
 
 def test_takeover_race_has_exactly_one_winner(shared_alias, name, spawn, env):
-    """Two processes race 200 times to take over one expired lock: one wins each time."""
-    # The ttl must outlast a scheduling stall between the barrier and the attempt:
-    # a racer delayed past it would legitimately take over the expired lock.
+    """Two processes race 200 times to take over one expired lock: one wins each time,
+    unless the loser was so late that the winner's lock had expired again (ttl
+    0.1 s); two holders whose acquisitions could overlap is the failure."""
     rounds, racers, ttl = 200, 2, 0.1
     ctx = spawn.ctx
     barrier = ctx.Barrier(racers + 1)
@@ -39,12 +39,19 @@ def test_takeover_race_has_exactly_one_winner(shared_alias, name, spawn, env):
     for round_no in range(rounds):
         barrier.wait(timeout=120)  # go
         outcomes = [results.get(timeout=60) for _ in range(racers)]
-        winners = [o for o in outcomes if o[2]]
+        # (round, pid, won, token, started, finished), in the order they took it.
+        winners = sorted((o for o in outcomes if o[2]), key=lambda o: o[3])
         winners_per_round.append(len(winners))
-        if len(winners) == 1:
-            token = winners[0][3]
-            assert token > last_token, f"round {round_no}: fencing {token} after {last_token}"
-            last_token = token
+        assert winners, f"round {round_no}: nobody took the expired lock"
+        for earlier, later in zip(winners, winners[1:]):
+            # The later one may only have taken it over once the earlier one's had
+            # expired: it cannot have finished before the earlier one started + ttl.
+            assert later[5] >= earlier[4] + ttl, (
+                f"round {round_no}: two holders at once: {earlier} and {later}"
+            )
+        for winner in winners:
+            assert winner[3] > last_token, f"round {round_no}: fencing {winner} after {last_token}"
+            last_token = winner[3]
         # Let the winner's lock expire (by the backend's clock) before the next round.
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
@@ -53,7 +60,9 @@ def test_takeover_race_has_exactly_one_winner(shared_alias, name, spawn, env):
                 break
             time.sleep(0.005)
         barrier.wait(timeout=120)
-    assert winners_per_round == [1] * rounds
+    # Almost every round was a real race with one winner (a late loser is a stall of
+    # the machine, not the common case).
+    assert winners_per_round.count(1) >= 0.95 * rounds, winners_per_round
 
 
 def test_mutual_exclusion_counter(shared_alias, name, spawn, env, tmp_path):
