@@ -54,8 +54,9 @@ logger = logging.getLogger("django_setnx")
 
 RAISE = "raise"
 SKIP = "skip"
-#: Request methods a decorated view serves without taking the lock by default.
-UNLOCKED_METHODS = ("HEAD", "OPTIONS")
+#: The request method a class-based view serves without the lock by default, when
+#: Django's (or DRF's) own ``options()`` answers it: no code of the view runs.
+UNLOCKED_METHODS = ("OPTIONS",)
 
 #: ``begin(args, kwargs) -> (lock or None, request, HttpRequest or None)`` and
 #: ``contended(lock, request, args, kwargs) -> result`` of one decorated callable.
@@ -112,6 +113,29 @@ def call_signature(func: Callable[..., Any]) -> inspect.Signature:
             break
         target = wrapped
     return inspect.signature(func)
+
+
+def _framework_answers_options(func: Callable[..., Any]) -> bool:
+    """True when an ``OPTIONS`` request to the decorated view runs no code of the
+    project: ``func`` is a class-based view's ``dispatch`` (through
+    ``method_decorator``) or its ``as_view()`` function, and the view's ``options()``
+    is Django's or DRF's own. A function view runs its whole body for any method, and
+    so does a view whose ``options()`` is overridden: those stay locked."""
+    view_class = getattr(func, "view_class", None)  # MyView.as_view()
+    if view_class is None:
+        target: Any = func
+        while not isinstance(target, functools.partial):
+            target = getattr(target, "__wrapped__", None)
+            if target is None:
+                return False
+        bound = target.func
+        if getattr(bound, "__name__", None) != "dispatch":
+            # Another handler (``get``, ``post``): dispatch never routes OPTIONS there.
+            return False
+        view_class = type(getattr(bound, "__self__", None))
+    options = getattr(view_class, "options", None)
+    module = getattr(options, "__module__", "") or ""
+    return module.startswith(("django.views.", "rest_framework."))
 
 
 def _is_async_view_dispatch(func: Callable[..., Any]) -> bool:
@@ -215,9 +239,32 @@ def retry_after_seconds(
             infos = lock.holders() if isinstance(lock, Semaphore) else [lock.info()]
         except LockError:  # an outage must not turn a 409 into a 500
             infos = []
-        held = [info.expires_in for info in infos if info is not None and info.is_held]
-        retry_after = min(held) if held else 1
+        retry_after = _first_expiry(infos)
     return max(1, math.ceil(retry_after))
+
+
+async def aretry_after_seconds(
+    lock: Lock,
+    retry_after: float | Callable[[Lock, Any], float] | None = None,
+    request: Any = None,
+) -> int:
+    """:func:`retry_after_seconds` for async code: the holder is looked up with the
+    async API (a database backend refuses sync calls in an event loop)."""
+    seconds: Any = retry_after(lock, request) if callable(retry_after) else retry_after
+    if inspect.isawaitable(seconds):
+        seconds = await seconds
+    if seconds is None:
+        try:
+            infos = await lock.aholders() if isinstance(lock, Semaphore) else [await lock.ainfo()]
+        except LockError:
+            infos = []
+        seconds = _first_expiry(infos)
+    return max(1, math.ceil(float(seconds)))
+
+
+def _first_expiry(infos: Sequence[Any]) -> float:
+    held = [info.expires_in for info in infos if info is not None and info.is_held]
+    return min(held) if held else 1
 
 
 def _wants_json(http_request: HttpRequest, is_api: bool) -> bool:
@@ -332,7 +379,7 @@ def locked(
     auto_renew: bool = False,
     status: int = 409,
     retry_after: float | Callable[[Lock, Any], float] | None = None,
-    unlocked_methods: Sequence[str] | None = UNLOCKED_METHODS,
+    unlocked_methods: Sequence[str] | None = None,
     release_on_commit: bool = True,
     using: str | Sequence[str] | None = None,
     limit: int | None = None,
@@ -358,8 +405,13 @@ def locked(
       the client asks for JSON.
     - ``retry_after``: the view's ``Retry-After``: None (the holder's remaining
       ttl), seconds, or a callable ``(lock, request) -> seconds``.
-    - ``unlocked_methods``: request methods a view serves without the lock
-      (default HEAD and OPTIONS). Note that Django runs a GET view for HEAD.
+    - ``unlocked_methods``: request methods a view serves without the lock. The
+      default (None) leaves only ``OPTIONS`` unlocked, and only on a class-based view
+      whose ``options()`` is Django's or DRF's own, so no code of the project runs
+      unlocked; every other method, ``HEAD`` included (Django runs the GET code for
+      it), takes the lock. A sequence such as ``("HEAD", "OPTIONS")`` serves those
+      methods unlocked on any view: the view's code then runs without the lock for
+      them, so list only methods it answers without side effects.
     - ``release_on_commit`` (default True) and ``using`` (a database alias or a
       sequence of them; default ``"default"``): a call made inside a transaction on
       one of those databases (``atomic()``, ``ATOMIC_REQUESTS``) keeps the lock until
@@ -406,7 +458,11 @@ def locked(
             f"unlocked_methods must be a sequence of HTTP method names such as "
             f"('HEAD', 'OPTIONS'), got {unlocked_methods!r}."
         )
-    unlocked = frozenset(method.upper() for method in unlocked_methods or ())
+    explicit_unlocked = (
+        None
+        if unlocked_methods is None
+        else frozenset(method.upper() for method in unlocked_methods)
+    )
     using = database_aliases(using)
 
     def decorator(func: Any) -> Any:
@@ -417,6 +473,12 @@ def locked(
             raise ImproperlyConfigured(f"@locked can only decorate a callable, not {func!r}.")
         make_name = LockName(func, name)
         dotted = qualname(func)
+        if explicit_unlocked is not None:
+            unlocked = explicit_unlocked
+        elif _framework_answers_options(func):
+            unlocked = frozenset(UNLOCKED_METHODS)
+        else:
+            unlocked = frozenset()
 
         def begin(
             args: Sequence[Any], kwargs: dict[str, Any]
@@ -443,8 +505,20 @@ def locked(
                 lk = Lock(make_name(args, kwargs), ttl, **options)
             else:
                 lk = Semaphore(make_name(args, kwargs), limit, ttl, **options)
-            _refuse_reentry(lk, func)
+            if limit is None or limit == 1:
+                # A semaphore of N > 1 slots may be taken again by its holder: the
+                # nested call takes a slot of its own (or meets contention).
+                _refuse_reentry(lk, func)
             return lk, request, http_request
+
+        async def acontended(
+            lk: Lock, request: Any, args: Sequence[Any], kwargs: dict[str, Any]
+        ) -> Any:
+            if request is not None and on_contention is None:
+                seconds = await aretry_after_seconds(lk, retry_after, request)
+                return default_contention_response(request, lk, status, seconds)
+            result = contended(lk, request, args, kwargs)
+            return await result if inspect.isawaitable(result) else result
 
         def contended(lk: Lock, request: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
             if callable(on_contention):
@@ -458,13 +532,13 @@ def locked(
             raise LockNotAcquired(lk.name, timeout)
 
         if inspect.isasyncgenfunction(func):
-            wrapper = _async_generator_wrapper(func, begin, contended)
+            wrapper = _async_generator_wrapper(func, begin, acontended)
         elif inspect.isgeneratorfunction(func):
             wrapper = _generator_wrapper(func, begin, contended)
         elif iscoroutinefunction(func):
-            wrapper = _coroutine_wrapper(func, begin, contended)
+            wrapper = _coroutine_wrapper(func, begin, acontended)
         elif _is_async_view_dispatch(func):
-            wrapper = _coroutine_wrapper(func, begin, contended, returns_awaitable=True)
+            wrapper = _coroutine_wrapper(func, begin, acontended, returns_awaitable=True)
         else:
             wrapper = _function_wrapper(func, begin, contended)
         wrapper.lock_name = make_name  # type: ignore[attr-defined]
@@ -541,8 +615,7 @@ def _coroutine_wrapper(
             result = func(*args, **kwargs)
             return await result if inspect.isawaitable(result) else result
         if not await lk.aacquire():
-            result = contended(lk, request, args, kwargs)
-            return await result if inspect.isawaitable(result) else result
+            return await contended(lk, request, args, kwargs)
         async with _Running(lk):
             result = func(*args, **kwargs)
             if inspect.isawaitable(result):
@@ -568,14 +641,47 @@ def _generator_wrapper(
             if result is not None:
                 yield from result
             return None
-        with _Running(lk):
-            # ``yield from`` passes send(), throw() and close() through to func's
-            # generator; close() raises GeneratorExit here and the lock is released.
-            result = yield from func(*args, **kwargs)
+        try:
+            result = yield from _marked_steps(lk, func(*args, **kwargs))
+        except BaseException as exc:  # close() (GeneratorExit) included
+            lk.release_at_exit(exc)
+            raise
         lk.release_at_exit()
         return result
 
     return wrapper
+
+
+def _marked_steps(lk: Lock, gen: Any) -> Any:
+    """``yield from gen`` (send, throw and close passed through), with ``lk`` marked
+    as entered (see _enter) only while ``gen`` runs. A generator has no context of
+    its own: a mark kept across a ``yield`` would stay in the consumer's context, and
+    the consumer's next call of the same lock would be taken for a recursive one."""
+    to_send: Any = None
+    to_throw: BaseException | None = None
+    while True:
+        entered = _enter(lk)
+        try:
+            if to_throw is not None:
+                item = gen.throw(to_throw)
+            else:
+                item = gen.send(to_send)
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            _leave(entered)
+            to_throw = None
+        try:
+            to_send = yield item
+        except GeneratorExit:
+            entered = _enter(lk)
+            try:
+                gen.close()
+            finally:
+                _leave(entered)
+            raise
+        except BaseException as exc:  # noqa: BLE001 - thrown in: passed on to gen
+            to_throw, to_send = exc, None
 
 
 def _async_generator_wrapper(
@@ -589,29 +695,44 @@ def _async_generator_wrapper(
                 yield item
             return
         if not await lk.aacquire():
-            result = contended(lk, request, args, kwargs)
-            if inspect.isawaitable(result):
-                result = await result
+            result = await contended(lk, request, args, kwargs)
             if result is not None:
                 async for item in result:
                     yield item
             return
-        async with _Running(lk):
-            async for item in _delegate(func(*args, **kwargs)):
+        try:
+            async for item in _delegate(func(*args, **kwargs), lk):
                 yield item
+        except BaseException as exc:  # aclose() (GeneratorExit) included
+            await lk.arelease_at_exit(exc)
+            raise
         await lk.arelease_at_exit()
 
     return wrapper
 
 
-async def _delegate(agen: Any) -> AsyncIterator[Any]:
+async def _delegate(agen: Any, lk: Lock | None = None) -> AsyncIterator[Any]:
     """Iterate ``agen``, closing it when the consumer stops early (an async
-    generator has no ``yield from``: asend/athrow are not passed on)."""
+    generator has no ``yield from``: asend/athrow are not passed on). With ``lk``,
+    marks it as entered only while ``agen`` runs, as _marked_steps does."""
     try:
-        async for item in agen:
+        while True:
+            entered = _enter(lk) if lk is not None else None
+            try:
+                item = await agen.__anext__()
+            except StopAsyncIteration:
+                return
+            finally:
+                if entered is not None:
+                    _leave(entered)
             yield item
     finally:
         await agen.aclose()
+
+
+#: Releases scheduled on an event loop by a collected streaming response: the loop
+#: keeps only weak references to its tasks.
+_background_releases: set[asyncio.Task[None]] = set()
 
 
 def _hold_while_streaming(response: Any, lk: Lock) -> Any:
@@ -634,19 +755,42 @@ def _hold_while_streaming(response: Any, lk: Lock) -> Any:
     def release_quietly() -> None:
         # From close() or the garbage collector: nobody to raise to. A lock lost
         # meanwhile has sent lock_lost; say so in the log.
+        if state["released"]:
+            return
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None:
+            # Collected in an event loop's thread (ASGI: a response a middleware
+            # replaced): a sync call would block the loop, and a database backend
+            # refuses it there. Release the async way, in a task of that loop.
+            task = loop.create_task(arelease_quietly())
+            _background_releases.add(task)
+            task.add_done_callback(_background_releases.discard)
+            return
         try:
             release()
-        except LockError:
-            logger.warning(
-                "Lock %r of a streaming response was lost before the response was closed",
-                lk.name,
-                exc_info=True,
-            )
+        except LockError as exc:
+            log_lost(exc)
+
+    def log_lost(exc: LockError) -> None:
+        logger.warning(
+            "Lock %r of a streaming response was lost before the response was closed",
+            lk.name,
+            exc_info=exc,
+        )
 
     async def arelease(exc: BaseException | None = None) -> None:
         if not state["released"]:
             state["released"] = True
             await lk.arelease_at_exit(exc)
+
+    async def arelease_quietly() -> None:
+        try:
+            await arelease()
+        except LockError as exc:
+            log_lost(exc)
 
     response._resource_closers.append(release_quietly)
     # The finalizer holds no reference to the response: it runs when the response

@@ -21,8 +21,12 @@ also watched with :func:`weakref.finalize`: a callback that is dropped unrun is 
 rollback. CPython frees a dropped callback at once; elsewhere the lock is freed when
 the garbage collector gets to it, and its ttl remains the bound.
 
-Outside any transaction (autocommit, or ``AUTOCOMMIT: False`` with no ``atomic``
-block, whose commits Django cannot see) nothing is deferred.
+Outside any transaction (autocommit) nothing is deferred. Nor is it with
+``AUTOCOMMIT: False``, even inside ``atomic()``: Django's atomic blocks then commit
+nothing, your ``commit()`` is what commits, and Django runs no ``on_commit``
+callback after it (only when autocommit is switched back on), so a deferred release
+would wait for the ttl. The lock is released when the guarded call returns: commit
+before it returns if the next holder must see what it wrote.
 """
 
 from __future__ import annotations
@@ -68,8 +72,15 @@ def database_aliases(using: str | Sequence[str] | None) -> tuple[str, ...]:
 
 def open_transactions(aliases: Iterable[str]) -> list[str]:
     """The aliases among ``aliases`` whose connection in this thread is inside an
-    ``atomic`` block (reading the flag opens no connection)."""
-    return [alias for alias in aliases if connections[alias].in_atomic_block]
+    ``atomic`` block that commits when it ends (reading the flags opens no
+    connection). An outermost block entered with autocommit off (``AUTOCOMMIT:
+    False``) does not commit (``commit_on_exit`` is False): its ``on_commit``
+    callbacks would never run."""
+    return [
+        alias
+        for alias in aliases
+        if connections[alias].in_atomic_block and connections[alias].commit_on_exit
+    ]
 
 
 #: Per thread: Lock.identity -> the _DeferredRelease waiting for COMMIT.

@@ -45,6 +45,12 @@ def _row(alias, name):
     return None if row is None else _Row(*row)
 
 
+def _is_tombstone(row):
+    """A released row: no lock and nobody next in line (it keeps the fencing token
+    for FENCING_RETENTION_MS, see db_sql)."""
+    return row is not None and row.token == "" and row.next_token == ""
+
+
 def _lapse(alias, name):
     """Make the waiter next in line look as if it stopped asking long ago."""
     _sql(alias, "UPDATE {table} SET next_seen = 1 WHERE name = {p}", (name,))
@@ -74,7 +80,7 @@ def test_release_leaves_the_lock_to_the_waiter_next_in_line(db_alias, name):
     assert (row.token, row.next_token, row.next_since, row.next_seen) == (waiter, "", 0, 0)
     assert backend.get(name).fencing_token == won.fencing_token
     assert backend.release(name, waiter) is True
-    assert _row(db_alias, name) is None, "no waiter left: the release deletes the row"
+    assert _is_tombstone(_row(db_alias, name)), "no waiter left: the row is free"
 
 
 def test_the_longest_waiting_caller_takes_the_place(db_alias, name):
@@ -125,7 +131,7 @@ def test_a_waiter_that_gives_up_leaves_no_place_behind(db_alias, name):
     assert not backend.acquire(name, quitter, 30, OWNER, wait=10).acquired
     backend.release(name, holder)
     assert backend.stop_waiting(name, quitter) is None
-    assert _row(db_alias, name) is None, "the row kept for the quitter is gone"
+    assert _is_tombstone(_row(db_alias, name)), "the row kept for the quitter is free"
     assert quitter not in backend._waiting
     assert backend.acquire(name, newcomer, 30, OWNER).acquired
     backend.release(name, newcomer)
@@ -137,7 +143,7 @@ def test_timed_out_lock_gives_up_its_place(db_alias, name):
     assert lock(name, backend=db_alias).acquire(timeout=0.05) is False
     assert _row(db_alias, name).next_token == ""
     holder.release()
-    assert _row(db_alias, name) is None
+    assert _is_tombstone(_row(db_alias, name))
     assert locks[db_alias]._waiting == {}
 
 
@@ -171,6 +177,7 @@ def test_clear_purges_lapsed_places_and_never_reports_them(db_alias, name):
     assert name not in backend.clear(include_held=True).names
     assert _row(db_alias, name) is not None, "a live waiter's place is kept"
     _lapse(db_alias, name)
+    _sql(db_alias, "UPDATE {table} SET acquired_at = 1 WHERE name = {p}", (name,))  # old
     assert name not in backend.clear().names
     assert _row(db_alias, name) is None
     backend._waiting.pop(ghost, None)

@@ -170,6 +170,32 @@ def test_the_lock_connection_autocommits_when_the_database_does_not(
         assert other.release(name, newcomer) is True
 
 
+def test_a_decorated_call_in_atomic_with_autocommit_off_releases_at_once(
+    db_alias, name, temporary_database
+):
+    """With AUTOCOMMIT: False Django's atomic() commits nothing and runs no on_commit
+    callback after the caller's commit(): a release deferred to COMMIT would wait
+    for the ttl. It is immediate instead."""
+    from django.db import transaction
+
+    from django_setnx import locked
+
+    with temporary_database(db_alias, f"{db_alias}-manual-atomic", AUTOCOMMIT=False) as manual:
+
+        @locked(name, ttl=30, backend=db_alias, using=manual)
+        def guarded():
+            return locks[db_alias].get(name) is not None
+
+        try:
+            with transaction.atomic(using=manual):
+                assert guarded() is True
+                assert locks[db_alias].get(name) is None, "released when the call returned"
+            transaction.commit(using=manual)
+            assert locks[db_alias].get(name) is None
+        finally:
+            transaction.rollback(using=manual)
+
+
 @needs(POSTGRES and django.VERSION >= (5, 1))  # OPTIONS["pool"]: Django 5.1+
 def test_lock_connections_never_come_from_djangos_pool(name, make_backend, temporary_database):
     threads = 4

@@ -382,3 +382,103 @@ def test_generators_in_one_transaction_share_the_held_lock(alias, name):
         assert list(rows(3)) == [0, 1, 2], "the second waited for the first's lock"
         assert lock(name, backend=alias).locked()
     assert not lock(name, backend=alias).locked()
+
+
+def test_a_suspended_generator_is_contention_not_recursion(alias, name):
+    """A generator suspended at a ``yield`` holds its lock, but the caller's next call
+    of that lock is ordinary contention (skip here), not a recursive call."""
+
+    @locked(name, ttl=30, backend=alias, on_contention="skip")
+    def rows():
+        yield 1
+        yield 2
+
+    @locked(name, ttl=30, backend=alias, on_contention="skip")
+    def report():
+        return "ran"
+
+    first = rows()
+    assert next(first) == 1
+    assert report() is None, "skipped: the suspended generator holds the lock"
+    assert list(rows()) == [], "a second generator yields nothing"
+    assert list(zip(rows(), first)) == [], "zip of two: the first is still the holder"
+    first.close()
+    assert report() == "ran"
+
+    @locked(name + ":a", ttl=30, backend=alias, on_contention="skip")
+    async def arows():
+        yield 1
+        yield 2
+
+    @locked(name + ":a", ttl=30, backend=alias, on_contention="skip")
+    async def areport():
+        return "ran"
+
+    async def main():
+        agen = arows()
+        assert await agen.__anext__() == 1
+        assert await areport() is None
+        await agen.aclose()
+        assert await areport() == "ran"
+
+    asyncio.run(main())
+
+
+def test_a_semaphore_may_be_taken_again_by_its_holder(alias, name):
+    """Nested calls of a semaphore of N > 1 slots each take a slot; past N, the
+    innermost meets contention (it is not refused as recursive)."""
+
+    @locked(name, ttl=30, backend=alias, limit=2)
+    def nest(depth):
+        return 1 if depth == 0 else 1 + nest(depth - 1)
+
+    assert nest(1) == 2
+    with pytest.raises(LockNotAcquired):
+        nest(2)
+    assert nest(1) == 2, "every slot was released"
+
+
+def test_async_view_retry_after_is_the_holders_ttl(alias, name):
+    """The async wrapper looks the holder up with the async API: a database backend
+    refuses a sync call in an event loop, which used to make ``Retry-After`` 1."""
+
+    @locked(name, backend=alias)
+    async def view(request):
+        return HttpResponse("ok")
+
+    async def main():
+        async with lock(name, ttl=40, backend=alias):
+            return await view(RequestFactory().get("/"))
+
+    response = asyncio.run(main())
+    assert response.status_code == 409
+    assert 38 <= int(response["Retry-After"]) <= 40
+
+
+def test_a_streaming_response_dropped_unsent_in_an_event_loop_releases(alias, name):
+    """Under ASGI a streaming response replaced by a middleware is collected in the
+    event loop's thread: the lock is released there the async way (a database
+    backend refuses the sync call), not left until its ttl."""
+    import gc
+
+    from django.http import StreamingHttpResponse
+
+    @locked(name, ttl=60, backend=alias)
+    async def view(request):
+        async def chunks():
+            yield b"x"
+
+        return StreamingHttpResponse(chunks())
+
+    async def main():
+        response = await view(RequestFactory().get("/"))
+        assert await lock(name, backend=alias).alocked()
+        del response
+        gc.collect()
+        for _ in range(200):
+            if not await lock(name, backend=alias).alocked():
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    assert asyncio.run(main()), "released within 2 s, not at the ttl"

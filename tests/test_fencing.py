@@ -105,6 +105,51 @@ def test_tokens_increase_across_processes(shared_alias, name, spawn):
     assert [before, *theirs, after] == sorted({before, *theirs, after})
 
 
+def test_tokens_increase_under_contention(shared_alias, name, spawn):
+    """Processes racing for one name: in the order the holds happened, every token
+    is larger than the one before. (On the databases an acquiring statement reads the
+    clock when it begins; one that began before another client acquired and released
+    must still get a larger token than that client: the released row is kept as a
+    tombstone carrying the last token.)"""
+    env = workers.child_environment()
+    counter = spawn.ctx.Value("q", 0)
+    answer = spawn.ctx.Queue()
+    racers = [
+        spawn(workers.contended_fencing_tokens, env, shared_alias, name, 3.0, counter, answer)
+        for _ in range(4)
+    ]
+    pairs = sorted(pair for _ in racers for pair in answer.get(timeout=120))
+    for racer in racers:
+        racer.join(timeout=30)
+    assert len(pairs) > 50, "the racers hardly ran"
+    backwards = [(a, b) for a, b in zip(pairs, pairs[1:]) if b[1] <= a[1]]
+    assert backwards == [], f"{len(backwards)} of {len(pairs)} tokens went backwards"
+
+
+def test_a_released_row_keeps_its_token_then_goes(db_alias, name):
+    """The tombstone a release leaves is no lock (free, hidden), carries the last
+    token for the next acquire, and is purged once FENCING_RETENTION_MS old."""
+    from django_setnx.backends import db_sql
+
+    backend = locks[db_alias]
+    first = acquired_token(db_alias, name)
+    assert backend.get(name) is None
+    assert [info.name for info in backend.list() if info.name == name] == []
+    connection = connections[settings.SETNX_LOCKS[db_alias]["OPTIONS"]["DATABASE"]]
+    table = connection.ops.quote_name(db_sql.LOCK_TABLE)
+    # Whatever the clock says now, the next token continues from the tombstone's.
+    future = first + 10**9
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE {table} SET fencing = %s WHERE name = %s", [future, name])
+    assert acquired_token(db_alias, name) == future + 1
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE {table} SET acquired_at = 1 WHERE name = %s", [name])
+    backend.clear()
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT COUNT(*) FROM {table} WHERE name = %s", [name])
+        assert cursor.fetchone() == (0,), "an old tombstone is purged"
+
+
 # -- bounded state ---------------------------------------------------------------------
 
 

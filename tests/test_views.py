@@ -102,7 +102,32 @@ class AsyncHandlerLockedDirectly(View):
         return HttpResponse("posted")
 
 
+@method_decorator(locked("opts:{request.path}", backend=BACKEND), name="dispatch")
+class OptionsOverridden(View):
+    """Its own options() runs project code: OPTIONS takes the lock like any method."""
+
+    def get(self, request):
+        return HttpResponse("got")
+
+    def options(self, request, *args, **kwargs):
+        SEEN["options_ran"] = True
+        return super().options(request, *args, **kwargs)
+
+
+class Unlocked(View):
+    def get(self, request):
+        return HttpResponse("got")
+
+
 # -- Django REST framework --------------------------------------------------------------
+
+
+@method_decorator(locked("api-dispatch:{request.path}", backend=BACKEND), name="dispatch")
+class ApiDispatchLocked(APIView):
+    renderer_classes = [JSONRenderer]
+
+    def get(self, request):
+        return Response({"ok": True})
 
 
 class ApiLocked(APIView):
@@ -193,6 +218,9 @@ urlpatterns = [
     path("etag/", etag_stream),
     path("skip/<int:n>/", skipping),
     path("fixed/<int:n>/", fixed_retry),
+    path("opts/", OptionsOverridden.as_view()),
+    path("as-view/", locked("as-view:{request.path}", backend=BACKEND)(Unlocked.as_view())),
+    path("api-dispatch/", ApiDispatchLocked.as_view()),
 ]
 
 
@@ -326,25 +354,64 @@ def test_retry_after_option_and_default():
         assert 38 <= int(client.get("/plain/2/")["Retry-After"]) <= 40
 
 
-def test_head_and_options_are_not_locked():
+def test_a_function_view_takes_the_lock_for_every_method():
+    """A function view runs its whole body for HEAD and OPTIONS too: serving them
+    unlocked would let any client run it beside the holder."""
     client = Client()
     with lock("plain:3", ttl=30, backend=BACKEND):
-        assert client.head("/plain/3/").status_code == 200
-        assert client.options("/plain/3/").status_code == 200
+        assert client.head("/plain/3/").status_code == 409
+        assert client.options("/plain/3/").status_code == 409
         assert client.get("/plain/3/").status_code == 409
-    assert SEEN["plain"] is True  # the HEAD ran while another holder had the lock
+    assert "plain" not in SEEN, "the body never ran beside the holder"
+
+
+@pytest.mark.parametrize(
+    "url, lock_name",
+    [
+        ("/cbv/o/", "cbv:/cbv/o/"),  # method_decorator on dispatch
+        ("/as-view/", "as-view:/as-view/"),  # @locked around as_view()
+        ("/api-dispatch/", "api-dispatch:/api-dispatch/"),  # DRF's own options()
+    ],
+)
+def test_options_answered_by_the_framework_is_not_locked(url, lock_name):
+    client = Client()
+    with lock(lock_name, ttl=30, backend=BACKEND):
+        response = client.options(url)
+        assert response.status_code == 200
+        assert client.head(url).status_code == 409, "Django runs the GET code for HEAD"
+        assert client.get(url).status_code == 409
+    assert client.get(url).status_code == 200
+
+
+def test_options_overridden_by_the_view_is_locked():
+    client = Client()
+    with lock("opts:/opts/", ttl=30, backend=BACKEND):
+        assert client.options("/opts/").status_code == 409
+    assert "options_ran" not in SEEN
+    assert client.options("/opts/").status_code == 200 and SEEN["options_ran"]
 
 
 def test_unlocked_methods_option():
-    @locked("opt:{request.path}", backend=BACKEND, unlocked_methods=())
-    def view(request):
-        return HttpResponse("ok")
-
     from django.test import RequestFactory
 
-    request = RequestFactory().head("/x/")
+    ran = []
+
+    @locked("opt:{request.path}", backend=BACKEND, unlocked_methods=("HEAD", "options"))
+    def view(request):
+        ran.append(request.method)
+        return HttpResponse("ok")
+
+    @locked("opt:{request.path}", backend=BACKEND, unlocked_methods=())
+    def strict(request):
+        return HttpResponse("ok")
+
+    factory = RequestFactory()
     with lock("opt:/x/", ttl=30, backend=BACKEND):
-        assert view(request).status_code == 409
+        assert view(factory.head("/x/")).status_code == 200
+        assert view(factory.options("/x/")).status_code == 200
+        assert view(factory.get("/x/")).status_code == 409
+        assert strict(factory.options("/x/")).status_code == 409
+    assert ran == ["HEAD", "OPTIONS"]
 
 
 def test_skip_on_a_view_answers_204():

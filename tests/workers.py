@@ -135,6 +135,27 @@ def fencing_tokens(env, alias, name, count, answer):
     answer.put(tokens)
 
 
+def contended_fencing_tokens(env, alias, name, seconds, counter, answer):
+    """Loop on ``acquire(blocking=False)`` of ``name`` for ``seconds``, beside other
+    processes doing the same; each win takes the next number of the shared
+    ``counter`` while holding the lock (so the numbers order the holds) and reports
+    ``(number, fencing token)`` pairs."""
+    _setup(env)
+    from django_setnx import lock
+
+    pairs = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        lk = lock(name, ttl=30, backend=alias)
+        if not lk.acquire(blocking=False):
+            continue
+        with counter.get_lock():
+            counter.value += 1
+            pairs.append((counter.value, lk.fencing_token))
+        lk.release()
+    answer.put(pairs)
+
+
 def release_at(env, alias, name, token, when):
     """Release ``name`` (held under ``token`` by the parent) at time.time() ``when``."""
     _setup(env)

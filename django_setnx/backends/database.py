@@ -10,11 +10,15 @@ Release and extend are single statements conditioned on the token.
 Fencing tokens live on the lock row (``fencing``): a hybrid clock, the database's
 clock in µs (``NOW_US``), or the row's previous token plus one if that is larger,
 set by the same statement that takes the row. So tokens strictly increase per name
-while a row exists, and after a row is deleted (released, cleared) the next one
-starts from the clock, above every earlier token as long as the database's clock
-does not step back (SQLite: the app server's clock, see ``_sqlite_now_us``). No
-table grows with every name ever locked, and stale rows are purged once they are
-``STALE_RETENTION`` old (see ``_purge_if_due``). An acquire is one statement on every
+while a row exists. A release leaves the row as a token-less *tombstone* for
+``FENCING_RETENTION_MS`` (60 s), so the next acquire still continues from its last
+token (the clock alone is read when the acquiring statement begins, which may be
+before the previous holder acquired and released). After a row is gone (its
+tombstone purged, or cleared) the next token starts from the clock, above every
+earlier token as long as the database's clock does not step back (SQLite: the app
+server's clock, see ``_sqlite_now_us``). No table grows with every name ever
+locked: tombstones are purged once they are FENCING_RETENTION_MS old and stale rows
+once they are ``STALE_RETENTION`` old (see ``_purge_if_due``). An acquire is one statement on every
 database (MySQL/MariaDB return the new token through ``LAST_INSERT_ID(x)``).
 
 Every statement runs on a connection of our own (one per thread) in autocommit,
@@ -569,6 +573,7 @@ class DatabaseBackend(BaseLockBackend):
         self._next_purge = now + min(PURGE_EVERY, self.stale_retention)
         try:
             cursor.execute(sql.purge_stale, (int(self.stale_retention * 1000),))
+            cursor.execute(sql.purge_placeholders)  # tombstones past FENCING_RETENTION_MS
         except Exception:
             logger.warning("Could not purge stale locks of %r", self.alias, exc_info=True)
 
@@ -622,10 +627,9 @@ class DatabaseBackend(BaseLockBackend):
         def work(cursor, sql, raw):
             cursor.execute(sql.unqueue, (name, token))
             if cursor.rowcount:
-                # Released to us and we leave: the row is no lock any more.
-                cursor.execute(sql.drop_placeholder, (name,))
-                # Either way the place next in line is free: the other waiters (who
-                # may wait for a wake-up, not a poll) compete for it now.
+                # The place next in line is free (a row released to us is a tombstone
+                # now, free to take): the other waiters (who may wait for a wake-up,
+                # not a poll) compete for it now.
                 self._notify(cursor, sql, name)
 
         self._run("stop waiting", work)
@@ -731,8 +735,9 @@ class DatabaseBackend(BaseLockBackend):
     # -- token-checked single statements -------------------------------------------
 
     def release(self, name, token):
-        """Returns True if the row carried ``token`` and was deleted (or, with a
-        waiter next in line, left to that waiter)."""
+        """Returns True if the row carried ``token`` and was released: left as a
+        tombstone (see FENCING_RETENTION_MS), or, with a waiter next in line, left to
+        that waiter."""
 
         def work(cursor, sql, raw, retried=False):
             self._execute(cursor, sql.release, (name, token))

@@ -37,6 +37,15 @@ PG_NEXT_RENEW = 1.0
 #: to take it (a *claim*, as on Redis): a live waiter is woken at once (PostgreSQL)
 #: or polls well within it, and a dead one holds the others up for this long only.
 CLAIM_MS = 500
+#: A released row is kept this long (ms), token-less (a *tombstone*: no lock, hidden
+#: like a row released to a waiter), so that the next acquire continues its fencing
+#: tokens from the row's last one. Without it the next token would come from the
+#: clock alone, read when the acquiring statement began: a statement that began
+#: before another client acquired and released (it waited for a CPU, or for the row)
+#: would insert a smaller token than that client's. As long as no acquiring
+#: statement takes longer than this, tokens strictly increase. The purge (and
+#: ``clearlocks``) drops older tombstones, so state stays bounded.
+FENCING_RETENTION_MS = 60_000
 _INFO_COLUMNS = "l.name, l.owner, l.acquired_at, l.expires_at, l.fencing, {now}"
 
 
@@ -77,8 +86,13 @@ class Dialect:
             "AND ({t}.next_token = '' OR {t}.next_token = {x}.token "
             f"OR {{t}}.next_seen <= {{x}}.acquired_at - {lapse})"
         )
+        # Leaves a tombstone (see FENCING_RETENTION_MS) that keeps the fencing token:
+        # expired since the epoch, so free to an acquiring statement that began before
+        # the release, and released at ``acquired_at`` (for the purge).
         self.release = (
-            f"DELETE FROM {lock} WHERE name = %s AND token = %s "
+            f"UPDATE {lock} SET token = '', owner = '{{}}', acquired_at = {now}, "
+            f"expires_at = 0, next_token = '', next_since = 0, next_seen = 0 "
+            f"WHERE name = %s AND token = %s "
             f"AND (next_token = '' OR next_seen <= {now} - {lapse})"
         )
         # A waiter is next in line: leave it the lock (expired, empty token) instead
@@ -86,8 +100,8 @@ class Dialect:
         # for CLAIM_MS at most (its place then lapses, see CLAIM_MS).
         claim_end = f"{now} - {lapse} + {CLAIM_MS}"
         self.release_to_next = (
-            f"UPDATE {lock} SET token = '', owner = '{{}}', expires_at = {now}, "
-            f"next_seen = CASE WHEN next_seen < {claim_end} THEN next_seen ELSE {claim_end} END "
+            f"UPDATE {lock} SET token = '', owner = '{{}}', acquired_at = {now}, "
+            f"expires_at = {now}, next_seen = CASE WHEN next_seen < {claim_end} THEN next_seen ELSE {claim_end} END "
             f"WHERE name = %s AND token = %s"
         )
         if vendor == "postgresql":
@@ -109,12 +123,11 @@ class Dialect:
             f"UPDATE {lock} SET next_token = '', next_since = 0, next_seen = 0 "
             f"WHERE name = %s AND next_token = %s"
         )
-        # A row released to a waiter that then withdrew or lapsed is no lock: drop it.
-        self.drop_placeholder = (
-            f"DELETE FROM {lock} WHERE name = %s AND token = '' AND next_token = ''"
-        )
+        # Token-less rows (released, to nobody or to a waiter whose place lapsed)
+        # once their fencing token is FENCING_RETENTION_MS old.
         self.purge_placeholders = (
-            f"DELETE FROM {lock} WHERE token = '' AND next_seen <= {now} - {lapse}"
+            f"DELETE FROM {lock} WHERE token = '' AND next_seen <= {now} - {lapse} "
+            f"AND acquired_at <= {now} - {FENCING_RETENTION_MS}"
         )
         self.extend = f"UPDATE {lock} SET expires_at = {now} + %s WHERE name = %s AND token = %s"
         self.owns = f"SELECT 1 FROM {lock} WHERE name = %s AND token = %s AND expires_at > {now}"

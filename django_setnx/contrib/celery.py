@@ -100,6 +100,15 @@ seconds after the last renewal. The owner record keeps the enqueuer's host and p
 ``app.send_task("name")`` bypasses ``apply_async`` and so this check. One call can
 override the task's policy: ``apply_async(..., once_policy="drop")``.
 
+``delay_on_commit()``/``apply_async_on_commit()`` (Celery's ``DjangoTask``) check
+the once lock when the transaction commits, since that is when the message is sent.
+A duplicate met then is dropped and logged at WARNING whatever ``once_policy``
+says: the caller's code has returned, so there is nobody to raise
+:class:`AlreadyQueued` to, and an exception there would come out of ``atomic()``
+after the data was committed and stop Django from running the transaction's later
+``on_commit`` callbacks (another task's ``delay_on_commit``, an e-mail). Call
+``delay()`` inside ``transaction.on_commit`` yourself to handle AlreadyQueued.
+
 A derived ``once_name`` longer than a lock name may be (200 characters) keeps its
 first 150 characters and ends with a digest of the whole, so long arguments never
 make a valid task fail.
@@ -162,6 +171,7 @@ releases its run lock after that transaction commits.
 """
 
 import datetime
+import functools
 import hashlib
 import inspect
 import json
@@ -452,6 +462,27 @@ class ExclusiveTaskMixin:
         return validate_name(_bounded_name(f"celery-once:{self.name}:{digest}"))
 
     # -- enqueue-once -----------------------------------------------------------
+
+    def delay_on_commit(self, *args, **kwargs):
+        """``delay(*args, **kwargs)`` when the current transaction commits (at once
+        outside one). Returns None. A duplicate found then is dropped and logged,
+        whatever ``once_policy`` says (see "Enqueue-once")."""
+        self.apply_async_on_commit(args, kwargs)
+
+    def apply_async_on_commit(self, *args, **kwargs):
+        """``apply_async(*args, **kwargs)`` when the current transaction commits.
+        Returns None. A duplicate found then is dropped and logged."""
+        from django.db import transaction
+
+        transaction.on_commit(functools.partial(self._apply_async_at_commit, args, kwargs))
+
+    def _apply_async_at_commit(self, args, kwargs):
+        try:
+            self.apply_async(*args, **kwargs)
+        except AlreadyQueued as exc:
+            # Raised here it would leave atomic() after COMMIT and cancel the
+            # transaction's later on_commit callbacks: log it instead.
+            logger.warning("Task %s not enqueued at commit: %s", self.name, exc)
 
     def apply_async(
         self,
