@@ -499,6 +499,32 @@ def test_django_task_class_is_kept(alias, name):
     assert ran == [1, 2]
 
 
+def test_a_duplicate_found_at_commit_is_dropped_and_the_other_hooks_run(alias, name, caplog):
+    """``delay_on_commit`` with ``once_policy="raise"``: at COMMIT there is nobody to
+    raise AlreadyQueued to, and raising would cancel the transaction's later
+    on_commit callbacks after the data was committed. It is logged instead."""
+    import logging
+
+    from django.db import transaction
+
+    ran, hooks = [], []
+
+    @eager_task(once_policy="raise", once_name=name, lock_backend=alias)
+    def job():
+        ran.append(1)
+
+    with lock(name, ttl=30, backend=alias):  # a copy queued or running
+        with caplog.at_level(logging.WARNING, logger="django_setnx.celery"):
+            with transaction.atomic():
+                assert job.delay_on_commit() is None
+                transaction.on_commit(lambda: hooks.append("later"))
+    assert ran == [] and hooks == ["later"]
+    assert "not enqueued at commit" in caplog.text
+    with transaction.atomic():
+        job.apply_async_on_commit()
+    assert ran == [1], "sent at commit once the lock is free"
+
+
 def test_mixin_on_a_task_class_of_ones_own(alias, name):
     from celery import Task
 

@@ -228,3 +228,30 @@ def test_async_waiters_hold_no_thread_while_they_wait(backend_alias, name):
         assert sorted(got) == list(range(200))
 
     asyncio.run(main())
+
+
+def test_an_async_acquire_cancelled_mid_statement_leaves_no_lock(db_alias, name):
+    """The statement runs in a thread that a cancellation does not stop: a lock it
+    wins for a caller that is gone is released, not held until its ttl."""
+
+    async def main():
+        cancelled = 0
+        for i in range(30):
+            lk = lock(f"{name}:{i}", ttl=60, backend=db_alias)
+            attempt = asyncio.ensure_future(lk.aacquire())
+            await asyncio.sleep(0.001 * (i % 5))
+            attempt.cancel()
+            try:
+                if await attempt:  # done before the cancellation: ours, release it
+                    await lk.arelease()
+            except asyncio.CancelledError:
+                cancelled += 1
+        assert cancelled, "no acquire was cancelled: the test proves nothing"
+        deadline = time.monotonic() + 5
+        held = list(range(30))
+        while held and time.monotonic() < deadline:
+            held = [i for i in held if await lock(f"{name}:{i}", backend=db_alias).alocked()]
+            await asyncio.sleep(0.05)
+        return held
+
+    assert asyncio.run(main()) == [], "locks left held by cancelled acquires"

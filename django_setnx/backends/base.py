@@ -17,6 +17,7 @@ import builtins
 import contextlib
 import datetime
 import json
+import logging
 import numbers
 import random
 import re
@@ -33,6 +34,19 @@ from ..exceptions import LockBackendError
 from ..globs import compile_glob
 from ..validation import MAX_LIMIT, MAX_TTL_LIMIT, split_slot, ttl_to_ms, validate_ttl
 from .paging import LockPage, check_ordering, check_window, page_of_stream
+
+#: Releases of locks won by a cancelled async acquire (see aacquire): the event loop
+#: keeps only weak references to its tasks.
+_orphan_releases: set[asyncio.Future[bool]] = set()
+
+
+def _orphan_released(release: asyncio.Future[bool]) -> None:
+    _orphan_releases.discard(release)
+    if not release.cancelled() and release.exception() is not None:
+        logging.getLogger("django_setnx").warning(
+            "Could not release a lock won by a cancelled acquire", exc_info=release.exception()
+        )
+
 
 HELD = "held"
 STALE = "stale"
@@ -561,9 +575,24 @@ class BaseLockBackend:
     async def aacquire(
         self, name: str, token: str, ttl: float, owner: dict[str, Any], wait: float | None = 0.0
     ) -> AcquireResult:
-        return await sync_to_async(self.acquire, thread_sensitive=False)(
-            name, token, ttl, owner, wait
+        """Async twin of :meth:`acquire`, run in a thread. A caller cancelled while
+        the statement runs does not stop it: if it then wins, the lock is released
+        (token-checked) instead of staying held, unknown to anyone, until its ttl."""
+        attempt = asyncio.ensure_future(
+            sync_to_async(self.acquire, thread_sensitive=False)(name, token, ttl, owner, wait)
         )
+        try:
+            return await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            attempt.add_done_callback(lambda done: self._release_if_won(done, name, token))
+            raise
+
+    def _release_if_won(self, done: asyncio.Future[AcquireResult], name: str, token: str) -> None:
+        if done.cancelled() or done.exception() is not None or not done.result().acquired:
+            return
+        release = asyncio.ensure_future(self.arelease(name, token))
+        _orphan_releases.add(release)
+        release.add_done_callback(_orphan_released)
 
     async def arelease(self, name: str, token: str) -> bool:
         return await sync_to_async(self.release, thread_sensitive=False)(name, token)

@@ -60,7 +60,7 @@ worker that dies (SIGKILL, OOM, power loss) stops renewing and the lock is free
   (``None``: the task's ``max_retries``); once retries are exhausted the task fails
   with ``LockNotAcquired``.
 
-Override :meth:`ExclusiveTask.lock_contended` for anything else. The run lock is a
+Override :meth:`ExclusiveTaskMixin.lock_contended` for anything else. The run lock is a
 plain lock: ``lock("report:7")`` or ``@locked("report:{account_id}")`` elsewhere
 exclude the task too. A direct call ``task(...)`` runs the body under the lock as
 well (``"retry"`` then raises ``LockNotAcquired``, since there is nothing to retry).
@@ -248,7 +248,7 @@ class AlreadyQueued(LockNotAcquired):
 
     ``name`` is the enqueue-once lock name, ``task_name`` the task, ``task_id`` the
     id of the copy that holds the lock (when known) and ``info`` its
-    :class:`~django_setnx.LockInfo` (or None).
+    :class:`~django_setnx.backends.base.LockInfo` (or None).
     """
 
     def __init__(self, name, task_name=None, task_id=None, info=None):
@@ -445,7 +445,7 @@ class ExclusiveTaskMixin:
         """The enqueue-once lock's name for a call with ``args``/``kwargs``.
 
         An explicit ``once_name`` is used as given (and must be a valid name); a
-        derived one is kept within the name limit (see :func:`_bounded_name`).
+        derived one is kept within the name limit (see ``_bounded_name``).
         """
         make_lock, make_once, signature = self._setnx_name_builders()
         args, kwargs = tuple(args or ()), dict(kwargs or {})
