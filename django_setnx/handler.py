@@ -89,9 +89,13 @@ class LockHandler(_Handler):
         del self._backends[alias]
 
     def all(self, initialized_only: bool = False) -> list[BaseLockBackend]:
+        """Return the backend of every configured alias, creating those not created
+        yet; with ``initialized_only=True``, only those already created."""
         return [self[alias] for alias in self if not initialized_only or alias in self._backends]
 
     def close_all(self) -> None:
+        """Close the connections of every backend created so far; returns None. The
+        backends stay usable: they connect again on their next use."""
         for backend in list(self._backends.values()):
             backend.close()
 

@@ -449,7 +449,7 @@ class Lock:
         """Release the lock now. Raises LockNotOwned if this object no longer holds it.
 
         Always immediate, even with ``release_on_commit``: that option only delays
-        the release at the end of a ``with`` block (see :meth:`__exit__`).
+        the release at the end of a ``with`` block (see ``__exit__``).
         """
         record, token = self._check_held_by_us("release")
         self._stop_renewer()
@@ -522,15 +522,19 @@ class Lock:
         return self.backend.get(self.name)
 
     async def alocked(self) -> bool:
+        """Async twin of :meth:`locked`: True if anyone holds the lock now."""
         info = await self.backend.aget(self.name)
         return info is not None and info.is_held
 
     async def aowned(self) -> bool:
+        """Async twin of :meth:`owned`: True if this Lock object holds the lock now."""
         if self._token is None or self.lost:
             return False
         return await self.backend.aowns(*self._held())
 
     async def ainfo(self) -> LockInfo | None:
+        """Async twin of :meth:`info`: the backend's
+        :class:`~django_setnx.backends.base.LockInfo`, or None."""
         return await self.backend.aget(self.name)
 
     # -- context managers ---------------------------------------------------------
@@ -589,7 +593,7 @@ class Lock:
 
         With ``release_on_commit`` and an open transaction on one of the ``using``
         databases, the release waits for that transaction (see
-        :mod:`django_setnx.transactions`). A lost lock is news the caller must hear
+        ``django_setnx.transactions``). A lost lock is news the caller must hear
         (its block was not exclusive): LockNotOwned is raised, but never at the price
         of masking the exception ``exc`` already in flight.
         """

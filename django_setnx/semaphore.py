@@ -181,6 +181,7 @@ class Semaphore(Lock):
         return len(self.holders()) >= self.limit
 
     async def alocked(self) -> bool:
+        """Async twin of :meth:`locked`: True if every slot is held."""
         return len(await self.aholders()) >= self.limit
 
     def info(self) -> LockInfo | None:
@@ -191,6 +192,8 @@ class Semaphore(Lock):
         return self.backend.get(self._record)
 
     async def ainfo(self) -> LockInfo | None:
+        """Async twin of :meth:`info`: the :class:`~django_setnx.backends.base.LockInfo`
+        of the slot this object holds, or None when it holds none."""
         if self._token is None or self._record is None:
             return None
         return await self.backend.aget(self._record)
@@ -211,7 +214,7 @@ def semaphore(
 ) -> Semaphore:
     """Return a :class:`Semaphore` of ``limit`` slots for ``name`` in ``backend``;
     nothing is written yet. The other arguments are those of
-    :func:`~django_setnx.locking.lock`. Raises TypeError/ValueError for a bad name,
+    :func:`~django_setnx.lock`. Raises TypeError/ValueError for a bad name,
     limit (an int from 1 to 1000), ttl or timeout and ImproperlyConfigured
     (InvalidLockBackendError) for an unknown alias."""
     return Semaphore(

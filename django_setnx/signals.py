@@ -13,7 +13,7 @@ class (``lock_force_released``: the backend class) and these keyword arguments:
 - ``lock_force_released``: ``backend`` (alias), ``name``, ``info`` (the
   :class:`~django_setnx.backends.base.LockInfo` removed) and ``user`` (who did it in
   the admin), or ``user=None`` and ``reason`` (text) when the locks of a dead owner
-  were freed (:mod:`django_setnx.dead_owners`).
+  were freed (``django_setnx.dead_owners``).
 """
 
 from django.dispatch import Signal

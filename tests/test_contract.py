@@ -1,4 +1,4 @@
-"""The contract every backend keeps (DESIGN.md, "What a lock is" and "Public API").
+"""The contract every backend keeps (the API reference, docs/reference/api.md).
 
 Each test runs once per configured backend (the ``alias`` fixture): SQLite,
 PostgreSQL, MariaDB/MySQL, Redis and local memory, all real.

@@ -424,7 +424,7 @@ class BaseLockBackend:
     ) -> Iterator[LockInfo]:
         """Yield a :class:`LockInfo` for every record, held and stale, name order
         where the backend can. ``state`` (``"held"``/``"stale"``) and ``name_glob``
-        (a glob, see :mod:`django_setnx.globs`) filter. Streams: never loads every record at once.
+        (a glob, see ``django_setnx.globs``) filter. Streams: never loads every record at once.
         """
         raise NotImplementedError
 
@@ -575,7 +575,8 @@ class BaseLockBackend:
     async def aacquire(
         self, name: str, token: str, ttl: float, owner: dict[str, Any], wait: float | None = 0.0
     ) -> AcquireResult:
-        """Async twin of :meth:`acquire`, run in a thread. A caller cancelled while
+        """Async twin of :meth:`acquire` (returns an :class:`AcquireResult`), run in a
+        thread. A caller cancelled while
         the statement runs does not stop it: if it then wins, the lock is released
         (token-checked) instead of staying held, unknown to anyone, until its ttl."""
         attempt = asyncio.ensure_future(
@@ -595,24 +596,34 @@ class BaseLockBackend:
         release.add_done_callback(_orphan_released)
 
     async def arelease(self, name: str, token: str) -> bool:
+        """Async twin of :meth:`release`; returns True if the record was deleted."""
         return await sync_to_async(self.release, thread_sensitive=False)(name, token)
 
     async def aextend(self, name: str, token: str, ttl: float) -> bool:
+        """Async twin of :meth:`extend`; returns True if the expiry was set."""
         return await sync_to_async(self.extend, thread_sensitive=False)(name, token, ttl)
 
     async def aowns(self, name: str, token: str) -> bool:
+        """Async twin of :meth:`owns`; returns True if held under ``token``."""
         return await sync_to_async(self.owns, thread_sensitive=False)(name, token)
 
     async def aget(self, name: str) -> LockInfo | None:
+        """Async twin of :meth:`get`; returns a :class:`LockInfo` or None."""
         return await sync_to_async(self.get, thread_sensitive=False)(name)
 
     async def adelete(self, name: str, fencing_token: int | None = None) -> LockInfo | None:
+        """Async twin of :meth:`delete`; returns the deleted record's :class:`LockInfo`,
+        or None."""
         return await sync_to_async(self.delete, thread_sensitive=False)(name, fencing_token)
 
     async def apage(self, **kwargs: Any) -> LockPage:
+        """Async twin of :meth:`page` (same keyword arguments); returns a
+        :class:`~django_setnx.backends.paging.LockPage`."""
         return await sync_to_async(self.page, thread_sensitive=False)(**kwargs)
 
     async def aclear(self, **kwargs: Any) -> ClearResult:
+        """Async twin of :meth:`clear` (same keyword arguments); returns a
+        :class:`ClearResult`."""
         return await sync_to_async(self.clear, thread_sensitive=False)(**kwargs)
 
     # -- helpers for subclasses -------------------------------------------------
@@ -635,7 +646,7 @@ class BaseLockBackend:
     def translate_errors(
         self, *error_types: type[BaseException], action: str = "operation"
     ) -> Iterator[None]:
-        """Re-raise ``error_types`` as :class:`LockBackendError` naming this alias."""
+        """Re-raise ``error_types`` as :class:`~django_setnx.exceptions.LockBackendError` naming this alias."""
         try:
             yield
         except error_types as exc:

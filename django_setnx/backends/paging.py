@@ -1,5 +1,5 @@
 """Pages of lock listings: one order for every backend, and the page a backend
-gives when it can only stream its records (:meth:`BaseLockBackend.page`).
+gives when it can only stream its records (:meth:`~django_setnx.backends.base.BaseLockBackend.page`).
 
 An *ordering* is a sequence of ``(field, descending)`` pairs over
 :data:`SORT_FIELDS`. :func:`complete_ordering` appends the name and the backend, so
@@ -48,7 +48,8 @@ SORT_FIELDS: dict[str, Callable[[LockInfo], Any]] = {
 
 @dataclass(frozen=True)
 class LockPage:
-    """One page of a backend's locks, as :meth:`BaseLockBackend.page` returns it.
+    """One page of a backend's locks, as
+    :meth:`~django_setnx.backends.base.BaseLockBackend.page` returns it.
 
     ``infos``: the page's LockInfos. ``total``: the number of matching locks, or
     None when counting them would cost too much. ``sorted_count``: how many matching
