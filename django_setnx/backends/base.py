@@ -576,9 +576,9 @@ class BaseLockBackend:
         self, name: str, token: str, ttl: float, owner: dict[str, Any], wait: float | None = 0.0
     ) -> AcquireResult:
         """Async twin of :meth:`acquire` (returns an :class:`AcquireResult`), run in a
-        thread. A caller cancelled while
-        the statement runs does not stop it: if it then wins, the lock is released
-        (token-checked) instead of staying held, unknown to anyone, until its ttl."""
+        thread. A caller cancelled while the statement runs does not stop it: if it
+        then wins, the lock is released (token-checked) instead of staying held,
+        unknown to anyone, until its ttl."""
         attempt = asyncio.ensure_future(
             sync_to_async(self.acquire, thread_sensitive=False)(name, token, ttl, owner, wait)
         )
