@@ -30,6 +30,13 @@ from .signals import lock_force_released
 
 logger = logging.getLogger("django_setnx")
 
+#: Owner field of a lock acquired to be handed over (:meth:`Lock.adopt
+#: <django_setnx.Lock.adopt>`): set ``lk.owner_extra[HANDOVER] = True`` before the
+#: acquire. Its record keeps naming the acquiring process, which may die while the
+#: adopter holds on: the dead-owner cleanup leaves such a lock to its ttl. (A Celery
+#: enqueue-once lock, whose owner names a task, is one.)
+HANDOVER = "handover"
+
 #: How long an observer waits for a dying process to exit before it gives up and
 #: leaves its locks to their ttl (seconds).
 EXIT_WAIT = 30.0
@@ -113,7 +120,8 @@ def free(alias, info, reason):
 def free_locks_of_pid(pid, reason, *, host=None, aliases=None):
     """Free every lock of every backend (or of ``aliases``) held by process ``pid``
     of this host, once it has exited, except the enqueue-once locks of the Celery
-    tasks it sent (they belong to the task). Returns the removed LockInfos. A backend that
+    tasks it sent (they belong to the task) and the locks it acquired to hand over
+    (owner field :data:`HANDOVER`). Returns the removed LockInfos. A backend that
     cannot be read is logged and skipped (its locks expire with their ttl).
 
     Reads every lock of each backend (``list()``): meant for the rare death of a
@@ -130,9 +138,9 @@ def free_locks_of_pid(pid, reason, *, host=None, aliases=None):
     for alias in aliases or list(locks):
         try:
             for info in list(locks[alias].list()):
-                # A Celery enqueue-once lock is the queued task's, whichever process
-                # sent it: it outlives its sender by design.
-                if owned_by(info, pid, host) and "celery_task_id" not in info.owner:
+                # A lock to be handed over (a Celery enqueue-once lock is the queued
+                # task's) outlives its acquirer by design.
+                if owned_by(info, pid, host) and not _handed_over(info.owner):
                     removed = free(alias, info, reason)
                     if removed is not None:
                         freed.append(removed)
@@ -145,6 +153,73 @@ def free_locks_of_pid(pid, reason, *, host=None, aliases=None):
                 exc_info=True,
             )
     return freed
+
+
+#: A cleanup process that has not finished after this long (seconds: hung on a lock
+#: another thread held when it was forked, or on a backend that does not answer) is
+#: ended by SIGALRM; the locks it had not freed are left to their ttl.
+CLEANUP_DEADLINE = 60
+
+#: Signals whose handlers the observer installed (Celery's, gunicorn's): a cleanup
+#: process takes the default action instead of running them.
+_OBSERVER_SIGNALS = (
+    "SIGHUP",
+    "SIGINT",
+    "SIGQUIT",
+    "SIGTERM",
+    "SIGUSR1",
+    "SIGUSR2",
+    "SIGCHLD",
+    "SIGALRM",
+)
+
+
+def in_cleanup_process(function, *args, **kwargs):
+    """Run ``function(*args, **kwargs)`` in a short-lived process forked from this
+    one, never in a thread of it: the observer (a Celery worker's main process) forks
+    its pool children at any moment, and a child forked while one of our threads held
+    a lock (SQLite's global mutex, a connection pool's, an import lock) would inherit
+    it held, for good. Returns the cleanup process' pid, or None if it could not be
+    forked (logged; the locks are then left to their ttl).
+
+    The process is forked twice, the middle one exiting at once, so the observer has
+    no child of ours to reap and never waits for the cleanup: only for that middle
+    process, which does nothing but fork."""
+    import signal
+
+    try:
+        middle = os.fork()
+    except OSError:
+        logger.warning("Could not fork a process to free the locks of a dead owner", exc_info=True)
+        return None
+    if middle == 0:
+        code = 0
+        try:
+            if os.fork() == 0:
+                try:
+                    for name in _OBSERVER_SIGNALS:
+                        if hasattr(signal, name):
+                            signal.signal(getattr(signal, name), signal.SIG_DFL)
+                    try:
+                        signal.set_wakeup_fd(-1)
+                    except ValueError:
+                        pass
+                    signal.alarm(CLEANUP_DEADLINE)
+                    function(*args, **kwargs)
+                except BaseException:  # noqa: BLE001 - nothing may return into the observer
+                    logger.warning("Freeing the locks of a dead owner failed", exc_info=True)
+                finally:
+                    logging.shutdown()
+                    os._exit(0)
+        except BaseException:  # noqa: BLE001 - the second fork failed
+            code = 1
+        finally:
+            os._exit(code)
+    try:
+        os.waitpid(middle, 0)
+    except ChildProcessError:  # reaped by the observer's own waitpid(-1)
+        pass
+    return middle
 
 
 def in_background(function, *args, **kwargs):
@@ -160,6 +235,10 @@ def in_background(function, *args, **kwargs):
     thread = threading.Thread(target=run, name="django-setnx-dead-owner", daemon=True)
     thread.start()
     return thread
+
+
+def _handed_over(owner):
+    return isinstance(owner, dict) and bool(owner.get(HANDOVER) or "celery_task_id" in owner)
 
 
 def _describe(owner):

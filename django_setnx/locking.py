@@ -335,6 +335,13 @@ class Lock:
         Returns True if the lock was still that acquisition's: this object then holds
         it (renewed with ``auto_renew``, freed by :meth:`release`). Returns False if
         it was lost (expired and taken over, or removed).
+
+        The owner record keeps naming the acquiring process. If that process may
+        die hard while this one holds on (a gunicorn worker, a Celery pool child),
+        acquire with ``lk.owner_extra["handover"] = True``
+        (:data:`django_setnx.dead_owners.HANDOVER`): otherwise the dead-owner cleanup
+        frees the lock when its acquirer dies, and another client may take it while
+        this one still holds it.
         """
         self._prepare_acquire(blocking=False, timeout=0)
         started = time.monotonic()

@@ -1089,6 +1089,14 @@ def test_a_lost_pool_child_frees_its_locks_at_once(
     _, w2 = workers
     successor = job.apply_async((key, log, "successor", 0.1), queue=w2.queue)
     assert get(successor, workers) == "successor"
+    # The pool child forked to replace the dead one works: the cleanup ran in no
+    # thread of the main process (a fork copies a lock such a thread holds, SQLite's
+    # mutex or a connection pool's, locked for good into the new child).
+    probes = [
+        job.apply_async((f"{key}:probe{i}", log, f"probe{i}", 0.05), queue=prefork_worker.queue)
+        for i in range(3)
+    ]
+    assert [get(probe, [prefork_worker]) for probe in probes] == ["probe0", "probe1", "probe2"]
 
 
 def test_a_lock_that_changed_hands_is_never_freed_for_a_dead_run(

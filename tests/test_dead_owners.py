@@ -92,6 +92,54 @@ def test_a_lock_that_changed_hands_is_left_alone(shared_alias, name, spawn):
     successor.release()
 
 
+@pytest.mark.parametrize("handover", [True, False])
+def test_a_lock_handed_over_stays_with_its_adopter(shared_alias, name, spawn, handover):
+    """The acquirer dies hard while another process holds the lock it adopted: marked
+    for handover, the lock stays with the adopter; unmarked, its record names only
+    the dead acquirer and it is freed (the documented rule)."""
+    tokens = spawn.ctx.Queue()
+    child = spawn(
+        workers.hand_over_then_hang,
+        workers.child_environment(),
+        shared_alias,
+        name,
+        60,
+        handover,
+        tokens,
+    )
+    adopter = lock(name, ttl=60, backend=shared_alias)
+    assert adopter.adopt(tokens.get(timeout=30))
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(10)
+    freed = free_locks_of_pid(child.pid, "killed by the test", aliases=[shared_alias])
+    if handover:
+        assert freed == [] and adopter.owned()
+        adopter.release()
+    else:
+        assert [info.name for info in freed] == [name]
+
+
+def test_the_cleanup_runs_in_a_process_of_its_own(tmp_path):
+    """Never a thread of the observer (which forks its workers meanwhile): the work
+    runs in another process, the observer starts no thread and keeps no child."""
+    import threading
+
+    from django_setnx.dead_owners import in_cleanup_process
+
+    out = tmp_path / "pid"
+    threads = threading.active_count()
+    middle = in_cleanup_process(lambda: out.write_text(str(os.getpid())))
+    assert middle is not None
+    deadline = time.monotonic() + 10
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert int(out.read_text()) != os.getpid()
+    assert threading.active_count() == threads
+    with pytest.raises(ChildProcessError):
+        os.waitpid(middle, os.WNOHANG)  # reaped already: no zombie left behind
+    assert int(out.read_text()) != middle, "the middle process only forks"
+
+
 @pytest.mark.parametrize("namespace", ["another", "none"])
 def test_a_pid_of_another_pid_namespace_is_not_ours(name, spawn, monkeypatch, namespace):
     """Containers that share a host name (a Kubernetes pod, host networking) reuse

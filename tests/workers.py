@@ -103,6 +103,22 @@ def crash_holder_of_two(env, alias, name, ttl, acquired):
         time.sleep(60)
 
 
+def hand_over_then_hang(env, alias, name, ttl, handover, tokens):
+    """Acquire ``name`` to hand it over (with the HANDOVER owner field if
+    ``handover``), put its token on ``tokens``, then hang until killed."""
+    _setup(env)
+    from django_setnx import lock
+    from django_setnx.dead_owners import HANDOVER
+
+    lk = lock(name, ttl=ttl, backend=alias)
+    if handover:
+        lk.owner_extra[HANDOVER] = True
+    lk.acquire(timeout=10)
+    tokens.put(lk._token)
+    while True:
+        time.sleep(60)
+
+
 def crash_waiter(env, alias, name, ttl, queued):
     """Wait for a held lock (queued by the backend) until killed."""
     _setup(env)

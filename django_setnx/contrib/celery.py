@@ -523,6 +523,7 @@ class ExclusiveTaskMixin:
             guards=f"celery task {self.name}[{task_id}]",
         )
         lk.owner_extra["celery_task_id"] = task_id
+        lk.owner_extra[dead_owners.HANDOVER] = True  # adopted by the worker that runs it
         if not lk.acquire(blocking=False):
             if any(options.get(key) for key in CANVAS_OPTIONS):
                 return self._send_duplicate(policy, name, args, kwargs, task_id, options)
@@ -966,8 +967,10 @@ class _PoolChildWatch(threading.Thread):
                 self.handled.add(pid)
                 # A child retired normally (max_tasks_per_child) released its locks:
                 # the scan then finds nothing. One gone from the list may not be
-                # reaped yet: wait for its exit first.
-                dead_owners.in_background(_free_runs_after_exit, pid)
+                # reaped yet: wait for its exit first. In a process of its own: the
+                # pool forks the dead child's replacement meanwhile (see
+                # dead_owners.in_cleanup_process).
+                dead_owners.in_cleanup_process(_free_runs_after_exit, pid)
 
 
 @celery_signals.worker_ready.connect(weak=False, dispatch_uid="django_setnx_pool_watch")
@@ -1077,7 +1080,8 @@ def _free_locks_of_a_dead_run(task, task_id, args, kwargs, reason):
         else:
             targets[kind] = (alias, [name])
     if targets:
-        dead_owners.in_background(
+        # Not in a thread: the pool forks the lost child's replacement meanwhile.
+        dead_owners.in_cleanup_process(
             _free_after_exit, targets, task_id, f"task {task.name}[{task_id}]: {reason}"
         )
 
