@@ -206,7 +206,7 @@ def in_cleanup_process(function, *args, **kwargs):
                         pass
                     signal.alarm(CLEANUP_DEADLINE)
                     function(*args, **kwargs)
-                except BaseException:  # noqa: BLE001 - nothing may return into the observer
+                except BaseException:
                     logger.warning("Freeing the locks of a dead owner failed", exc_info=True)
                 finally:
                     logging.shutdown()

@@ -255,3 +255,42 @@ def test_an_async_acquire_cancelled_mid_statement_leaves_no_lock(db_alias, name)
         return held
 
     assert asyncio.run(main()) == [], "locks left held by cancelled acquires"
+
+
+@pytest.mark.parametrize("backend_alias", DB_ALIASES)
+def test_a_release_wakes_one_waiter_not_all(backend_alias, name, monkeypatch):
+    """50 coroutines pass one lock around: a release leaves it to one waiter and
+    wakes that one, so an acquisition costs a few attempts, not one per waiter
+    (waking them all made the statements grow with the square of the waiters)."""
+    backend = locks[backend_alias]
+    attempts = []
+    acquire = type(backend).acquire
+
+    def counted(self, *args, **kwargs):
+        attempts.append(1)
+        return acquire(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(backend), "acquire", counted)
+
+    async def main():
+        holder = lock(name, ttl=60, backend=backend_alias)
+        assert await holder.aacquire(blocking=False)
+        got = []
+
+        async def waiter(i):
+            lk = lock(name, ttl=30, backend=backend_alias)
+            assert await lk.aacquire(timeout=60)
+            got.append(i)
+            await asyncio.sleep(0.001)
+            await lk.arelease()
+
+        tasks = [asyncio.create_task(waiter(i)) for i in range(50)]
+        await asyncio.sleep(1.5)  # every waiter queued or waiting
+        attempts.clear()
+        await holder.arelease()
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        return got
+
+    assert sorted(asyncio.run(main())) == list(range(50))
+    per_acquisition = len(attempts) / 50
+    assert per_acquisition < 10, per_acquisition

@@ -83,6 +83,30 @@ def test_async_calls_use_the_loops_own_client_not_threads(redis_alias, name):
     assert len(executor_threads()) == before, "an async call ran in a thread"
 
 
+def test_a_loop_per_call_leaves_no_connection_behind(redis_alias, name):
+    """Sync code calling async code makes a new event loop per call (asyncio.run,
+    asgiref's async_to_sync): the client of each finished loop is closed, so neither
+    the process' sockets nor the server's clients grow with the calls."""
+    import os
+
+    from asgiref.sync import async_to_sync
+
+    async def use():
+        async with lock(name, ttl=30, backend=redis_alias):
+            pass
+
+    def open_fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    run(use())  # the sync client and one loop's: what stays open
+    fds = open_fds()
+    for _ in range(40):
+        run(use())
+        async_to_sync(use)()
+    assert open_fds() <= fds + 2, "sockets of finished loops were left open"
+    assert len(locks[redis_alias]._async_conns) <= 1
+
+
 def test_a_thousand_waiting_coroutines_hold_no_thread_and_one_connection(name):
     """1,000 coroutines wait for one lock in one loop: no thread each, one Redis
     connection for all their waits; meanwhile an unrelated lock is taken and freed;

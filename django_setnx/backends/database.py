@@ -203,6 +203,7 @@ class DatabaseBackend(BaseLockBackend):
         # token -> _Waiter, for the refused callers of this process that will retry.
         self._waiting = {}
         self._wakeups = Wakeups()  # their wake-ups, by lock name (see db_wakeups)
+        self._wakeups.is_ours = self._waiting.__contains__
         self._listener = None  # the PostgreSQL LISTEN thread, once a waiter needed it
         self._wrapper_class = None  # the driver's connection class, and
         self._channel = None  # the NOTIFY channel: both known at the first connection
@@ -271,6 +272,7 @@ class DatabaseBackend(BaseLockBackend):
         # connection was among the wrappers above).
         self._waiting = {}
         self._wakeups = Wakeups()
+        self._wakeups.is_ours = self._waiting.__contains__
         self._listener = None
 
     def _new_wrapper(self):
@@ -514,7 +516,7 @@ class DatabaseBackend(BaseLockBackend):
                 fencing = row and row[0]
                 if fencing:  # the statement woke the other processes' waiters
                     self._waiting.pop(token, None)
-                    self._wakeups.wake(name)
+                    self._wakeups.wake_one(name)
             else:
                 params = (name, token, owner_json, ttl_ms)
                 if sql.vendor == "sqlite":
@@ -659,7 +661,7 @@ class DatabaseBackend(BaseLockBackend):
             token, attempt, max_wait, retry_after, self._listener_ready()
         )
         if delay > 0:
-            self._wakeups.wait(name, delay, since)
+            self._wakeups.wait(name, delay, since, self._rank(token), token)
         return None
 
     async def await_release(self, name, *, token, attempt, max_wait, retry_after):
@@ -670,8 +672,16 @@ class DatabaseBackend(BaseLockBackend):
             ready = await sync_to_async(self._listener_ready, thread_sensitive=False)()
         since, delay = self._wait_plan(token, attempt, max_wait, retry_after, ready)
         if delay > 0:
-            await self._wakeups.await_wakeup(name, delay, since)
+            await self._wakeups.await_wakeup(name, delay, since, self._rank(token), token)
         return None
+
+    def _rank(self, token):
+        """The order in which a release wakes this process' waiters (see
+        Wakeups.wake_one): the one next in line first, then the longest waiting."""
+        waiter = self._waiting.get(token)
+        if waiter is None:
+            return (2, 0)
+        return (0 if waiter.head else 1, waiter.since_ms)
 
     def _wait_plan(self, token, attempt, max_wait, retry_after, listener_ready_at):
         """``(since, seconds)``: a wake-up after ``since`` (when the caller's refused
@@ -730,7 +740,7 @@ class DatabaseBackend(BaseLockBackend):
         once, in autocommit)."""
         if sql.vendor == "postgresql":
             cursor.execute("SELECT pg_notify(%s, %s)", (self._channel, name))
-        self._wakeups.wake(name)
+        self._wakeups.wake_one(name)
 
     # -- token-checked single statements -------------------------------------------
 
@@ -742,17 +752,20 @@ class DatabaseBackend(BaseLockBackend):
         def work(cursor, sql, raw, retried=False):
             self._execute(cursor, sql.release, (name, token))
             if cursor.rowcount == 1:
-                if self._wakeups.has_waiters(name):  # of this process, not next in line
-                    self._wakeups.wake(name)
+                if self._waiting:  # this process has waiters (maybe on their way)
+                    self._wakeups.wake_one(name)
                 return True
             if sql.vendor == "postgresql":  # the statement NOTIFYs every process
                 self._execute(cursor, sql.release_to_next, (name, token, self._channel))
+                row = cursor.fetchone()
+                if row is not None:
+                    self._wakeups.wake_token(name, row[1])  # the waiter next in line
+                    return True
             else:
                 self._execute(cursor, sql.release_to_next, (name, token))
-            if cursor.rowcount == 1:
-                if self._wakeups.has_waiters(name):
-                    self._wakeups.wake(name)
-                return True
+                if cursor.rowcount == 1:
+                    self._wakeups.wake_one(name)  # the waiter next in line, if ours
+                    return True
             # Nothing of ours is left. On a retry that is no proof the lock was lost:
             # the first attempt may have deleted the row and lost only its answer
             # with the connection. Reporting "lost" then would tell a caller whose

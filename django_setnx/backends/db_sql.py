@@ -107,16 +107,23 @@ class Dialect:
         if vendor == "postgresql":
             # ... and wake the waiters of every process (see db_wakeups), in the same
             # statement. Params: name, token, channel. One row if released.
+            # The payload names the waiter next in line (see db_wakeups): only it is
+            # woken. The statement returns its token, for this process' wake-up.
             self.release_to_next = (
-                f"WITH released AS ({self.release_to_next} RETURNING name) "
-                f"SELECT pg_notify(%s, name) FROM released"
+                f"WITH released AS ({self.release_to_next} RETURNING name, next_token) "
+                f"SELECT pg_notify(%s, chr(30) || next_token || chr(30) || name), next_token "
+                f"FROM released"
             )
         # A refused caller that will retry: take the place next in line if it is
         # free, lapsed, already ours, or held by a caller who started waiting later.
         # Params: token, since, name, token, token, since.
+        # Never onto a released row (empty token: a tombstone, or one left to a
+        # waiter): that lock is free, or soon, so the caller must look again at
+        # once; queued there it would wait for a release that already happened.
         self.queue = (
             f"UPDATE {lock} SET next_token = %s, next_since = %s, next_seen = {now} "
-            f"WHERE name = %s AND token <> %s AND (next_token = '' OR next_token = %s "
+            f"WHERE name = %s AND token <> %s AND token <> '' "
+            f"AND (next_token = '' OR next_token = %s "
             f"OR next_seen <= {now} - {lapse} OR next_since > %s)"
         )
         self.unqueue = (

@@ -5,13 +5,15 @@ A refused caller that will retry waits (``DatabaseBackend.wait`` and
 ``await_release``) on a :class:`Wakeups` entry for the lock's name, until a wake-up,
 its next poll, the holder's expiry or its timeout:
 
-- A release made in this process wakes this process' waiters for that name at once
-  (:meth:`Wakeups.wake`), on every database.
+- A release made in this process wakes one of this process' waiters for that name at
+  once (:meth:`Wakeups.wake_one`: the one next in line, else the longest waiting), on
+  every database.
 - On PostgreSQL, a release that leaves the lock to a waiter next in line (and a
   waiter that gives up its place) also sends ``NOTIFY`` on the backend's channel,
-  with the lock's name as the payload. One :class:`PostgresListener` per backend and
+  with the lock's name as the payload (and the token of the waiter the lock was left
+  to, which alone is woken; otherwise one waiter per process is). One :class:`PostgresListener` per backend and
   process (a daemon thread with its own connection, started by the first waiter)
-  ``LISTEN``\\ s and wakes that process' waiters for the name. The waiters then only
+  ``LISTEN``\\ s and wakes one of that process' waiters for the name. The waiters then only
   poll slowly, as a safety net (``PG_SAFETY_POLL``).
 
 A wake-up is only a hint: the waiter retries, and the database decides. Nothing is
@@ -55,24 +57,32 @@ def channel_name(database_name, table):
 
 
 class _ThreadWaiter:
-    __slots__ = ("event",)
+    __slots__ = ("event", "rank", "token", "woken")
 
-    def __init__(self):
+    def __init__(self, rank, token):
         self.event = threading.Event()
+        self.rank = rank
+        self.token = token
+        self.woken = False
 
     def wake(self):
+        self.woken = True
         self.event.set()
 
 
 class _TaskWaiter:
-    __slots__ = ("loop", "future")
+    __slots__ = ("loop", "future", "rank", "token", "woken")
 
-    def __init__(self):
+    def __init__(self, rank, token):
         self.loop = asyncio.get_running_loop()
         self.future = self.loop.create_future()
+        self.rank = rank
+        self.token = token
+        self.woken = False
 
     def wake(self):
         # From any thread (the listener's, or a releasing thread).
+        self.woken = True
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
             self.loop.call_soon_threadsafe(_resolve, self.future)
 
@@ -88,32 +98,47 @@ class Wakeups:
     def __init__(self):
         self._lock = threading.Lock()
         self._waiters = {}  # name -> set of _ThreadWaiter / _TaskWaiter
-        self._woken = {}  # name -> monotonic time of its last wake-up
+        self._woken = {}  # name -> monotonic time of its last wake-up of every waiter
         self._all_woken = 0.0  # monotonic time of the last wake_all
+        #: name -> monotonic time of a wake_one that found no waiter to wake: the
+        #: next waiter of that name whose refused attempt began before it takes it.
+        self._unclaimed = {}
+        #: token -> whether a refused caller of this process holds it (set by the
+        #: backend): a wake-up for a waiter that is not ours wakes one of ours.
+        self.is_ours = lambda token: False
+        #: name -> monotonic time of its last release (or change of the waiter next
+        #: in line): the waiter next in line does not wait if one came after its
+        #: refused attempt began, even if that wake-up went to another waiter (it
+        #: took that place after the release, between its attempt and its wait).
+        self._released = {}
 
-    def wait(self, name, timeout, since):
+    def wait(self, name, timeout, since, rank=(0,), token=None):
         """Block up to ``timeout`` seconds for a wake-up of ``name``; returns at once
         if one came after ``since`` (monotonic: when the caller's refused attempt
-        started). Returns True if woken."""
-        if self.woken_since(name, since):
+        started). ``rank`` orders the waiters for :meth:`wake_one` (lowest first);
+        ``token`` is the caller's, for :meth:`wake_token`. A rank ``(0, ...)`` is the
+        waiter next in line. Returns True if woken."""
+        head = rank[0] == 0
+        if self._woken_or_claim(name, since, token, head):
             return True
-        waiter = _ThreadWaiter()
+        waiter = _ThreadWaiter(rank, token)
         self._add(name, waiter)
         try:
-            if self.woken_since(name, since):  # between the check and _add
+            if self._woken_or_claim(name, since, token, head):  # between the check and _add
                 return True
             return waiter.event.wait(timeout)
         finally:
             self._remove(name, waiter)
 
-    async def await_wakeup(self, name, timeout, since):
+    async def await_wakeup(self, name, timeout, since, rank=(0,), token=None):
         """Async twin of :meth:`wait`: no thread is held while waiting."""
-        if self.woken_since(name, since):
+        head = rank[0] == 0
+        if self._woken_or_claim(name, since, token, head):
             return True
-        waiter = _TaskWaiter()
+        waiter = _TaskWaiter(rank, token)
         self._add(name, waiter)
         try:
-            if self.woken_since(name, since):
+            if self._woken_or_claim(name, since, token, head):
                 return True
             try:
                 await asyncio.wait_for(waiter.future, timeout)
@@ -137,6 +162,72 @@ class Wakeups:
         for waiter in waiters:
             waiter.wake()
 
+    def wake_one(self, name):
+        """Wake the first waiter of ``name`` in this process (lowest rank: the one
+        next in line, else the longest waiting) that is not woken yet. With none
+        waiting, the wake-up is kept for the next one whose refused attempt began
+        before it (it was on its way to wait).
+
+        A release leaves the lock to one waiter, so one is woken, not all: each
+        woken waiter sends a statement, and waking them all on every release made a
+        handoff cost a statement per waiter. A waiter that does not take the lock
+        when woken (it gave up, or lost it to another process) wakes the next one
+        when it leaves, or the others' polls catch up."""
+        now = time.monotonic()
+        with self._lock:
+            self._released[name] = now
+            self._prune_unclaimed(now)
+            candidates = [w for w in self._waiters.get(name, ()) if not w.woken]
+            if not candidates:
+                self._unclaimed[name] = now
+                return
+            waiter = min(candidates, key=lambda w: w.rank)
+            waiter.woken = True  # before releasing the lock: no second wake_one picks it
+        waiter.wake()
+
+    def wake_token(self, name, token):
+        """Wake the waiter of ``name`` whose token is ``token`` (the one a release
+        left the lock to), if it waits in this process; if it is on its way to wait,
+        the wake-up is kept for it (see :meth:`wake_one`). If it is not ours, wake
+        one of ours instead: that waiter is refused while the other one's claim
+        lasts, and then takes the lock if the other one died (and nobody else would
+        look until the next safety poll)."""
+        now = time.monotonic()
+        with self._lock:
+            waiters = [w for w in self._waiters.get(name, ()) if w.token == token]
+            if waiters or self.is_ours(token):
+                self._released[name] = now
+                self._prune_unclaimed(now)
+                if not waiters:
+                    self._unclaimed[(name, token)] = now
+                    return
+                for waiter in waiters:
+                    waiter.woken = True
+        if not waiters:
+            self.wake_one(name)
+            return
+        for waiter in waiters:
+            waiter.wake()
+
+    def _prune_unclaimed(self, now):
+        if len(self._unclaimed) > WOKEN_KEEP:
+            self._unclaimed = {n: t for n, t in self._unclaimed.items() if now - t < WOKEN_TTL}
+        if len(self._released) > WOKEN_KEEP:
+            self._released = {n: t for n, t in self._released.items() if now - t < WOKEN_TTL}
+
+    def _woken_or_claim(self, name, since, token=None, head=False):
+        if self.woken_since(name, since):
+            return True
+        with self._lock:
+            if head and self._released.get(name, 0.0) >= since:
+                return True
+            for key in (name, (name, token)):
+                woken_at = self._unclaimed.get(key)
+                if woken_at is not None and woken_at >= since:
+                    del self._unclaimed[key]
+                    return True
+        return False
+
     def wake_all(self):
         """Wake every waiter (the listener failed: they must look, then poll)."""
         with self._lock:
@@ -159,6 +250,22 @@ class Wakeups:
                 group.discard(waiter)
                 if not group:
                     del self._waiters[name]
+
+
+#: Starts a NOTIFY payload that names the waiter the lock was left to:
+#: ``RS token RS name`` (lock names cannot start with it in practice; a plain name is
+#: a payload of an earlier version).
+_TOKEN_MARK = "\x1e"
+
+
+def _deliver(wakeups, payload):
+    """Wake this process' waiter(s) for one NOTIFY: the waiter a release left the
+    lock to, if it is ours, else one waiter per process (the lock goes to one)."""
+    if payload.startswith(_TOKEN_MARK):
+        token, _, name = payload[1:].partition(_TOKEN_MARK)
+        wakeups.wake_token(name, token)
+    else:
+        wakeups.wake_one(payload)
 
 
 class PostgresListener:
@@ -234,7 +341,7 @@ class PostgresListener:
             self._ready.set()
             while not self._stop.is_set():
                 for notify in connection.notifies(timeout=LISTEN_BLOCK):
-                    self.wakeups.wake(notify.payload)
+                    _deliver(self.wakeups, notify.payload)
         except Exception as exc:  # noqa: BLE001 - any failure: the waiters poll
             if not self._stop.is_set():
                 self.failed_at = time.monotonic()

@@ -99,9 +99,9 @@ import numbers
 import os
 import random
 import secrets
+import socket
 import threading
 import time
-import weakref
 
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
@@ -406,6 +406,24 @@ ASYNC_SCRIPTS = {
 }
 
 
+def _close_sockets_of(client):
+    """Close the sockets of an asyncio client whose event loop is closed: its
+    transports cannot close them any more (that would schedule a callback on the
+    closed loop). Best effort, on the standard loop's transports; others are left to
+    the garbage collector."""
+    pool = getattr(client, "connection_pool", None)
+    connections = [
+        *getattr(pool, "_available_connections", ()),
+        *getattr(pool, "_in_use_connections", ()),
+    ]
+    for connection in connections:
+        transport = getattr(getattr(connection, "_writer", None), "transport", None)
+        sock = getattr(transport, "_sock", None)
+        if isinstance(sock, socket.socket):
+            sock.close()
+            connection._reader = connection._writer = None
+
+
 class _AsyncConnection:
     """An event loop's asyncio client, the scripts registered on it, and the waits of
     its coroutines (see redis_asyncio.InboxWaits)."""
@@ -589,8 +607,8 @@ class RedisBackend(BaseLockBackend):
         self._conn = None
         self._conn_lock = threading.Lock()
         self._watch = None  # the _SharedPoolWatch of OPTIONS["CACHE"]'s pool, once connected
-        #: event loop -> (pid, _AsyncConnection or None): see _aconnection.
-        self._async_conns = weakref.WeakKeyDictionary()
+        #: id(event loop) -> (loop, pid, _AsyncConnection or None): see _aconnection.
+        self._async_conns = {}
 
     # -- configuration ------------------------------------------------------------
 
@@ -809,17 +827,23 @@ class RedisBackend(BaseLockBackend):
         and forget the asyncio clients (see :meth:`aclose`)."""
         with self._conn_lock:
             conn, self._conn = self._conn, None
-            self._async_conns = weakref.WeakKeyDictionary()
+            self._async_conns = {}
         if conn is not None and conn.owned:
             conn.client.close()
 
     async def aclose(self):
         """Disconnect the running event loop's asyncio client (the others belong to
-        other loops: they are closed when their loop ends, or by :meth:`close`)."""
+        other loops: a closed loop's are closed when another loop first uses this
+        backend, see _aconnection, or by :meth:`close`)."""
+        loop = asyncio.get_running_loop()
         with self._conn_lock:
-            entry = self._async_conns.pop(asyncio.get_running_loop(), None)
-        if entry is not None and entry[1] is not None:
-            await entry[1].client.aclose()
+            entry = self._async_conns.get(id(loop))
+            if entry is not None and entry[0] is loop:
+                del self._async_conns[id(loop)]
+            else:
+                entry = None
+        if entry is not None and entry[2] is not None:
+            await entry[2].client.aclose()
 
     # -- asyncio -------------------------------------------------------------------
 
@@ -829,15 +853,25 @@ class RedisBackend(BaseLockBackend):
         Cluster, a custom CLIENT_CLASS: see redis_asyncio); the async methods then
         run the sync ones in threads."""
         loop = asyncio.get_running_loop()
-        entry = self._async_conns.get(loop)
-        if entry is None or entry[0] != _process.pid:
+        entry = self._async_conns.get(id(loop))
+        if entry is None or entry[0] is not loop or entry[1] != _process.pid:
             sync = self._built_connection()
             with self._conn_lock:
-                entry = self._async_conns.get(loop)
-                if entry is None or entry[0] != _process.pid:
-                    entry = (_process.pid, self._async_connect(sync))
-                    self._async_conns[loop] = entry
-        return entry[1]
+                entry = self._async_conns.get(id(loop))
+                if entry is None or entry[0] is not loop or entry[1] != _process.pid:
+                    # A loop's client keeps its loop alive (its connections'
+                    # transports refer to it), so entries never go by themselves:
+                    # each new loop drops those of the loops that have been closed
+                    # (asyncio.run and async_to_sync make one per call), and closes
+                    # their sockets, which no closed loop can do any more.
+                    for key, (other, pid, conn) in list(self._async_conns.items()):
+                        if other.is_closed() or pid != _process.pid:
+                            del self._async_conns[key]
+                            if pid == _process.pid and conn is not None:
+                                _close_sockets_of(conn.client)
+                    entry = (loop, _process.pid, self._async_connect(sync))
+                    self._async_conns[id(loop)] = entry
+        return entry[2]
 
     def _async_connect(self, sync):
         from . import redis_asyncio
