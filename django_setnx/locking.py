@@ -21,8 +21,6 @@ from collections.abc import Generator, Sequence
 from types import TracebackType
 from typing import Any
 
-from asgiref.sync import sync_to_async
-
 from . import signals
 from .backends.base import AcquireResult, LockInfo
 from .conf import DEFAULT_LOCK_ALIAS
@@ -256,7 +254,7 @@ class Lock:
                 step, record, arg = steps.send(result)
         except BaseException:  # includes asyncio.CancelledError
             if calls.queued is not None:
-                await sync_to_async(self._abandon, thread_sensitive=False)(calls.queued, token)
+                await self._aabandon(calls.queued, token)
             raise
         return self._won(token, record, arg, calls)
 
@@ -384,6 +382,15 @@ class Lock:
         try:
             if self._stop_waiting(record, token) is not None:
                 self.backend.release(record, token)
+        except Exception:
+            logger.warning("Could not give up the lock handed to %r", self.name, exc_info=True)
+
+    async def _aabandon(self, record: str, token: str) -> None:
+        """Async twin of :meth:`_abandon` (the backend's async calls: no thread on
+        Redis, whose waiters may be cancelled by the hundred)."""
+        try:
+            if await self._astop_waiting(record, token) is not None:
+                await self.backend.arelease(record, token)
         except Exception:
             logger.warning("Could not give up the lock handed to %r", self.name, exc_info=True)
 

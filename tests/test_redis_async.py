@@ -247,6 +247,33 @@ def test_a_cancelled_waiter_leaves_nothing_queued(name):
     run(main())
 
 
+def test_cancelled_waiters_withdraw_without_threads(name):
+    """200 waiting coroutines cancelled at once withdraw through the loop's own
+    client: no thread is started for it."""
+    backend = locks["redis"]
+    client = backend.connection.client
+
+    async def main():
+        holder = lock(name, ttl=30, backend="redis")
+        assert await holder.aacquire()
+        tasks = [
+            asyncio.create_task(lock(name, ttl=30, backend="redis").aacquire(timeout=20))
+            for _ in range(200)
+        ]
+        await asyncio.sleep(0.5)
+        threads = len(executor_threads())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert len(executor_threads()) == threads, "the withdrawals ran in threads"
+        assert client.zcard(lock_keys(backend.key_prefix, name)[2]) == 0
+        await holder.arelease()
+        assert await backend.aget(name) is None
+        await backend.aclose()
+
+    run(main())
+
+
 @pytest.fixture
 def evicting_redis():
     server = RedisServer("--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru").start()
