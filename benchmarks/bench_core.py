@@ -1164,10 +1164,19 @@ def section_state(cfg, p, results):
         else:
             with connections[alias].cursor() as cursor:
                 cursor.execute(
-                    "SELECT COUNT(*) FROM django_setnx_lock WHERE name LIKE %s", [prefix + ":%"]
+                    "SELECT COUNT(*) FROM django_setnx_lock WHERE name LIKE %s AND token <> ''",
+                    [prefix + ":%"],
                 )
                 left = cursor.fetchone()[0]
-            what = "rows of those names"
+                cursor.execute(
+                    "SELECT COUNT(*) FROM django_setnx_lock WHERE name LIKE %s AND token = ''",
+                    [prefix + ":%"],
+                )
+                tombstones = cursor.fetchone()[0]
+            what = (
+                f"lock rows of those names; {tombstones:,} released rows (tombstones "
+                f"keeping the fencing token) go after 60 s"
+            )
         results[f"state:{alias}"] = left
         rows.append([alias, f"{n:,}", f"{seconds:.1f}", f"{left:,}", what])
     table(["backend", "names", "seconds", "keys without a TTL / rows left", "note"], rows)
