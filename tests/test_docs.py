@@ -203,7 +203,7 @@ def test_celery_docstring_example_runs(capsys):
     _set_current_app(app)  # shared_task's tasks resolve through the current app
     try:
         namespace = {"__name__": f"docs_celery_example_{uuid.uuid4().hex}"}
-        exec(compile(code, "django_setnx/contrib/celery.py (docstring)", "exec"), namespace)
+        exec(compile(code, "<django_setnx.contrib.celery docstring>", "exec"), namespace)
         assert "already queued as" in capsys.readouterr().out
         if "redis" in settings.SETNX_LOCKS:
             assert namespace["build_report"](1, "2026-01") is None
