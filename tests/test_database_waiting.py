@@ -294,3 +294,43 @@ def test_a_release_wakes_one_waiter_not_all(backend_alias, name, monkeypatch):
     assert sorted(asyncio.run(main())) == list(range(50))
     per_acquisition = len(attempts) / 50
     assert per_acquisition < 10, per_acquisition
+
+
+@pytest.mark.parametrize("backend_alias", PG)
+def test_an_async_acquire_cancelled_while_refused_leaves_no_place_in_line(backend_alias, name):
+    """The cancelled acquire's statement, held up by a row lock, is refused after the
+    cancellation and queues its caller next in line: that place is withdrawn, so the
+    next release goes to a live waiter at once, not to the cancelled one."""
+    import psycopg
+
+    backend = locks[backend_alias]
+    database = connections[settings.SETNX_LOCKS[backend_alias]["OPTIONS"]["DATABASE"]]
+    params = database.get_connection_params()
+
+    async def main():
+        holder = lock(name, ttl=30, backend=backend_alias)
+        assert await holder.aacquire(blocking=False)
+        blocker = psycopg.connect(**params, autocommit=False)
+        blocker.execute("SELECT 1 FROM django_setnx_lock WHERE name = %s FOR UPDATE", [name])
+        victim = asyncio.ensure_future(
+            lock(name, ttl=30, backend=backend_alias).aacquire(timeout=20)
+        )
+        await asyncio.sleep(0.3)
+        victim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        blocker.commit()
+        blocker.close()
+        await asyncio.sleep(0.3)  # the refused statement has queued, then withdrawn
+        assert backend._waiting == {}
+        live = lock(name, ttl=30, backend=backend_alias)
+        waiting = asyncio.ensure_future(live.aacquire(timeout=20))
+        await asyncio.sleep(0.5)
+        released_at = time.monotonic()
+        await holder.arelease()
+        assert await waiting
+        took = time.monotonic() - released_at
+        await live.arelease()
+        return took
+
+    assert asyncio.run(main()) < 1.0

@@ -44,7 +44,7 @@ def _orphan_released(release: asyncio.Future[bool]) -> None:
     _orphan_releases.discard(release)
     if not release.cancelled() and release.exception() is not None:
         logging.getLogger("django_setnx").warning(
-            "Could not release a lock won by a cancelled acquire", exc_info=release.exception()
+            "Could not undo a cancelled acquire", exc_info=release.exception()
         )
 
 
@@ -589,11 +589,22 @@ class BaseLockBackend:
             raise
 
     def _release_if_won(self, done: asyncio.Future[AcquireResult], name: str, token: str) -> None:
-        if done.cancelled() or done.exception() is not None or not done.result().acquired:
+        if done.cancelled() or done.exception() is not None:
             return
-        release = asyncio.ensure_future(self.arelease(name, token))
-        _orphan_releases.add(release)
-        release.add_done_callback(_orphan_released)
+        cleanup = asyncio.ensure_future(self._undo_attempt(name, token, done.result().acquired))
+        _orphan_releases.add(cleanup)
+        cleanup.add_done_callback(_orphan_released)
+
+    async def _undo_attempt(self, name: str, token: str, won: bool) -> bool:
+        """After a cancelled acquire: release what its attempt won, or withdraw the
+        place next in line a refused attempt may have queued for (a release would
+        otherwise be left to a caller that is gone)."""
+        if not won:
+            handed = await self.astop_waiting(name, token)
+            won = handed is not None and handed.acquired
+        if won:
+            return await self.arelease(name, token)
+        return False
 
     async def arelease(self, name: str, token: str) -> bool:
         """Async twin of :meth:`release`; returns True if the record was deleted."""
