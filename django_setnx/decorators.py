@@ -55,7 +55,7 @@ logger = logging.getLogger("django_setnx")
 RAISE = "raise"
 SKIP = "skip"
 #: The request method a class-based view serves without the lock by default, when
-#: Django's (or DRF's) own ``options()`` answers it: no code of the view runs.
+#: Django's own ``options()`` answers it: no code of the view runs.
 UNLOCKED_METHODS = ("OPTIONS",)
 
 #: ``begin(args, kwargs) -> (lock or None, request, HttpRequest or None)`` and
@@ -98,11 +98,17 @@ def call_signature(func: Callable[..., Any]) -> inspect.Signature:
     that Django's ``method_decorator`` builds around a bound method: its
     ``__wrapped__`` is the unbound method, whose signature has ``self`` first. So the
     ``__wrapped__`` chain is followed by hand, and stops at such a partial, also
-    behind other decorators (``method_decorator([never_cache, locked(...)])``).
+    behind other decorators (``method_decorator([never_cache, locked(...)])``), and at
+    a class-based view's ``as_view()`` function.
     """
     target, seen = func, set()
     while id(target) not in seen:
         seen.add(id(target))
+        if getattr(target, "view_class", None) is not None:
+            # ``View.as_view()``'s function, ``(request, *args, **kwargs)``: it copies
+            # ``dispatch.__dict__``, so a method_decorator on dispatch left a
+            # ``__wrapped__`` there that names the unbound dispatch.
+            return inspect.signature(target, follow_wrapped=False)
         if isinstance(target, functools.partial):
             inner = target.func
             if inspect.ismethod(inner) and not target.args and not target.keywords:
@@ -118,9 +124,11 @@ def call_signature(func: Callable[..., Any]) -> inspect.Signature:
 def _framework_answers_options(func: Callable[..., Any]) -> bool:
     """True when an ``OPTIONS`` request to the decorated view runs no code of the
     project: ``func`` is a class-based view's ``dispatch`` (through
-    ``method_decorator``) or its ``as_view()`` function, and the view's ``options()``
-    is Django's or DRF's own. A function view runs its whole body for any method, and
-    so does a view whose ``options()`` is overridden: those stay locked."""
+    ``method_decorator``) or its ``as_view()`` function, and everything Django runs
+    for OPTIONS (``setup``, ``dispatch``, ``options``) is Django's own. A function
+    view runs its whole body for any method, a view that overrides one of those runs
+    project code, and DRF runs the view's permission classes, and for generic views
+    its queryset and serializer, to answer OPTIONS: those stay locked."""
     view_class = getattr(func, "view_class", None)  # MyView.as_view()
     if view_class is None:
         target: Any = func
@@ -133,9 +141,12 @@ def _framework_answers_options(func: Callable[..., Any]) -> bool:
             # Another handler (``get``, ``post``): dispatch never routes OPTIONS there.
             return False
         view_class = type(getattr(bound, "__self__", None))
-    options = getattr(view_class, "options", None)
-    module = getattr(options, "__module__", "") or ""
-    return module.startswith(("django.views.", "rest_framework."))
+    for method in ("setup", "dispatch", "options"):
+        # A method_decorator keeps the decorated method's module (update_wrapper).
+        module = getattr(getattr(view_class, method, None), "__module__", "") or ""
+        if not module.startswith("django.views."):
+            return False
+    return True
 
 
 def _is_async_view_dispatch(func: Callable[..., Any]) -> bool:
@@ -406,9 +417,10 @@ def locked(
     - ``retry_after``: the view's ``Retry-After``: None (the holder's remaining
       ttl), seconds, or a callable ``(lock, request) -> seconds``.
     - ``unlocked_methods``: request methods a view serves without the lock. The
-      default (None) leaves only ``OPTIONS`` unlocked, and only on a class-based view
-      whose ``options()`` is Django's or DRF's own, so no code of the project runs
-      unlocked; every other method, ``HEAD`` included (Django runs the GET code for
+      default (None) leaves only ``OPTIONS`` unlocked, and only on a Django
+      class-based view whose ``setup()``, ``dispatch()`` and ``options()`` are
+      Django's own, so no code of the project runs unlocked (DRF views stay locked:
+      DRF runs permission classes and serializers for OPTIONS); every other method, ``HEAD`` included (Django runs the GET code for
       it), takes the lock. A sequence such as ``("HEAD", "OPTIONS")`` serves those
       methods unlocked on any view: the view's code then runs without the lock for
       them, so list only methods it answers without side effects.

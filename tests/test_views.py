@@ -119,6 +119,24 @@ class Unlocked(View):
         return HttpResponse("got")
 
 
+@method_decorator(never_cache, name="dispatch")
+class UnlockedNeverCache(View):
+    """A method_decorator on dispatch leaves a ``__wrapped__`` that as_view() copies."""
+
+    def get(self, request):
+        return HttpResponse("got")
+
+
+@method_decorator(locked("own-dispatch:{request.path}", backend=BACKEND), name="dispatch")
+class OwnDispatch(View):
+    def dispatch(self, request, *args, **kwargs):
+        SEEN["own_dispatch"] = request.method
+        return super().dispatch(request, *args, **kwargs)
+
+    def get(self, request):
+        return HttpResponse("got")
+
+
 # -- Django REST framework --------------------------------------------------------------
 
 
@@ -221,6 +239,11 @@ urlpatterns = [
     path("opts/", OptionsOverridden.as_view()),
     path("as-view/", locked("as-view:{request.path}", backend=BACKEND)(Unlocked.as_view())),
     path("api-dispatch/", ApiDispatchLocked.as_view()),
+    path(
+        "as-view-nc/",
+        locked("as-view-nc:{request.path}", backend=BACKEND)(UnlockedNeverCache.as_view()),
+    ),
+    path("own-dispatch/", OwnDispatch.as_view()),
 ]
 
 
@@ -370,7 +393,7 @@ def test_a_function_view_takes_the_lock_for_every_method():
     [
         ("/cbv/o/", "cbv:/cbv/o/"),  # method_decorator on dispatch
         ("/as-view/", "as-view:/as-view/"),  # @locked around as_view()
-        ("/api-dispatch/", "api-dispatch:/api-dispatch/"),  # DRF's own options()
+        ("/as-view-nc/", "as-view-nc:/as-view-nc/"),  # ... of a method_decorator'd view
     ],
 )
 def test_options_answered_by_the_framework_is_not_locked(url, lock_name):
@@ -389,6 +412,21 @@ def test_options_overridden_by_the_view_is_locked():
         assert client.options("/opts/").status_code == 409
     assert "options_ran" not in SEEN
     assert client.options("/opts/").status_code == 200 and SEEN["options_ran"]
+
+
+@pytest.mark.parametrize(
+    "url, lock_name",
+    [
+        ("/own-dispatch/", "own-dispatch:/own-dispatch/"),  # project code in dispatch()
+        ("/api-dispatch/", "api-dispatch:/api-dispatch/"),  # DRF: permissions, metadata
+    ],
+)
+def test_options_that_runs_project_code_is_locked(url, lock_name):
+    client = Client()
+    with lock(lock_name, ttl=30, backend=BACKEND):
+        assert client.options(url).status_code == 409
+    assert "own_dispatch" not in SEEN, "the project's dispatch() ran beside the holder"
+    assert client.options(url).status_code == 200
 
 
 def test_unlocked_methods_option():

@@ -421,6 +421,11 @@ def _close_sockets_of(client):
         sock = getattr(transport, "_sock", None)
         if isinstance(sock, socket.socket):
             sock.close()
+            # What transport.close() would have recorded, had the loop been open:
+            # the transport and its StreamWriter then collect without a
+            # ResourceWarning ("unclosed transport", "loop is closed").
+            transport._sock = None
+            transport._closing = True
             connection._reader = connection._writer = None
 
 
