@@ -832,9 +832,14 @@ class RedisBackend(BaseLockBackend):
         and forget the asyncio clients (see :meth:`aclose`)."""
         with self._conn_lock:
             conn, self._conn = self._conn, None
-            self._async_conns = {}
+            entries, self._async_conns = self._async_conns, {}
         if conn is not None and conn.owned:
             conn.client.close()
+        for loop, pid, async_conn in entries.values():
+            # An open loop's sockets are that loop's to close (aclose); a closed
+            # loop's can only be closed here.
+            if loop.is_closed() and pid == _process.pid and async_conn is not None:
+                _close_sockets_of(async_conn.client)
 
     async def aclose(self):
         """Disconnect the running event loop's asyncio client (the others belong to
