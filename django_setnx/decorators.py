@@ -742,11 +742,6 @@ async def _delegate(agen: Any, lk: Lock | None = None) -> AsyncIterator[Any]:
         await agen.aclose()
 
 
-#: Releases scheduled on an event loop by a collected streaming response: the loop
-#: keeps only weak references to its tasks.
-_background_releases: set[asyncio.Task[None]] = set()
-
-
 def _hold_while_streaming(response: Any, lk: Lock) -> Any:
     """Keep ``lk`` held until the streaming ``response`` is sent or discarded.
 
@@ -770,39 +765,33 @@ def _hold_while_streaming(response: Any, lk: Lock) -> Any:
         if state["released"]:
             return
         try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            asyncio.get_running_loop()
         except RuntimeError:
-            loop = None
-        if loop is not None:
-            # Collected in an event loop's thread (ASGI: a response a middleware
-            # replaced): a sync call would block the loop, and a database backend
-            # refuses it there. Release the async way, in a task of that loop.
-            task = loop.create_task(arelease_quietly())
-            _background_releases.add(task)
-            task.add_done_callback(_background_releases.discard)
+            release_logged()
             return
+        # Collected in an event loop's thread (ASGI: a response a middleware
+        # replaced): a database backend refuses sync calls there, and a sync call
+        # would block the loop. Not a task of that loop either: one made at the
+        # loop's last step (the end of asyncio.run or async_to_sync) is cancelled
+        # unrun. A thread of its own releases it.
+        threading.Thread(
+            target=release_logged, name="django-setnx-stream-release", daemon=False
+        ).start()
+
+    def release_logged() -> None:
         try:
             release()
         except LockError as exc:
-            log_lost(exc)
-
-    def log_lost(exc: LockError) -> None:
-        logger.warning(
-            "Lock %r of a streaming response was lost before the response was closed",
-            lk.name,
-            exc_info=exc,
-        )
+            logger.warning(
+                "Lock %r of a streaming response was lost before the response was closed",
+                lk.name,
+                exc_info=exc,
+            )
 
     async def arelease(exc: BaseException | None = None) -> None:
         if not state["released"]:
             state["released"] = True
             await lk.arelease_at_exit(exc)
-
-    async def arelease_quietly() -> None:
-        try:
-            await arelease()
-        except LockError as exc:
-            log_lost(exc)
 
     response._resource_closers.append(release_quietly)
     # The finalizer holds no reference to the response: it runs when the response

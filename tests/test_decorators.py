@@ -1,6 +1,7 @@
 """``@locked`` on functions, methods, async functions and views, on every backend."""
 
 import asyncio
+import time
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
@@ -482,3 +483,14 @@ def test_a_streaming_response_dropped_unsent_in_an_event_loop_releases(alias, na
         return False
 
     assert asyncio.run(main()), "released within 2 s, not at the ttl"
+
+    async def dropped_last():
+        response = await view(RequestFactory().get("/"))
+        del response
+        gc.collect()  # the loop's last step: asyncio.run ends right after
+
+    asyncio.run(dropped_last())
+    deadline = time.monotonic() + 2
+    while lock(name, backend=alias).locked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not lock(name, backend=alias).locked(), "released, though the loop ended"
