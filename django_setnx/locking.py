@@ -98,6 +98,13 @@ def _forget_thread_owners() -> None:
 os.register_at_fork(after_in_child=_forget_thread_owners)
 
 
+def _check_token(token: object) -> None:
+    """An acquisition's token, as given to :meth:`Lock.adopt`/:meth:`Lock.take_token`:
+    a non-empty string (the empty token marks a released record, nobody's)."""
+    if not isinstance(token, str) or not token:
+        raise ValueError(f"A lock token must be a non-empty string, got {token!r}.")
+
+
 def _owner_record(guards: str | None, extra: dict[str, Any]) -> dict[str, Any]:
     """The owner record of an acquire. The plain one (no guards, no extra fields) is
     built once per thread and shared by its acquires, so that backends can reuse its
@@ -341,6 +348,7 @@ class Lock:
         frees the lock when its acquirer dies, and another client may take it while
         this one still holds it.
         """
+        _check_token(token)
         self._prepare_acquire(blocking=False, timeout=0)
         started = time.monotonic()
         if not self.backend.extend(self.name, token, self.ttl):
@@ -355,6 +363,7 @@ class Lock:
         without any round trip, so that :meth:`release` frees it (token-checked, with
         the lock signals): for integrations that release what another process took
         (a Celery message revoked before it ran). Use :meth:`adopt` to hold it on."""
+        _check_token(token)
         if self._token is not None and not self.lost:
             raise LockError(f"Lock {self.name!r} is already acquired by this Lock object.")
         self._token, self.lost = token, False

@@ -263,3 +263,20 @@ def test_the_migration_refuses_a_counter_ahead_of_the_clock(db_alias, name, migr
         migrate("0003_fencing_in_the_lock_row")
     with connections[db_alias].cursor() as cursor:
         cursor.execute(f"DELETE FROM {quote('django_setnx_fence')} WHERE name = %s", [name])
+
+
+def test_a_released_row_is_nobodys(alias, name):
+    """The empty token marks a released record: no call can claim it (adopting it
+    would make an invisible lock that blocks every acquire)."""
+    from django_setnx import lock
+
+    acquired_token(alias, name)  # leaves a released record on the databases
+    backend = locks[alias]
+    assert backend.extend(name, "", 30) is False
+    assert backend.owns(name, "") is False
+    assert backend.release(name, "") is False
+    with pytest.raises(ValueError, match="non-empty"):
+        lock(name, backend=alias).adopt("")
+    taker = lock(name, ttl=30, backend=alias)
+    assert taker.acquire(blocking=False)
+    taker.release()

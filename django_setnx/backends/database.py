@@ -748,6 +748,8 @@ class DatabaseBackend(BaseLockBackend):
         """Returns True if the row carried ``token`` and was released: left as a
         tombstone (see FENCING_RETENTION_MS), or, with a waiter next in line, left to
         that waiter."""
+        if not token:
+            return False
 
         def work(cursor, sql, raw, retried=False):
             self._execute(cursor, sql.release, (name, token))
@@ -780,6 +782,8 @@ class DatabaseBackend(BaseLockBackend):
         database's now + ``ttl``). Retried after a lost connection: running it twice
         sets the same kind of expiry, and a lost lock is refused both times."""
         ttl_ms = self.check_ttl(ttl)
+        if not token:  # a released row carries the empty token: it is nobody's
+            return False
 
         def work(cursor, sql, raw):
             self._execute(cursor, sql.extend, (ttl_ms, name, token))
@@ -788,6 +792,9 @@ class DatabaseBackend(BaseLockBackend):
         return self._run("extend", work)
 
     def owns(self, name, token):
+        if not token:
+            return False
+
         def work(cursor, sql, raw):
             self._execute(cursor, sql.owns, (name, token))
             return cursor.fetchone() is not None
