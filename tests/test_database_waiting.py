@@ -334,3 +334,27 @@ def test_an_async_acquire_cancelled_while_refused_leaves_no_place_in_line(backen
         return took
 
     assert asyncio.run(main()) < 1.0
+
+
+@pytest.mark.parametrize("backend_alias", DB_ALIASES)
+def test_an_async_acquire_cancelled_as_its_loop_ends_leaves_no_lock(backend_alias, name):
+    """``asyncio.run`` per job: the loop ends right after the acquire starts and
+    cancels it (every task, even a shielded one) while its statement runs in a
+    thread; the thread undoes what it won, though the loop is gone."""
+
+    def run_once(i):
+        async def job():
+            asyncio.ensure_future(lock(f"{name}:{i}", ttl=60, backend=backend_alias).aacquire())
+            await asyncio.sleep(0)
+
+        asyncio.run(job())
+
+    for i in range(20):
+        run_once(i)
+    deadline = time.monotonic() + 5
+    held = list(range(20))
+    while held and time.monotonic() < deadline:
+        held = [i for i in held if lock(f"{name}:{i}", backend=backend_alias).locked()]
+        time.sleep(0.05)
+    assert held == [], "locks left held by acquires cancelled at the loop's end"
+    assert locks[backend_alias]._waiting == {}

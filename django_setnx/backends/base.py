@@ -21,6 +21,7 @@ import logging
 import numbers
 import random
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
@@ -34,19 +35,6 @@ from ..exceptions import LockBackendError
 from ..globs import compile_glob
 from ..validation import MAX_LIMIT, MAX_TTL_LIMIT, split_slot, ttl_to_ms, validate_ttl
 from .paging import LockPage, check_ordering, check_window, page_of_stream
-
-#: Releases of locks won by a cancelled async acquire (see aacquire): the event loop
-#: keeps only weak references to its tasks.
-_orphan_releases: set[asyncio.Future[bool]] = set()
-
-
-def _orphan_released(release: asyncio.Future[bool]) -> None:
-    _orphan_releases.discard(release)
-    if not release.cancelled() and release.exception() is not None:
-        logging.getLogger("django_setnx").warning(
-            "Could not undo a cancelled acquire", exc_info=release.exception()
-        )
-
 
 HELD = "held"
 STALE = "stale"
@@ -576,35 +564,54 @@ class BaseLockBackend:
         self, name: str, token: str, ttl: float, owner: dict[str, Any], wait: float | None = 0.0
     ) -> AcquireResult:
         """Async twin of :meth:`acquire` (returns an :class:`AcquireResult`), run in a
-        thread. A caller cancelled while the statement runs does not stop it: if it
-        then wins, the lock is released (token-checked) instead of staying held,
-        unknown to anyone, until its ttl."""
-        attempt = asyncio.ensure_future(
-            sync_to_async(self.acquire, thread_sensitive=False)(name, token, ttl, owner, wait)
-        )
+        thread. A caller cancelled while the statement runs does not stop it: when it
+        ends, the thread itself undoes it (releases what it won, or withdraws the
+        place next in line a refused attempt took), even if the event loop is gone
+        by then (``asyncio.run`` cancels, then waits for its executor's threads)."""
+        guard = threading.Lock()
+        state: dict[str, Any] = {}
+
+        def attempt() -> AcquireResult:
+            result = self.acquire(name, token, ttl, owner, wait)
+            with guard:
+                state["result"] = result
+                abandoned = state.get("abandoned", False)
+            if abandoned:
+                self._undo_attempt(name, token, result)
+            return result
+
+        future = asyncio.get_running_loop().run_in_executor(None, attempt)
         try:
-            return await asyncio.shield(attempt)
+            return await future
         except asyncio.CancelledError:
-            attempt.add_done_callback(lambda done: self._release_if_won(done, name, token))
+            with guard:
+                state["abandoned"] = True
+                finished = state.get("result")
+            if finished is not None:
+                # It ended just before the cancellation reached us: undo it here, in
+                # a thread (a database backend refuses sync calls in the loop).
+                threading.Thread(
+                    target=self._undo_attempt,
+                    args=(name, token, finished),
+                    name="django-setnx-undo-acquire",
+                ).start()
             raise
 
-    def _release_if_won(self, done: asyncio.Future[AcquireResult], name: str, token: str) -> None:
-        if done.cancelled() or done.exception() is not None:
-            return
-        cleanup = asyncio.ensure_future(self._undo_attempt(name, token, done.result().acquired))
-        _orphan_releases.add(cleanup)
-        cleanup.add_done_callback(_orphan_released)
-
-    async def _undo_attempt(self, name: str, token: str, won: bool) -> bool:
+    def _undo_attempt(self, name: str, token: str, result: AcquireResult) -> None:
         """After a cancelled acquire: release what its attempt won, or withdraw the
         place next in line a refused attempt may have queued for (a release would
         otherwise be left to a caller that is gone)."""
-        if not won:
-            handed = await self.astop_waiting(name, token)
-            won = handed is not None and handed.acquired
-        if won:
-            return await self.arelease(name, token)
-        return False
+        try:
+            won = result.acquired
+            if not won:
+                handed = self.stop_waiting(name, token)
+                won = handed is not None and handed.acquired
+            if won:
+                self.release(name, token)
+        except Exception:
+            logging.getLogger("django_setnx").warning(
+                "Could not undo a cancelled acquire of %r", name, exc_info=True
+            )
 
     async def arelease(self, name: str, token: str) -> bool:
         """Async twin of :meth:`release`; returns True if the record was deleted."""
