@@ -18,11 +18,16 @@ Every lock freed so is logged (``django_setnx`` logger, WARNING, with the reason
 and sends ``lock_force_released`` with ``user=None`` and ``reason``.
 """
 
+from __future__ import annotations
+
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
+from .backends.base import LockInfo
 from .exceptions import LockBackendError
 from .handler import locks
 from .locking import _hostname, pid_namespace
@@ -43,12 +48,12 @@ EXIT_WAIT = 30.0
 _POLL = 0.02
 
 
-def this_host():
+def this_host() -> str:
     """The host name owner records carry for this machine."""
     return _hostname()
 
 
-def has_exited(pid):
+def has_exited(pid: int) -> bool:
     """True if no process ``pid`` runs on this host (a zombie, exited but not yet
     reaped by its parent, counts as exited)."""
     try:
@@ -64,7 +69,7 @@ def has_exited(pid):
         return False
 
 
-def wait_for_exit(pid, timeout=None):
+def wait_for_exit(pid: int, timeout: float | None = None) -> bool:
     """Wait until ``pid`` has exited; False if it still runs after ``timeout``
     (default: EXIT_WAIT)."""
     deadline = time.monotonic() + (EXIT_WAIT if timeout is None else timeout)
@@ -75,7 +80,7 @@ def wait_for_exit(pid, timeout=None):
     return True
 
 
-def owned_by(info, pid, host=None, **fields):
+def owned_by(info: LockInfo, pid: int, host: str | None = None, **fields: Any) -> bool:
     """Whether the lock ``info`` was taken by process ``pid`` of ``host`` (default:
     this host) in this process' PID namespace, with every owner field of ``fields``
     equal.
@@ -95,7 +100,7 @@ def owned_by(info, pid, host=None, **fields):
     )
 
 
-def free(alias, info, reason):
+def free(alias: str, info: LockInfo, reason: str) -> LockInfo | None:
     """Force-release the acquisition ``info`` of backend ``alias`` (fencing-checked),
     log it and send ``lock_force_released``. Returns the removed LockInfo, or None
     when the lock had changed hands or was gone. Raises LockBackendError."""
@@ -117,7 +122,9 @@ def free(alias, info, reason):
     return removed
 
 
-def free_locks_of_pid(pid, reason, *, host=None, aliases=None):
+def free_locks_of_pid(
+    pid: int, reason: str, *, host: str | None = None, aliases: Iterable[str] | None = None
+) -> list[LockInfo]:
     """Free every lock of every backend (or of ``aliases``) held by process ``pid``
     of this host, once it has exited, except the enqueue-once locks of the Celery
     tasks it sent (they belong to the task) and the locks it acquired to hand over
@@ -134,7 +141,7 @@ def free_locks_of_pid(pid, reason, *, host=None, aliases=None):
             reason,
         )
         return []
-    freed = []
+    freed: list[LockInfo] = []
     for alias in aliases or list(locks):
         try:
             for info in list(locks[alias].list()):
@@ -174,7 +181,7 @@ _OBSERVER_SIGNALS = (
 )
 
 
-def in_cleanup_process(function, *args, **kwargs):
+def in_cleanup_process(function: Callable[..., object], *args: Any, **kwargs: Any) -> int | None:
     """Run ``function(*args, **kwargs)`` in a short-lived process forked from this
     one, never in a thread of it: the observer (a Celery worker's main process) forks
     its pool children at any moment, and a child forked while one of our threads held
@@ -222,11 +229,11 @@ def in_cleanup_process(function, *args, **kwargs):
     return middle
 
 
-def in_background(function, *args, **kwargs):
+def in_background(function: Callable[..., object], *args: Any, **kwargs: Any) -> threading.Thread:
     """Run ``function`` in a daemon thread: an observer (a worker's main loop,
     gunicorn's arbiter) must not wait for a process to exit. Returns the thread."""
 
-    def run():
+    def run() -> None:
         try:
             function(*args, **kwargs)
         except Exception:  # a background cleanup must never take its host down
@@ -237,11 +244,11 @@ def in_background(function, *args, **kwargs):
     return thread
 
 
-def _handed_over(owner):
+def _handed_over(owner: object) -> bool:
     return isinstance(owner, dict) and bool(owner.get(HANDOVER) or "celery_task_id" in owner)
 
 
-def _describe(owner):
+def _describe(owner: object) -> str:
     if not isinstance(owner, dict):
         return repr(owner)
     return f"pid {owner.get('pid')} on {owner.get('host')}" + (

@@ -170,6 +170,8 @@ a body run inside a transaction (eagerly, or called directly, in ``atomic()``)
 releases its run lock after that transaction commits.
 """
 
+from __future__ import annotations
+
 import datetime
 import functools
 import hashlib
@@ -179,7 +181,9 @@ import logging
 import threading
 import time
 import types
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -208,6 +212,13 @@ from ..locking import Lock
 from ..semaphore import Semaphore, validate_limit
 from ..transactions import deferred_lock
 from ..validation import slot_record, validate_name, validate_timeout, validate_ttl
+
+if TYPE_CHECKING:
+    #: (run lock name builder or None, once lock name builder or None, signature).
+    _NameBuilders = tuple[LockName | None, LockName | None, inspect.Signature]
+    #: A decorator that returns its function unchanged (Celery's signal ``connect``,
+    #: untyped: cast to this so that the handlers keep their signatures).
+    _F = TypeVar("_F", bound=Callable[..., Any])
 
 __all__ = [
     "ONCE_NAME_HEADER",
@@ -251,7 +262,13 @@ class AlreadyQueued(LockNotAcquired):
     :class:`~django_setnx.backends.base.LockInfo` (or None).
     """
 
-    def __init__(self, name, task_name=None, task_id=None, info=None):
+    def __init__(
+        self,
+        name: str,
+        task_name: str | None = None,
+        task_id: str | None = None,
+        info: LockInfo | dict[str, Any] | None = None,
+    ) -> None:
         holder = f" as {task_id}" if task_id else ""
         super().__init__(
             name,
@@ -270,7 +287,7 @@ class AlreadyQueued(LockNotAcquired):
         self.info = info
 
 
-def _header(request, key):
+def _header(request: Any, key: str) -> Any:
     """A custom message header of ``request``: the worker flattens custom headers
     into request attributes, ``apply()`` (eager mode) keeps them in ``headers``."""
     value = getattr(request, key, None)
@@ -279,7 +296,9 @@ def _header(request, key):
     return value
 
 
-def _delay_seconds(countdown=None, eta=None):
+def _delay_seconds(
+    countdown: float | str | None = None, eta: datetime.datetime | str | None = None
+) -> float:
     """Seconds until a message with this countdown/eta is due (0 if due now)."""
     if countdown is not None:
         return max(float(countdown), 0.0)
@@ -294,7 +313,7 @@ def _delay_seconds(countdown=None, eta=None):
     return 0.0
 
 
-def _find_run(cls):
+def _find_run(cls: type) -> Callable[..., Any] | None:
     """The task's body function as a bound-looking callable (first param dropped when
     it is a method), or None while ``run`` is still Celery's abstract one."""
     for klass in cls.__mro__:
@@ -311,7 +330,7 @@ def _find_run(cls):
     return None
 
 
-def _canonical(value):
+def _canonical(value: object) -> Any:
     """``value`` as JSON-able data with one spelling per value: dict items ordered by
     their keys' canonical JSON (so mixed key types sort), sets sorted, tuples as
     lists, anything else by ``repr``."""
@@ -327,7 +346,7 @@ def _canonical(value):
     return {"repr": repr(value)}
 
 
-def _bounded_name(name):
+def _bounded_name(name: str) -> str:
     """``name``, or for one over the limit its first KEPT_NAME_CHARACTERS characters
     and a digest of the whole (a derived name must never make a valid call fail)."""
     if len(name) <= MAX_NAME_LENGTH:
@@ -336,7 +355,7 @@ def _bounded_name(name):
     return f"{name[:KEPT_NAME_CHARACTERS]}:{digest}"
 
 
-def _once_lock(task, name, ttl):
+def _once_lock(task: ExclusiveTaskMixin, name: str, ttl: float) -> Lock:
     return Lock(name, ttl, backend=task._once_backend_alias(), auto_renew=task.once_auto_renew)
 
 
@@ -344,51 +363,65 @@ class ExclusiveTaskMixin:
     """Run-exclusive and enqueue-once locks for a Celery task class (see the module
     documentation). Put it before the task class it extends."""
 
+    if TYPE_CHECKING:
+        # Provided by the Celery Task class the mixin extends.
+        name: str
+        request: Any
+        app: Any
+        acks_late: bool
+        max_retries: int | None
+        default_retry_delay: float | None
+
+        def run(self, *args: Any, **kwargs: Any) -> Any: ...
+
+        # Set on each class by _setnx_check_options / _setnx_name_builders.
+        _setnx_names: ClassVar[_NameBuilders | None]
+
     #: Run-exclusive: name template (or callable) of the lock held while the body runs.
-    lock_name = None
+    lock_name: str | Callable[..., str] | None = None
     #: Seconds; None: the backend's TTL. A dead worker's lock is free after this long.
-    lock_ttl = None
+    lock_ttl: float | None = None
     #: Alias in SETNX_LOCKS of the run lock (and, by default, of the once lock).
-    lock_backend = DEFAULT_LOCK_ALIAS
+    lock_backend: str = DEFAULT_LOCK_ALIAS
     #: Seconds to wait for the run lock before ``on_contention`` applies.
-    lock_timeout = 0
+    lock_timeout: float | None = 0
     #: None: the run lock is a lock. An int N: it is a semaphore of N slots, so at
     #: most N runs of the same ``lock_name`` at once.
-    lock_limit = None
+    lock_limit: int | None = None
     #: Extend the run lock every ttl/3 while the body runs.
-    lock_auto_renew = True
+    lock_auto_renew: bool = True
     #: "raise" (LockNotAcquired), "skip" (result None) or "retry".
-    on_contention = RAISE
+    on_contention: str = RAISE
     #: Countdown of a retry on contention.
-    lock_retry_countdown = 10
+    lock_retry_countdown: float | None = 10
     #: Retries on contention; None: the task's ``max_retries``.
-    lock_max_retries = None
+    lock_max_retries: int | None = None
     #: When the body runs inside a transaction on one of ``lock_using`` (eager
     #: tasks, or a direct call, made in ``atomic()`` or under ``ATOMIC_REQUESTS``),
     #: release the run lock after that transaction commits (at once on rollback).
-    lock_release_on_commit = True
+    lock_release_on_commit: bool = True
     #: Database alias(es) whose transactions count; None: ``"default"``.
-    lock_using = None
+    lock_using: str | Sequence[str] | None = None
 
     #: Enqueue-once: None (off), "raise" (AlreadyQueued) or "drop" (apply_async returns None).
-    once_policy = None
+    once_policy: str | None = None
     #: Name template (or callable) of the enqueue-once lock; None: derived.
-    once_name = None
+    once_name: str | Callable[..., str] | None = None
     #: Seconds the once lock outlives a queued message (plus its countdown/eta).
-    once_ttl = 3600
+    once_ttl: float = 3600
     #: Alias of the once lock; None: ``lock_backend``.
-    once_backend = None
+    once_backend: str | None = None
     #: Extend the once lock every once_ttl/3 while the task runs.
-    once_auto_renew = True
+    once_auto_renew: bool = True
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._setnx_check_options()
 
     # -- configuration ----------------------------------------------------------
 
     @classmethod
-    def _setnx_check_options(cls):
+    def _setnx_check_options(cls) -> None:
         where = f"task {cls.__dict__.get('name') or cls.__qualname__}"
         if cls.on_contention not in CONTENTION_POLICIES:
             raise ImproperlyConfigured(
@@ -420,9 +453,9 @@ class ExclusiveTaskMixin:
             cls._setnx_name_builders()
 
     @classmethod
-    def _setnx_name_builders(cls):
+    def _setnx_name_builders(cls) -> _NameBuilders:
         """(run lock name builder or None, once lock name builder or None, signature)."""
-        builders = cls.__dict__.get("_setnx_names")
+        builders: _NameBuilders | None = cls.__dict__.get("_setnx_names")
         if builders is None:
             run = _find_run(cls)
             if run is None:
@@ -433,15 +466,15 @@ class ExclusiveTaskMixin:
             cls._setnx_names = builders
         return builders
 
-    def _once_backend_alias(self):
+    def _once_backend_alias(self) -> str:
         return self.once_backend or self.lock_backend
 
-    def run_lock_name(self, args, kwargs):
+    def run_lock_name(self, args: Iterable[Any], kwargs: Mapping[str, Any]) -> str | None:
         """The run lock's name for a call with ``args``/``kwargs`` (None if off)."""
         make_lock = self._setnx_name_builders()[0]
         return None if make_lock is None else validate_name(make_lock(tuple(args), dict(kwargs)))
 
-    def once_lock_name(self, args, kwargs):
+    def once_lock_name(self, args: Iterable[Any] | None, kwargs: Mapping[str, Any] | None) -> str:
         """The enqueue-once lock's name for a call with ``args``/``kwargs``.
 
         An explicit ``once_name`` is used as given (and must be a valid name); a
@@ -463,20 +496,20 @@ class ExclusiveTaskMixin:
 
     # -- enqueue-once -----------------------------------------------------------
 
-    def delay_on_commit(self, *args, **kwargs):
+    def delay_on_commit(self, *args: Any, **kwargs: Any) -> None:
         """``delay(*args, **kwargs)`` when the current transaction commits (at once
         outside one). Returns None. A duplicate found then is dropped and logged,
         whatever ``once_policy`` says (see "Enqueue-once")."""
         self.apply_async_on_commit(args, kwargs)
 
-    def apply_async_on_commit(self, *args, **kwargs):
+    def apply_async_on_commit(self, *args: Any, **kwargs: Any) -> None:
         """``apply_async(*args, **kwargs)`` when the current transaction commits.
         Returns None. A duplicate found then is dropped and logged."""
         from django.db import transaction
 
         transaction.on_commit(functools.partial(self._apply_async_at_commit, args, kwargs))
 
-    def _apply_async_at_commit(self, args, kwargs):
+    def _apply_async_at_commit(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:
             self.apply_async(*args, **kwargs)
         except AlreadyQueued as exc:
@@ -486,15 +519,15 @@ class ExclusiveTaskMixin:
 
     def apply_async(
         self,
-        args=None,
-        kwargs=None,
-        task_id=None,
-        producer=None,
-        link=None,
-        link_error=None,
-        shadow=None,
-        **options,
-    ):
+        args: Iterable[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
         """Send the task; with ``once_policy``, only if no copy is queued or running.
 
         Returns the AsyncResult, or None when ``once_policy="drop"`` dropped a
@@ -510,7 +543,7 @@ class ExclusiveTaskMixin:
         headers = options.get("headers") or {}
         if not policy or options.get("retries") or ONCE_TOKEN_HEADER in headers:
             # Off, or a retry/resend of a message that already carries its once lock.
-            return super().apply_async(args, kwargs, task_id, **options)
+            return cast(Any, super()).apply_async(args, kwargs, task_id, **options)
 
         # The id first, so that the lock's owner record can name it.
         task_id = task_id or uuid()
@@ -531,7 +564,7 @@ class ExclusiveTaskMixin:
 
         options["headers"] = {**headers, ONCE_TOKEN_HEADER: lk._token, ONCE_NAME_HEADER: name}
         try:
-            return super().apply_async(args, kwargs, task_id, **options)
+            return cast(Any, super()).apply_async(args, kwargs, task_id, **options)
         except BaseException:
             # Not sent (broker down), or run eagerly and raised: either way no queued
             # copy holds the lock any more. Token-checked, so never someone else's.
@@ -541,7 +574,15 @@ class ExclusiveTaskMixin:
                 logger.warning("Could not release enqueue-once lock %r", name, exc_info=True)
             raise
 
-    def _send_duplicate(self, policy, name, args, kwargs, task_id, options):
+    def _send_duplicate(
+        self,
+        policy: str,
+        name: str,
+        args: Iterable[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        task_id: str,
+        options: dict[str, Any],
+    ) -> Any:
         """A duplicate inside a canvas: send it marked, for the worker to settle by
         ``policy`` without running the body, so the canvas neither hangs nor blames
         the step before."""
@@ -559,23 +600,30 @@ class ExclusiveTaskMixin:
             holder,
             policy,
         )
-        return super().apply_async(args, kwargs, task_id, **options)
+        return cast(Any, super()).apply_async(args, kwargs, task_id, **options)
 
-    def _holder(self, name):
+    def _holder(self, name: str) -> str | None:
         try:
             info = locks[self._once_backend_alias()].get(name)
         except LockBackendError:
             return None
         return info.owner.get("celery_task_id") if info is not None else None
 
-    def already_queued(self, name, args, kwargs, options, policy=None):
+    def already_queued(
+        self,
+        name: str,
+        args: Iterable[Any] | None,
+        kwargs: Mapping[str, Any] | None,
+        options: dict[str, Any],
+        policy: str | None = None,
+    ) -> None:
         """Called when ``apply_async`` finds a copy queued or running: raise or drop."""
         if (policy or self.once_policy) == DROP:
             logger.info(
                 "Task %s not enqueued: a copy is already queued or running (%r)", self.name, name
             )
             return  # apply_async() returns None
-        info = None
+        info: LockInfo | None = None
         try:
             info = locks[self._once_backend_alias()].get(name)
         except LockBackendError:
@@ -585,7 +633,7 @@ class ExclusiveTaskMixin:
 
     # -- running ----------------------------------------------------------------
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
         if request.called_directly:
             # A plain call: Task.__call__ pushes a request and runs the body, which
@@ -594,7 +642,7 @@ class ExclusiveTaskMixin:
                 request,
                 args,
                 kwargs,
-                lambda: super(ExclusiveTaskMixin, self).__call__(*args, **kwargs),
+                lambda: cast(Any, super(ExclusiveTaskMixin, self)).__call__(*args, **kwargs),
             )
         duplicate = _header(request, DUPLICATE_HEADER)
         if duplicate:
@@ -625,7 +673,7 @@ class ExclusiveTaskMixin:
                 else:
                     _release_quietly(once)
 
-    def _settle_duplicate(self, policy, name, holder):
+    def _settle_duplicate(self, policy: str, name: str, holder: str | None) -> None:
         if policy == DROP:
             logger.info(
                 "Task %s[%s] not run: a copy is already queued or running (%r)",
@@ -636,7 +684,7 @@ class ExclusiveTaskMixin:
             return None
         raise AlreadyQueued(name, self.name, holder)
 
-    def _adopt_once(self, request):
+    def _adopt_once(self, request: Any) -> Lock | None:
         """The enqueue-once lock this message carries, held by this run (or None)."""
         token = _header(request, ONCE_TOKEN_HEADER)
         name = _header(request, ONCE_NAME_HEADER)
@@ -662,7 +710,13 @@ class ExclusiveTaskMixin:
             return None
         return once
 
-    def _run_exclusive(self, request, args, kwargs, body):
+    def _run_exclusive(
+        self,
+        request: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        body: Callable[[], Any],
+    ) -> Any:
         name = self.run_lock_name(args, kwargs)
         if name is None:
             return body()
@@ -670,7 +724,7 @@ class ExclusiveTaskMixin:
             guards = f"celery task {self.name} (called directly)"
         else:
             guards = f"celery task {self.name}[{request.id}]"
-        options = {
+        options: dict[str, Any] = {
             "backend": self.lock_backend,
             "timeout": self.lock_timeout,
             "auto_renew": self.lock_auto_renew,
@@ -713,7 +767,7 @@ class ExclusiveTaskMixin:
             lk.release_at_exit()  # LockNotOwned here: the run was not exclusive; say so.
         return result
 
-    def _requeued_if_lost(self):
+    def _requeued_if_lost(self) -> bool:
         """Whether Celery requeues this task's message when its pool child dies
         (``acks_late`` with ``reject_on_worker_lost``, per task or app-wide)."""
         reject = getattr(self, "reject_on_worker_lost", None)
@@ -722,7 +776,7 @@ class ExclusiveTaskMixin:
         return bool(getattr(self, "acks_late", False) and reject)
 
     @staticmethod
-    def _take_run_lock(holder, lk):
+    def _take_run_lock(holder: Any, lk: Lock) -> bool:
         """True if ``lk`` is still ours to release (retry() may have released it)."""
         if holder is None:
             return True
@@ -731,7 +785,7 @@ class ExclusiveTaskMixin:
         setattr(holder, _RUN_LOCK_ATTR, None)
         return True
 
-    def lock_contended(self, lock, args, kwargs):
+    def lock_contended(self, lock: Lock, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Called when the run lock is held elsewhere; applies ``on_contention``.
 
         Return a value to make it the task's result, or raise. Override for a
@@ -770,15 +824,15 @@ class ExclusiveTaskMixin:
 
     def retry(
         self,
-        args=None,
-        kwargs=None,
-        exc=None,
-        throw=True,
-        eta=None,
-        countdown=None,
-        max_retries=None,
-        **options,
-    ):
+        args: Iterable[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: datetime.datetime | None = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
         """Celery's retry, keeping the locks right.
 
         When a retry message will be sent: the run lock is released first (the retry
@@ -822,7 +876,7 @@ class ExclusiveTaskMixin:
                         ONCE_NAME_HEADER: once.name,
                     }
         try:
-            ret = super().retry(
+            ret = cast(Any, super()).retry(
                 args=args,
                 kwargs=kwargs,
                 exc=exc,
@@ -847,7 +901,7 @@ class ExclusiveTask(ExclusiveTaskMixin, _DefaultBase):
     """
 
 
-def _release_quietly(once):
+def _release_quietly(once: Lock) -> None:
     try:
         once.release()
     except LockError:
@@ -859,7 +913,7 @@ def _release_quietly(once):
         )
 
 
-def _release_once_of(task, request_like):
+def _release_once_of(task: ExclusiveTaskMixin, request_like: Any) -> bool:
     """Release the enqueue-once lock a message carries (revoked or expired: it never
     runs), with the lock signals. Token-checked: a lock that passed to a later
     enqueue is left alone."""
@@ -882,8 +936,13 @@ def _release_once_of(task, request_like):
     return True
 
 
-@celery_signals.task_revoked.connect(weak=False, dispatch_uid="django_setnx_once_revoked")
-def _release_once_on_revoke(sender=None, request=None, terminated=False, **kwargs):
+@cast(
+    "Callable[[_F], _F]",
+    celery_signals.task_revoked.connect(weak=False, dispatch_uid="django_setnx_once_revoked"),
+)
+def _release_once_on_revoke(
+    sender: Any = None, request: Any = None, terminated: bool = False, **kwargs: Any
+) -> None:
     """A revoked or expired message never runs: release its enqueue-once lock. A run
     terminated by ``revoke(..., terminate=True)`` also frees its run lock, once its
     pool child has exited (see _free_locks_of_a_dead_run)."""
@@ -909,10 +968,18 @@ def _release_once_on_revoke(sender=None, request=None, terminated=False, **kwarg
 ONCE_ONLY_GRACE = 1.0
 
 
-@celery_signals.task_failure.connect(weak=False, dispatch_uid="django_setnx_lost_run")
+@cast(
+    "Callable[[_F], _F]",
+    celery_signals.task_failure.connect(weak=False, dispatch_uid="django_setnx_lost_run"),
+)
 def _free_locks_on_lost_run(
-    sender=None, task_id=None, exception=None, args=None, kwargs=None, **extra
-):
+    sender: Any = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    args: Iterable[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    **extra: Any,
+) -> None:
     """The worker's main process reports a pool child lost mid-task (SIGKILL, the OOM
     killer: WorkerLostError) or killed for its hard ``time_limit``
     (TimeLimitExceeded): free that run's locks now rather than after their ttl."""
@@ -939,18 +1006,18 @@ class _PoolChildWatch(threading.Thread):
 
     POLL_INTERVAL = 0.1
 
-    def __init__(self, pool):
+    def __init__(self, pool: Any) -> None:
         super().__init__(name="django-setnx-pool-watch", daemon=True)
         self.pool = pool
-        self.handled = set()
+        self.handled: set[int] = set()
         #: Children seen at the last look: the pool may drop a dead child from its
         #: list within milliseconds, so one seen once and gone since counts too.
-        self.known = set()
+        self.known: set[int] = set()
 
-    def children(self):
+    def children(self) -> set[int]:
         return {proc.pid for proc in list(getattr(self.pool, "_pool", None) or ()) if proc.pid}
 
-    def run(self):
+    def run(self) -> None:
         while True:
             time.sleep(self.POLL_INTERVAL)
             try:
@@ -973,8 +1040,11 @@ class _PoolChildWatch(threading.Thread):
                 dead_owners.in_cleanup_process(_free_runs_after_exit, pid)
 
 
-@celery_signals.worker_ready.connect(weak=False, dispatch_uid="django_setnx_pool_watch")
-def _watch_pool_children(sender=None, **kwargs):
+@cast(
+    "Callable[[_F], _F]",
+    celery_signals.worker_ready.connect(weak=False, dispatch_uid="django_setnx_pool_watch"),
+)
+def _watch_pool_children(sender: Any = None, **kwargs: Any) -> None:
     """Start a _PoolChildWatch in a prefork worker's main process."""
     global _pool_watch
     pool = getattr(getattr(sender, "pool", None), "_pool", None)  # TaskPool -> AsynPool
@@ -987,16 +1057,16 @@ def _watch_pool_children(sender=None, **kwargs):
         _pool_watch.start()
 
 
-_pool_watch = None
+_pool_watch: _PoolChildWatch | None = None
 _pool_watch_lock = threading.Lock()
 
 
-def _free_runs_after_exit(pid):
+def _free_runs_after_exit(pid: int) -> None:
     if dead_owners.wait_for_exit(pid):
         _free_runs_of_dead_child(pid)
 
 
-def _free_runs_of_dead_child(pid):
+def _free_runs_of_dead_child(pid: int) -> None:
     """Free the run locks the dead pool child ``pid`` held (records naming this host,
     ``pid`` and a Celery task) and the enqueue-once lock of each of those runs."""
     for alias in list(locks):
@@ -1011,6 +1081,9 @@ def _free_runs_of_dead_child(pid):
                 dead_owners.free(alias, run, reason)
                 if run.owner.get("celery_requeued_if_lost"):
                     continue  # the message is queued again: its once lock is still its
+                # [alias, name] of the run's enqueue-once lock, or (None, None).
+                once_alias: Any
+                once_name: Any
                 once_alias, once_name = run.owner.get("celery_once_lock") or (None, None)
                 if once_alias in locks:
                     once = locks[once_alias].get(once_name)
@@ -1024,13 +1097,14 @@ def _free_runs_of_dead_child(pid):
             )
 
 
-def _free_own_dead_run(lk, task_id):
+def _free_own_dead_run(lk: Lock, task_id: str) -> bool:
     """A message delivered again (``acks_late``: its pool child died) may find its run
     lock still held by its own earlier run, if the cleanup has not run yet: free the
     records of that run (same task id, this host and PID namespace, a pid that has
     exited; fencing-checked) so that the new run can take the lock. Returns True if
     it freed one, or if the lock is free by now (the cleanup in the worker's main
     process may free it between the new run's refused acquire and this look)."""
+    infos: Sequence[LockInfo | None]
     try:
         if isinstance(lk, Semaphore):
             infos = lk.holders()
@@ -1044,7 +1118,7 @@ def _free_own_dead_run(lk, task_id):
         for info in infos:
             if info is None or info.owner.get("celery_task_id") != task_id:
                 continue
-            pid = info.owner.get("pid")
+            pid = cast(int, info.owner.get("pid"))  # owner records carry an int pid
             if dead_owners.owned_by(info, pid, celery_task_id=task_id) and (
                 dead_owners.has_exited(pid)
             ):
@@ -1055,12 +1129,18 @@ def _free_own_dead_run(lk, task_id):
         return False
 
 
-def _free_locks_of_a_dead_run(task, task_id, args, kwargs, reason):
+def _free_locks_of_a_dead_run(
+    task: ExclusiveTaskMixin,
+    task_id: str,
+    args: Iterable[Any] | None,
+    kwargs: Mapping[str, Any] | None,
+    reason: str,
+) -> None:
     """Free the run lock and the enqueue-once lock of the run ``task_id``, in the
     background, once the pool child that ran it has exited: only records that name
     ``task_id`` (and, for the run lock, this host), each fencing-checked, so a lock
     that passed to another run is never touched (see :mod:`django_setnx.dead_owners`)."""
-    targets = {}
+    targets: dict[str, tuple[str, list[str]]] = {}
     for kind, alias, build in (
         ("run", task.lock_backend, task.run_lock_name),
         ("once", task._once_backend_alias(), task.once_lock_name),
@@ -1086,10 +1166,10 @@ def _free_locks_of_a_dead_run(task, task_id, args, kwargs, reason):
         )
 
 
-def _free_after_exit(targets, task_id, reason):
+def _free_after_exit(targets: dict[str, tuple[str, list[str]]], task_id: str, reason: str) -> None:
     """``targets``: ``{"run"/"once": (alias, record names)}`` of the dead run
     ``task_id``."""
-    found = {}
+    found: dict[str, tuple[str, LockInfo]] = {}
     for kind, (alias, names) in targets.items():
         for name in names:
             info = locks[alias].get(name)
@@ -1099,7 +1179,8 @@ def _free_after_exit(targets, task_id, reason):
     if "run" in found:
         # The run lock's owner is the pool child that ran the task.
         run = found["run"][1]
-        if not dead_owners.owned_by(run, run.owner.get("pid"), celery_task_id=task_id):
+        pid = cast(int, run.owner.get("pid"))  # owner records carry an int pid
+        if not dead_owners.owned_by(run, pid, celery_task_id=task_id):
             return  # taken on another machine (a redelivered run): nothing of ours
         if not dead_owners.wait_for_exit(run.owner["pid"]):
             return  # still running: a redelivered run in another child, or a slow death
@@ -1109,7 +1190,7 @@ def _free_after_exit(targets, task_id, reason):
         dead_owners.free(alias, info, reason)
 
 
-def _install_revoke_hook():
+def _install_revoke_hook() -> None:
     """Wrap the worker's ``revoke`` control command so that revoking a message that
     waits for its countdown/eta in this worker frees its enqueue-once lock at once.
 
@@ -1125,7 +1206,7 @@ def _install_revoke_hook():
     if original is None or getattr(original, "_django_setnx", False):
         return
 
-    def revoke(panel, task_id, *args, **kwargs):
+    def revoke(panel: Any, task_id: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(panel, task_id, *args, **kwargs)
         ids = [task_id] if isinstance(task_id, str) else list(task_id or ())
         for waiting in list(state.scheduled_requests) + list(state.reserved_requests):
@@ -1149,14 +1230,14 @@ def _install_revoke_hook():
 
     revoke.__dict__.update(original.__dict__)
     revoke.__doc__ = original.__doc__
-    revoke._django_setnx = True
+    cast(Any, revoke)._django_setnx = True
     control.Panel.data["revoke"] = revoke
 
 
 class _RequestHeaders:
     """A worker Request's message headers, seen the way _header() reads a request."""
 
-    def __init__(self, request):
+    def __init__(self, request: Any) -> None:
         self.headers = request.request_dict
 
 

@@ -41,6 +41,8 @@ in the arbiter's environment, as it is for ``manage.py``). If you have a
 ``child_exit`` hook of your own, call this one from it.
 """
 
+from __future__ import annotations
+
 import atexit
 import logging
 import os
@@ -48,6 +50,7 @@ import shutil
 import signal
 import tempfile
 import time
+from typing import Any
 
 logger = logging.getLogger("django_setnx")
 
@@ -60,7 +63,7 @@ _ARBITER_PID = os.getpid()
 CLEANUP_DEADLINE = 60.0
 
 
-def _mark_orderly_exit(pid):
+def _mark_orderly_exit(pid: int) -> None:
     if os.getpid() == pid:  # not in a process forked from the worker
         try:
             open(os.path.join(_EXIT_MARKS, str(pid)), "w").close()
@@ -68,11 +71,11 @@ def _mark_orderly_exit(pid):
             pass
 
 
-def _arm_in_worker():
+def _arm_in_worker() -> None:
     atexit.register(_mark_orderly_exit, os.getpid())
 
 
-def _remove_marks():
+def _remove_marks() -> None:
     if os.getpid() == _ARBITER_PID:
         shutil.rmtree(_EXIT_MARKS, ignore_errors=True)
 
@@ -81,7 +84,7 @@ os.register_at_fork(after_in_child=_arm_in_worker)
 atexit.register(_remove_marks)
 
 
-def exited_in_order(pid):
+def exited_in_order(pid: int) -> bool:
     """Whether worker ``pid`` ran its exit handlers (and so is no dead owner); the
     mark is consumed."""
     mark = os.path.join(_EXIT_MARKS, str(pid))
@@ -92,7 +95,7 @@ def exited_in_order(pid):
     return True
 
 
-def child_exit(server, worker):
+def child_exit(server: Any, worker: Any) -> int | None:
     """gunicorn's ``child_exit`` server hook (see the module documentation).
 
     Returns the pid of the cleanup process freeing the worker's locks, or None when
@@ -122,7 +125,7 @@ def child_exit(server, worker):
         os._exit(0)  # 0: gunicorn halts on a child's boot/load error codes
 
 
-def _detach_from_arbiter(server):
+def _detach_from_arbiter(server: Any) -> None:
     """In the cleanup process: drop what was the arbiter's, so that a signal sent to
     the process group ends this process instead of running the arbiter's handlers
     (which write to the arbiter's wake-up pipe), and the listening sockets are not
@@ -156,7 +159,7 @@ def _detach_from_arbiter(server):
             pass
 
 
-def _free_locks_of_dead_worker(pid):
+def _free_locks_of_dead_worker(pid: int) -> None:
     """In the cleanup process: free ``pid``'s locks, one thread per backend, waiting
     for all of them up to CLEANUP_DEADLINE."""
     from .. import dead_owners
@@ -182,7 +185,7 @@ def _free_locks_of_dead_worker(pid):
         )
 
 
-def _ensure_django():
+def _ensure_django() -> None:
     from django.apps import apps
 
     if not apps.ready:
