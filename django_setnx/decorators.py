@@ -54,10 +54,6 @@ logger = logging.getLogger("django_setnx")
 
 RAISE = "raise"
 SKIP = "skip"
-#: The request method a class-based view serves without the lock by default, when
-#: Django's own ``options()`` answers it: no code of the view runs.
-UNLOCKED_METHODS = ("OPTIONS",)
-
 #: ``begin(args, kwargs) -> (lock or None, request, HttpRequest or None)`` and
 #: ``contended(lock, request, args, kwargs) -> result`` of one decorated callable.
 _Begin = Callable[[Sequence[Any], dict[str, Any]], tuple[Lock | None, Any, HttpRequest | None]]
@@ -119,34 +115,6 @@ def call_signature(func: Callable[..., Any]) -> inspect.Signature:
             break
         target = wrapped
     return inspect.signature(func)
-
-
-def _framework_answers_options(func: Callable[..., Any]) -> bool:
-    """True when an ``OPTIONS`` request to the decorated view runs no code of the
-    project: ``func`` is a class-based view's ``dispatch`` (through
-    ``method_decorator``) or its ``as_view()`` function, and everything Django runs
-    for OPTIONS (``setup``, ``dispatch``, ``options``) is Django's own. A function
-    view runs its whole body for any method, a view that overrides one of those runs
-    project code, and DRF runs the view's permission classes, and for generic views
-    its queryset and serializer, to answer OPTIONS: those stay locked."""
-    view_class = getattr(func, "view_class", None)  # MyView.as_view()
-    if view_class is None:
-        target: Any = func
-        while not isinstance(target, functools.partial):
-            target = getattr(target, "__wrapped__", None)
-            if target is None:
-                return False
-        bound = target.func
-        if getattr(bound, "__name__", None) != "dispatch":
-            # Another handler (``get``, ``post``): dispatch never routes OPTIONS there.
-            return False
-        view_class = type(getattr(bound, "__self__", None))
-    for method in ("setup", "dispatch", "options"):
-        # A method_decorator keeps the decorated method's module (update_wrapper).
-        module = getattr(getattr(view_class, method, None), "__module__", "") or ""
-        if not module.startswith("django.views."):
-            return False
-    return True
 
 
 def _is_async_view_dispatch(func: Callable[..., Any]) -> bool:
@@ -416,14 +384,13 @@ def locked(
       the client asks for JSON.
     - ``retry_after``: the view's ``Retry-After``: None (the holder's remaining
       ttl), seconds, or a callable ``(lock, request) -> seconds``.
-    - ``unlocked_methods``: request methods a view serves without the lock. The
-      default (None) leaves only ``OPTIONS`` unlocked, and only on a Django
-      class-based view whose ``setup()``, ``dispatch()`` and ``options()`` are
-      Django's own, so no code of the project runs unlocked (DRF views stay locked:
-      DRF runs permission classes and serializers for OPTIONS); every other method, ``HEAD`` included (Django runs the GET code for
-      it), takes the lock. A sequence such as ``("HEAD", "OPTIONS")`` serves those
-      methods unlocked on any view: the view's code then runs without the lock for
-      them, so list only methods it answers without side effects.
+    - ``unlocked_methods``: request methods a view serves without the lock (default:
+      none, every method takes it, ``HEAD`` and ``OPTIONS`` included: Django runs
+      the GET code for ``HEAD``, and a function view, or a class-based view's own
+      ``dispatch``, ``options()`` or mixins, run project code for ``OPTIONS``). A
+      sequence such as ``("OPTIONS",)`` serves those methods unlocked: the view's
+      code then runs without the lock for them, so list only methods it answers
+      without side effects.
     - ``release_on_commit`` (default True) and ``using`` (a database alias or a
       sequence of them; default ``"default"``): a call made inside a transaction on
       one of those databases (``atomic()``, ``ATOMIC_REQUESTS``) keeps the lock until
@@ -470,11 +437,7 @@ def locked(
             f"unlocked_methods must be a sequence of HTTP method names such as "
             f"('HEAD', 'OPTIONS'), got {unlocked_methods!r}."
         )
-    explicit_unlocked = (
-        None
-        if unlocked_methods is None
-        else frozenset(method.upper() for method in unlocked_methods)
-    )
+    unlocked = frozenset(method.upper() for method in unlocked_methods or ())
     using = database_aliases(using)
 
     def decorator(func: Any) -> Any:
@@ -485,12 +448,6 @@ def locked(
             raise ImproperlyConfigured(f"@locked can only decorate a callable, not {func!r}.")
         make_name = LockName(func, name)
         dotted = qualname(func)
-        if explicit_unlocked is not None:
-            unlocked = explicit_unlocked
-        elif _framework_answers_options(func):
-            unlocked = frozenset(UNLOCKED_METHODS)
-        else:
-            unlocked = frozenset()
 
         def begin(
             args: Sequence[Any], kwargs: dict[str, Any]
