@@ -724,6 +724,10 @@ def _hold_while_streaming(response: Any, lk: Lock) -> Any:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
+            in_loop = False
+        else:
+            in_loop = True
+        if not in_loop:
             release_logged()
             return
         # Collected in an event loop's thread (ASGI: a response a middleware
