@@ -33,6 +33,8 @@ import functools
 import inspect
 import logging
 import math
+import os
+import queue
 import string
 import threading
 import weakref
@@ -699,6 +701,51 @@ async def _delegate(agen: Any, lk: Lock | None = None) -> AsyncIterator[Any]:
         await agen.aclose()
 
 
+#: Releases handed over by garbage-collected streaming responses (and by close()
+#: called in an event loop's thread), run by one daemon thread per process.
+#: SimpleQueue.put may be called from a finalizer (it is reentrant).
+_release_queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+_releaser_pid: int | None = None
+_releaser_guard = threading.Lock()
+
+
+def _released_elsewhere(release: Callable[[], None]) -> None:
+    _release_queue.put(release)
+
+
+def _start_releaser() -> None:
+    """Start this process' releaser thread if it is not running (once per process:
+    a forked child starts its own)."""
+    global _releaser_pid
+    if _releaser_pid == os.getpid():
+        return
+    with _releaser_guard:
+        if _releaser_pid != os.getpid():
+            threading.Thread(
+                target=_run_releases, name="django-setnx-releaser", daemon=True
+            ).start()
+            _releaser_pid = os.getpid()
+
+
+def _run_releases() -> None:
+    while True:
+        release = _release_queue.get()
+        try:
+            release()
+        except Exception:
+            logger.warning("Could not release the lock of a streaming response", exc_info=True)
+
+
+def _forget_releases_after_fork() -> None:
+    # The parent's pending releases are the parent's to run; its thread is not here.
+    global _release_queue, _releaser_pid
+    _release_queue = queue.SimpleQueue()
+    _releaser_pid = None
+
+
+os.register_at_fork(after_in_child=_forget_releases_after_fork)
+
+
 def _hold_while_streaming(response: Any, lk: Lock) -> Any:
     """Keep ``lk`` held until the streaming ``response`` is sent or discarded.
 
@@ -710,34 +757,18 @@ def _hold_while_streaming(response: Any, lk: Lock) -> Any:
     (``wsgi.file_wrapper``): it is released when the server closes it.
     """
     state = {"released": False}
+    guard = threading.Lock()  # close(), the stream's end and the releaser thread
+
+    def claim() -> bool:
+        with guard:
+            if state["released"]:
+                return False
+            state["released"] = True
+            return True
 
     def release(exc: BaseException | None = None) -> None:
-        if not state["released"]:
-            state["released"] = True
+        if claim():
             lk.release_at_exit(exc)
-
-    def release_quietly() -> None:
-        # From close() or the garbage collector: nobody to raise to. A lock lost
-        # meanwhile has sent lock_lost; say so in the log.
-        if state["released"]:
-            return
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            in_loop = False
-        else:
-            in_loop = True
-        if not in_loop:
-            release_logged()
-            return
-        # Collected in an event loop's thread (ASGI: a response a middleware
-        # replaced): a database backend refuses sync calls there, and a sync call
-        # would block the loop. Not a task of that loop either: one made at the
-        # loop's last step (the end of asyncio.run or async_to_sync) is cancelled
-        # unrun. A thread of its own releases it.
-        threading.Thread(
-            target=release_logged, name="django-setnx-stream-release", daemon=False
-        ).start()
 
     def release_logged() -> None:
         try:
@@ -749,15 +780,29 @@ def _hold_while_streaming(response: Any, lk: Lock) -> Any:
                 exc_info=exc,
             )
 
+    def release_on_close() -> None:
+        # From close(): nobody to raise to. A lock lost meanwhile has sent
+        # lock_lost; say so in the log. In an event loop's thread a database
+        # backend refuses sync calls (and a sync call would block the loop).
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            release_logged()
+        else:
+            _released_elsewhere(release_logged)
+
     async def arelease(exc: BaseException | None = None) -> None:
-        if not state["released"]:
-            state["released"] = True
+        if claim():
             await lk.arelease_at_exit(exc)
 
-    response._resource_closers.append(release_quietly)
+    _start_releaser()  # here, not in the finalizer: it may run inside any code
+    response._resource_closers.append(release_on_close)
     # The finalizer holds no reference to the response: it runs when the response
     # is collected, so a response that is never sent nor closed frees the lock too.
-    weakref.finalize(response, release_quietly)
+    # It runs wherever the garbage collector does, maybe inside this backend's own
+    # call on the same connection (whose lock is not reentrant): it only queues the
+    # release for the releaser thread.
+    weakref.finalize(response, _released_elsewhere, release_logged)
     if getattr(response, "file_to_stream", None) is not None:
         return response
     content = response.streaming_content

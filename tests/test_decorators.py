@@ -494,3 +494,39 @@ def test_a_streaming_response_dropped_unsent_in_an_event_loop_releases(alias, na
     while lock(name, backend=alias).locked() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not lock(name, backend=alias).locked(), "released, though the loop ended"
+
+
+def test_streaming_responses_collected_inside_the_backends_own_calls(alias, name):
+    """A dropped streaming response in a reference cycle is freed by the cyclic
+    garbage collector wherever it next runs: maybe inside this backend's own call on
+    the same connection (psycopg's connection lock is not reentrant). The finalizer
+    only queues the release, so nothing hangs, and every lock is freed."""
+    import gc
+    import threading
+
+    from django.http import StreamingHttpResponse
+
+    @locked(name + ":{i}", ttl=60, backend=alias)
+    def view(request, i):
+        return StreamingHttpResponse(iter([b"a"]))
+
+    done = []
+
+    def drop_many():
+        for i in range(400):
+            response = view(RequestFactory().get("/"), i)
+            response.cycle = response  # freed by the cyclic collector, later
+            del response
+        done.append(True)
+
+    worker = threading.Thread(target=drop_many, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert done, "hung: the finalizer released inside the backend's own call"
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+        lock(f"{name}:{i}", backend=alias).locked() for i in (0, 199, 399)
+    ):
+        time.sleep(0.05)
+    assert not any(lock(f"{name}:{i}", backend=alias).locked() for i in range(400))
