@@ -758,8 +758,13 @@ def _hold_while_streaming(response: Any, lk: Lock) -> Any:
     """
     state = {"released": False}
     guard = threading.Lock()  # close(), the stream's end and the releaser thread
+    pid = os.getpid()
 
     def claim() -> bool:
+        if os.getpid() != pid:
+            # A forked child's copy of the response (its finalizer fires there too
+            # when the copy is collected): the lock is the parent's, still streaming.
+            return False
         with guard:
             if state["released"]:
                 return False

@@ -114,3 +114,38 @@ def test_used_then_forked_parent_and_child_race(shared_alias, name, tmp_path):
     # The parent's connections survived the child (which exited, closing its copies).
     with lock(name, ttl=10, backend=shared_alias, timeout=5) as lk:
         assert lk.owned()
+
+
+@pytest.mark.autocommit
+def test_a_forked_child_never_releases_the_parents_streaming_lock(shared_alias, name):
+    """The child inherits the parent's unsent streaming response and its finalizer:
+    collecting that copy must not release the lock the parent still streams under."""
+    import gc
+
+    from django.http import StreamingHttpResponse
+    from django.test import RequestFactory
+
+    from django_setnx import locked
+
+    @locked(name + "{request.path}", ttl=60, backend=shared_alias)
+    def view(request):
+        return StreamingHttpResponse(iter([b"a"]))
+
+    response = view(RequestFactory().get("/parent/"))
+    pid = os.fork()
+    if pid == 0:
+        try:
+            del response
+            gc.collect()
+            own = view(RequestFactory().get("/child/"))  # starts the child's releaser
+            del own
+            gc.collect()
+            time.sleep(0.5)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert lock(name + "/parent/", backend=shared_alias).locked(), (
+        "the child released the parent's lock"
+    )
+    response.close()
+    assert not lock(name + "/parent/", backend=shared_alias).locked()
