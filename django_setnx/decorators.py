@@ -46,7 +46,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from .conf import DEFAULT_LOCK_ALIAS
-from .exceptions import LockError, LockNotAcquired
+from .exceptions import LockBackendError, LockError, LockNotAcquired
 from .locking import Lock
 from .semaphore import Semaphore, validate_limit
 from .transactions import database_aliases, deferred_lock
@@ -778,6 +778,13 @@ def _hold_while_streaming(response: Any, lk: Lock) -> Any:
     def release_logged() -> None:
         try:
             release()
+        except LockBackendError as exc:
+            logger.warning(
+                "Could not release lock %r of a streaming response (backend error); it "
+                "expires with its ttl",
+                lk.name,
+                exc_info=exc,
+            )
         except LockError as exc:
             logger.warning(
                 "Lock %r of a streaming response was lost before the response was closed",
