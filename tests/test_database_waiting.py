@@ -201,24 +201,32 @@ def test_a_forked_child_listens_on_its_own_connection(backend_alias, name, monke
     again.release()
 
 
+async def _waiters_behind_a_holder(backend_alias, name, count, hold=0.0):
+    """Take ``name``, then start ``count`` tasks that each wait for it (60 s), hold it
+    ``hold`` seconds and release it. Returns (holder, tasks, the indexes that won)."""
+    holder = lock(name, ttl=60, backend=backend_alias)
+    assert await holder.aacquire(blocking=False)
+    got = []
+
+    async def waiter(i):
+        lk = lock(name, ttl=30, backend=backend_alias)
+        assert await lk.aacquire(timeout=60)
+        got.append(i)
+        if hold:
+            await asyncio.sleep(hold)
+        await lk.arelease()
+
+    return holder, [asyncio.create_task(waiter(i)) for i in range(count)], got
+
+
 @pytest.mark.parametrize("backend_alias", DB_ALIASES)
 def test_async_waiters_hold_no_thread_while_they_wait(backend_alias, name):
     """200 coroutines wait on a held lock: the threads in use stay those of the
     executor (statements only) and, on PostgreSQL, the listener; each gets the lock."""
 
     async def main():
-        holder = lock(name, ttl=60, backend=backend_alias)
-        assert await holder.aacquire(blocking=False)
-        got = []
-
-        async def waiter(i):
-            lk = lock(name, ttl=30, backend=backend_alias)
-            assert await lk.aacquire(timeout=60)
-            got.append(i)
-            await lk.arelease()
-
         baseline = threading.active_count()
-        tasks = [asyncio.create_task(waiter(i)) for i in range(200)]
+        holder, tasks, got = await _waiters_behind_a_holder(backend_alias, name, 200)
         await asyncio.sleep(3)
         # asyncio's default executor has at most min(32, cpus + 4) threads; a thread
         # per waiter would be 200.
@@ -273,18 +281,7 @@ def test_a_release_wakes_one_waiter_not_all(backend_alias, name, monkeypatch):
     monkeypatch.setattr(type(backend), "acquire", counted)
 
     async def main():
-        holder = lock(name, ttl=60, backend=backend_alias)
-        assert await holder.aacquire(blocking=False)
-        got = []
-
-        async def waiter(i):
-            lk = lock(name, ttl=30, backend=backend_alias)
-            assert await lk.aacquire(timeout=60)
-            got.append(i)
-            await asyncio.sleep(0.001)
-            await lk.arelease()
-
-        tasks = [asyncio.create_task(waiter(i)) for i in range(50)]
+        holder, tasks, got = await _waiters_behind_a_holder(backend_alias, name, 50, hold=0.001)
         await asyncio.sleep(1.5)  # every waiter queued or waiting
         attempts.clear()
         await holder.arelease()

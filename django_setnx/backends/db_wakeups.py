@@ -17,8 +17,9 @@ its next poll, the holder's expiry or its timeout:
   poll slowly, as a safety net (``PG_SAFETY_POLL``).
 
 A wake-up is only a hint: the waiter retries, and the database decides. Nothing is
-lost if one goes missing (the poll catches up), and :meth:`Wakeups.woken_since` covers
-the window between a refused attempt and the wait that follows it. A listener that
+lost if one goes missing (the poll catches up), and the wake-ups
+:meth:`Wakeups.wake_one` keeps cover the window between a refused attempt and the wait
+that follows it. A listener that
 fails (the server dropped its connection, a restart) wakes every waiter of its
 process, so that they look at once and poll until it is back.
 
@@ -42,7 +43,7 @@ RESTART_AFTER = 1.0
 #: How long the listener blocks for notifications before it looks whether it should
 #: stop (seconds): the delay of ``close()``, never of a wake-up.
 LISTEN_BLOCK = 1.0
-#: Wake-up times are remembered this long (seconds) for ``woken_since``; older ones
+#: Wake-up times are remembered this long (seconds) for the waiters on their way; older ones
 #: are dropped once there are more than WOKEN_KEEP of them.
 WOKEN_TTL = 10.0
 WOKEN_KEEP = 10_000
@@ -98,7 +99,6 @@ class Wakeups:
     def __init__(self):
         self._lock = threading.Lock()
         self._waiters = {}  # name -> set of _ThreadWaiter / _TaskWaiter
-        self._woken = {}  # name -> monotonic time of its last wake-up of every waiter
         self._all_woken = 0.0  # monotonic time of the last wake_all
         #: name -> monotonic time of a wake_one that found no waiter to wake: the
         #: next waiter of that name whose refused attempt began before it takes it.
@@ -150,17 +150,6 @@ class Wakeups:
 
     def has_waiters(self, name):
         return name in self._waiters
-
-    def wake(self, name):
-        """Wake every waiter of ``name`` in this process."""
-        now = time.monotonic()
-        with self._lock:
-            self._woken[name] = now
-            if len(self._woken) > WOKEN_KEEP:
-                self._woken = {n: t for n, t in self._woken.items() if now - t < WOKEN_TTL}
-            waiters = list(self._waiters.get(name, ()))
-        for waiter in waiters:
-            waiter.wake()
 
     def wake_one(self, name):
         """Wake the first waiter of ``name`` in this process (lowest rank: the one
@@ -216,7 +205,7 @@ class Wakeups:
             self._released = {n: t for n, t in self._released.items() if now - t < WOKEN_TTL}
 
     def _woken_or_claim(self, name, since, token=None, head=False):
-        if self.woken_since(name, since):
+        if self._all_woken >= since:  # wake_all: the listener failed
             return True
         with self._lock:
             if head and self._released.get(name, 0.0) >= since:
@@ -235,9 +224,6 @@ class Wakeups:
             waiters = [w for group in self._waiters.values() for w in group]
         for waiter in waiters:
             waiter.wake()
-
-    def woken_since(self, name, since):
-        return self._woken.get(name, 0.0) >= since or self._all_woken >= since
 
     def _add(self, name, waiter):
         with self._lock:
