@@ -22,7 +22,7 @@ from types import TracebackType
 from typing import Any
 
 from . import signals
-from .backends.base import AcquireResult, LockInfo
+from .backends.base import AcquireResult, LockInfo, OwnerRecord
 from .conf import DEFAULT_LOCK_ALIAS
 from .exceptions import LockBackendError, LockError, LockNotAcquired, LockNotOwned
 from .handler import locks
@@ -107,13 +107,13 @@ def _check_token(token: object) -> None:
 
 def _owner_record(guards: str | None, extra: dict[str, Any]) -> dict[str, Any]:
     """The owner record of an acquire. The plain one (no guards, no extra fields) is
-    built once per thread and shared by its acquires, so that backends can reuse its
-    encoding (the Redis backends cache it by content); nothing writes to it."""
+    built once per thread and shared by its acquires, with its JSON encoding (an
+    OwnerRecord, which the backends store as it is); nothing writes to it."""
     if guards or extra:
         return {**current_owner(guards), **extra}
     owner = getattr(_thread_owners, "owner", None)
     if owner is None:
-        owner = _thread_owners.owner = current_owner()
+        owner = _thread_owners.owner = OwnerRecord(current_owner())
     return owner
 
 
@@ -123,6 +123,10 @@ class Lock:
     A Lock object holds at most one acquisition at a time and is meant to be used
     by one thread (or task) at a time, like ``threading.Lock`` held across a block.
     """
+
+    #: One record, named as the lock: acquire() makes the first attempt itself, and
+    #: only a refused one goes through _acquire_steps (a semaphore spreads over slots).
+    _single_record = True
 
     def __init__(
         self,
@@ -221,8 +225,19 @@ class Lock:
         :func:`lock` apply. Returns True when acquired, False on timeout or
         non-blocking contention. Raises LockBackendError if the backend is down.
         """
-        token, owner, steps, calls = self._begin_acquire(blocking, timeout)
+        token, owner, deadline = self._prepare_acquire(blocking, timeout)
+        calls = _CallClock()
         backend = self.backend
+        first = None
+        if self._single_record:
+            # The common case without the step machinery: a first attempt that wins.
+            calls.tick()
+            max_wait = _remaining(deadline)
+            won = backend.acquire(self.name, token, self.ttl, owner, max_wait)
+            if won.acquired:
+                return self._won(token, self.name, won, calls)
+            first = (won, max_wait)
+        steps = self._acquire_steps(calls, deadline, first)
         result: Any
         try:
             step, record, arg = next(steps)
@@ -244,8 +259,18 @@ class Lock:
 
     async def aacquire(self, blocking: bool | None = None, timeout: object = _UNSET) -> bool:
         """Async twin of :meth:`acquire`; waiting does not block the event loop."""
-        token, owner, steps, calls = self._begin_acquire(blocking, timeout)
+        token, owner, deadline = self._prepare_acquire(blocking, timeout)
+        calls = _CallClock()
         backend = self.backend
+        first = None
+        if self._single_record:
+            calls.tick()
+            max_wait = _remaining(deadline)
+            won = await backend.aacquire(self.name, token, self.ttl, owner, max_wait)
+            if won.acquired:
+                return self._won(token, self.name, won, calls)
+            first = (won, max_wait)
+        steps = self._acquire_steps(calls, deadline, first)
         result: Any
         try:
             step, record, arg = next(steps)
@@ -265,14 +290,6 @@ class Lock:
             raise
         return self._won(token, record, arg, calls)
 
-    def _begin_acquire(
-        self, blocking: bool | None, timeout: object
-    ) -> tuple[str, dict[str, Any], Steps, _CallClock]:
-        """``(token, owner, steps, calls)`` of a new acquire: see _acquire_steps."""
-        token, owner, deadline = self._prepare_acquire(blocking, timeout)
-        calls = _CallClock()
-        return token, owner, self._acquire_steps(calls, deadline), calls
-
     def _won(
         self, token: str, record: str | None, result: AcquireResult | None, calls: _CallClock
     ) -> bool:
@@ -284,27 +301,44 @@ class Lock:
         self._acquired(token, result, calls.earliest_write())
         return True
 
-    def _acquire_steps(self, calls: _CallClock, deadline: float | None) -> Steps:
+    def _acquire_steps(
+        self, calls: _CallClock, deadline: float | None, first: FirstAttempt | None = None
+    ) -> Steps:
         """The backend calls of one acquire, for :meth:`acquire` and :meth:`aacquire`
         alike (they differ only in how they make a call): a generator that yields
         ``(step, record name, argument)`` for each call to make, ``(_ACQUIRE,
         record, max_wait)``, ``(_WAIT, record, kwargs of wait())``,
         ``(_STOP_WAITING, record, None)`` or ``(_GET, record, None)``, and is sent its
         result; it ends with ``(None, record, the winning AcquireResult)`` or
-        ``(None, None, None)`` on timeout. A Lock has one record, named as the lock."""
-        result = yield from self._steps_on(self.name, calls, deadline)
+        ``(None, None, None)`` on timeout. A Lock has one record, named as the lock.
+
+        ``first``: the refused first attempt the caller already made on that record
+        (``_single_record``), as ``(result, the max_wait it was made with)``."""
+        result = yield from self._steps_on(self.name, calls, deadline, first)
         yield None, self.name, result
 
     def _steps_on(
-        self, record: str, calls: _CallClock, deadline: float | None
+        self,
+        record: str,
+        calls: _CallClock,
+        deadline: float | None,
+        first: FirstAttempt | None = None,
     ) -> Generator[Step, Any, AcquireResult | None]:
         """The attempts on one record until it is won (returns the AcquireResult) or
         ``deadline`` (monotonic) passes (returns None), queued meanwhile where the
-        backend queues waiters; see :meth:`_acquire_steps`."""
-        max_wait = _remaining(deadline)
+        backend queues waiters; see :meth:`_acquire_steps`. ``first``: an attempt
+        already made (see there), whose result is taken as this loop's first."""
+        if first is None:
+            max_wait = _remaining(deadline)
+        else:
+            _, max_wait = first
         while True:
-            calls.tick()
-            result: AcquireResult = yield _ACQUIRE, record, max_wait
+            result: AcquireResult
+            if first is not None:
+                result, first = first[0], None
+            else:
+                calls.tick()
+                result = yield _ACQUIRE, record, max_wait
             if result.acquired:
                 calls.queued = None
                 return result
@@ -670,6 +704,8 @@ _ACQUIRE, _WAIT, _STOP_WAITING, _GET = "acquire", "wait", "stop_waiting", "get"
 #: result)`` ends it (see Lock._acquire_steps).
 Step = tuple[Any, Any, Any]
 Steps = Generator[Step, Any, None]
+#: An attempt already made: ``(its AcquireResult, the max_wait it was made with)``.
+FirstAttempt = tuple[AcquireResult, float | None]
 
 
 class _CallClock:

@@ -30,7 +30,7 @@ from typing import Any
 from .backends.base import LockInfo
 from .conf import DEFAULT_LOCK_ALIAS, MAX_NAME_LENGTH
 from .exceptions import LockError
-from .locking import _ACQUIRE, _GET, Lock, Step, Steps, _CallClock, _remaining
+from .locking import _ACQUIRE, _GET, FirstAttempt, Lock, Step, Steps, _CallClock, _remaining
 from .validation import MAX_LIMIT, SLOT_SEPARATOR, slot_record, split_slot  # noqa: F401
 
 #: How long (seconds, before jitter) a waiter first stays queued on one slot before it
@@ -111,8 +111,13 @@ class Semaphore(Lock):
         split = None if self._record is None else split_slot(self._record)
         return None if split is None else split[1]
 
-    def _acquire_steps(self, calls: _CallClock, deadline: float | None) -> Steps:
-        """See :meth:`Lock._acquire_steps`: the same calls, spread over the slots."""
+    _single_record = False
+
+    def _acquire_steps(
+        self, calls: _CallClock, deadline: float | None, first: FirstAttempt | None = None
+    ) -> Steps:
+        """See :meth:`Lock._acquire_steps`: the same calls, spread over the slots
+        (``first`` is always None: acquire() leaves every attempt to these steps)."""
         key = (self.backend_alias, self.name, self.limit)
         if key not in _checked_limits:
             yield from self._check_limit()

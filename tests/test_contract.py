@@ -16,6 +16,7 @@ from django.db import transaction
 
 from django_setnx import Lock, lock, locks
 from django_setnx.exceptions import LockError, LockNotAcquired, LockNotOwned
+from django_setnx.locking import current_owner
 from django_setnx.signals import (
     lock_acquired,
     lock_contended,
@@ -181,6 +182,26 @@ def test_owner_metadata(alias, name):
     assert threading.current_thread().name in owner["thread"]
     assert owner["guards"] == "tests.test_contract.test_owner_metadata"
     lk.release()
+
+
+def test_plain_owner_record_names_each_thread(alias, name):
+    # A thread builds its plain owner record (and its JSON) once and reuses it: each
+    # thread's acquires must still name that thread, and nothing but the record.
+    owners = {}
+
+    def hold(key):
+        for _ in range(2):  # the second acquire reuses the thread's record
+            with lock(f"{name}:{key}", backend=alias) as lk:
+                owners[key] = lk.info().owner
+
+    hold("main")
+    other = threading.Thread(target=hold, args=("other",), name="owner-record-thread")
+    other.start()
+    other.join()
+    assert owners["main"] == current_owner()
+    assert owners["other"]["pid"] == os.getpid()
+    assert owners["other"]["thread"].startswith("owner-record-thread (")
+    assert owners["other"]["thread"] != owners["main"]["thread"]
 
 
 def test_default_ttl_is_finite(alias, name):

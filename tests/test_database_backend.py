@@ -83,6 +83,54 @@ def test_release_leaves_the_lock_to_the_waiter_next_in_line(db_alias, name):
     assert _is_tombstone(_row(db_alias, name)), "no waiter left: the row is free"
 
 
+def test_a_lock_handed_on_and_on_takes_one_statement_a_release(db_alias, name, monkeypatch):
+    """After a release left a lock to a waiter, the next release of it sends the
+    statement that handles both cases at once (where the database can return which
+    one it was): one statement a handoff, not two. A release that finds only a
+    lapsed waiter still leaves a free tombstone, and the name is forgotten."""
+    backend = locks[db_alias]
+    sent = []
+    execute = backend._execute
+    monkeypatch.setattr(
+        backend,
+        "_execute",
+        lambda cursor, sql, params: (sent.append(sql), execute(cursor, sql, params))[1],
+    )
+    tokens = [_token() for _ in range(4)]
+    assert backend.acquire(name, tokens[0], 30, OWNER).acquired
+    statements, fencing = [], [backend.get(name).fencing_token]
+    for holder, waiter in zip(tokens, tokens[1:]):
+        assert not backend.acquire(name, waiter, 30, OWNER, wait=10).acquired  # next in line
+        sent.clear()
+        assert backend.release(name, holder) is True
+        statements.append(len(sent))
+        row = _row(db_alias, name)
+        assert (row.token, row.next_token) == ("", waiter)  # left to the waiter...
+        assert not backend.acquire(name, _token(), 30, OWNER).acquired  # ...alone
+        won = backend.acquire(name, waiter, 30, OWNER, wait=10)
+        assert won.acquired
+        fencing.append(won.fencing_token)
+    one_statement = backend._dialect.release_any is not None
+    assert statements == ([2, 1, 1] if one_statement else [2, 2, 2])
+    assert fencing == sorted(set(fencing))
+
+    # The last holder's waiter died: its place lapsed, so the lock is free to anyone.
+    ghost = _token()
+    assert not backend.acquire(name, ghost, 30, OWNER, wait=10).acquired
+    _lapse(db_alias, name)
+    sent.clear()
+    assert backend.release(name, tokens[-1]) is True
+    assert len(sent) == 1
+    assert _is_tombstone(_row(db_alias, name))
+    assert name not in backend._handed_over
+    newcomer = backend.acquire(name, _token(), 30, OWNER)
+    assert newcomer.acquired and newcomer.fencing_token > fencing[-1]
+    backend._waiting.pop(ghost, None)
+    # Released by someone else meanwhile: not ours, and nothing changes.
+    assert backend.release(name, tokens[-1]) is False
+    assert backend.get(name).fencing_token == newcomer.fencing_token
+
+
 def test_the_longest_waiting_caller_takes_the_place(db_alias, name):
     backend = locks[db_alias]
     holder, early, late = _token(), _token(), _token()

@@ -98,6 +98,40 @@ def test_a_release_in_another_process_wakes_a_postgres_waiter_at_once(
     waiter.release()
 
 
+@pytest.mark.parametrize("backend_alias", PG)
+def test_a_lock_handed_on_again_wakes_the_next_waiter_in_another_process(
+    backend_alias, name, spawn
+):
+    """The single statement a lock handed over before is released with (see
+    test_database_backend) sends the NOTIFY too: the waiter in another process, which
+    polls only every 30 s, has the lock within a second."""
+    backend = locks[backend_alias]
+    first = lock(name, ttl=60, backend=backend_alias)
+    assert first.acquire(blocking=False)
+    second = lock(name, ttl=60, backend=backend_alias)
+    threading.Timer(0.3, first.release).start()
+    assert second.acquire(timeout=10)  # handed over in this process...
+    assert name in backend._handed_over  # ...so the next release is the single statement
+    queued, answer = spawn.ctx.Event(), spawn.ctx.Queue()
+    child = spawn(
+        workers.wait_and_report,
+        workers.child_environment(),
+        backend_alias,
+        name,
+        30.0,
+        queued,
+        answer,
+    )
+    assert queued.wait(30)
+    time.sleep(0.5)  # its refused attempt has queued it next in line
+    released_at = time.time()
+    second.release()
+    got_it = answer.get(timeout=20)
+    child.join(20)
+    assert child.exitcode == 0
+    assert got_it - released_at < 1.0, got_it - released_at
+
+
 @pytest.mark.parametrize("backend_alias", DB_ALIASES)
 def test_a_killed_waiter_next_in_line_costs_the_others_a_claim(backend_alias, name, spawn):
     """A waiter next in line (ttl 30 s) is SIGKILLed; the holder releases (to it):

@@ -183,6 +183,30 @@ def release_at(env, alias, name, token, when):
     os._exit(0)
 
 
+def wait_and_report(env, alias, name, safety_poll, queued, answer):
+    """Wait for ``name`` (polling only every ``safety_poll`` s on PostgreSQL); put
+    time.time() into ``answer`` as soon as it is ours, then release it."""
+    _setup(env)
+    from django_setnx import lock, locks
+    from django_setnx.backends import database
+
+    database.PG_SAFETY_POLL = safety_poll
+    backend = locks[alias]
+    real_wait = backend.wait
+
+    def wait(*args, **kwargs):
+        queued.set()  # refused and queued: about to wait
+        return real_wait(*args, **kwargs)
+
+    backend.wait = wait
+    lk = lock(name, ttl=30, backend=alias)
+    if not lk.acquire(timeout=60):
+        os._exit(2)
+    answer.put(time.time())
+    lk.release()
+    os._exit(0)
+
+
 def queue_and_hang(env, alias, name, ready):
     """Queue up for ``name`` (ttl 30 s) and wait, until killed."""
     _setup(env)

@@ -85,7 +85,6 @@ import contextlib
 import copy
 import functools
 import inspect
-import json
 import logging
 import math
 import numbers
@@ -101,7 +100,15 @@ from django.core.exceptions import ImproperlyConfigured
 
 from ..exceptions import LockBackendError
 from ..globs import compile_glob
-from .base import STALE, STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo
+from .base import (
+    STALE,
+    STATES,
+    AcquireResult,
+    BaseLockBackend,
+    ClearResult,
+    LockInfo,
+    encode_owner,
+)
 from .db_sql import LOCK_TABLE, Dialect
 from .db_wakeups import PostgresListener, Wakeups, channel_name
 from .paging import LockPage, check_ordering, check_window, complete_ordering
@@ -125,6 +132,8 @@ BATCH_SIZE = 500
 #: 1 / HEAD_POLL_MAX attempts a second (two statements each, plus a renewal of its
 #: place every NEXT_RENEW: about 18 statements a second). The others back off up to
 #: WAITER_MAX_BACKOFF (three statements an attempt: about 12 a second).
+#: At most this many names are remembered as just left to a waiter (see release).
+HANDED_OVER_KEEP = 1024
 HEAD_POLL = 0.0005
 HEAD_POLL_MAX = 0.125
 WAITER_MAX_BACKOFF = 0.25
@@ -205,6 +214,9 @@ class DatabaseBackend(BaseLockBackend):
         self._wakeups = Wakeups()  # their wake-ups, by lock name (see db_wakeups)
         self._wakeups.is_ours = self._waiting.__contains__
         self._listener = None  # the PostgreSQL LISTEN thread, once a waiter needed it
+        # The names whose last release here left the lock to a waiter: the next
+        # release of each goes straight to the statement that handles both cases.
+        self._handed_over = set()
         self._wrapper_class = None  # the driver's connection class, and
         self._channel = None  # the NOTIFY channel: both known at the first connection
         self.database = self.options.get("DATABASE", "default")
@@ -499,7 +511,7 @@ class DatabaseBackend(BaseLockBackend):
         that attempt was given. That is what makes retrying an acquire safe.
         """
         ttl_ms = self.check_ttl(ttl)
-        owner_json = json.dumps(owner, sort_keys=True)
+        owner_json = encode_owner(owner)
         attempted_at = time.monotonic()  # a wake-up after this may concern us (see wait)
 
         def work(cursor, sql, raw):
@@ -752,22 +764,28 @@ class DatabaseBackend(BaseLockBackend):
             return False
 
         def work(cursor, sql, raw, retried=False):
-            self._execute(cursor, sql.release, (name, token))
-            if cursor.rowcount == 1:
-                if self._waiting:  # this process has waiters (maybe on their way)
-                    self._wakeups.wake_one(name)
-                return True
-            if sql.vendor == "postgresql":  # the statement NOTIFYs every process
-                self._execute(cursor, sql.release_to_next, (name, token, self._channel))
-                row = cursor.fetchone()
-                if row is not None:
-                    self._wakeups.wake_token(name, row[1])  # the waiter next in line
+            if sql.release_any is not None and name in self._handed_over:
+                # A waiter took over at the last release here: likely another is next
+                # in line now. One statement for either case, not two.
+                if self._release_any(cursor, sql, name, token):
                     return True
             else:
-                self._execute(cursor, sql.release_to_next, (name, token))
+                self._execute(cursor, sql.release, (name, token))
                 if cursor.rowcount == 1:
-                    self._wakeups.wake_one(name)  # the waiter next in line, if ours
+                    if self._waiting:  # this process has waiters (maybe on their way)
+                        self._wakeups.wake_one(name)
                     return True
+                if sql.vendor == "postgresql":  # the statement NOTIFYs every process
+                    self._execute(cursor, sql.release_to_next, (name, token, self._channel))
+                    row = cursor.fetchone()
+                    if row is not None:
+                        self._left_to(name, row[1])
+                        return True
+                else:
+                    self._execute(cursor, sql.release_to_next, (name, token))
+                    if cursor.rowcount == 1:
+                        self._left_to(name, None)
+                        return True
             # Nothing of ours is left. On a retry that is no proof the lock was lost:
             # the first attempt may have deleted the row and lost only its answer
             # with the connection. Reporting "lost" then would tell a caller whose
@@ -776,6 +794,33 @@ class DatabaseBackend(BaseLockBackend):
             return retried
 
         return self._run("release", work, retry=functools.partial(work, retried=True))
+
+    def _release_any(self, cursor, sql, name, token):
+        """Release with ``release_any`` (see release). Returns True if released."""
+        params = (name, token, self._channel) if sql.vendor == "postgresql" else (name, token)
+        self._execute(cursor, sql.release_any, params)
+        row = cursor.fetchone()
+        if row is None:
+            return False
+        if row[0]:
+            self._left_to(name, row[0])
+        else:
+            self._handed_over.discard(name)
+            if self._waiting:
+                self._wakeups.wake_one(name)
+        return True
+
+    def _left_to(self, name, waiter):
+        """A release left ``name`` to the waiter next in line (``waiter``: its token,
+        when known): wake it if it waits here, and remember the name (see release)."""
+        if self._dialect.release_any is not None:
+            if len(self._handed_over) >= HANDED_OVER_KEEP:
+                self._handed_over.clear()  # many contended names: start over, not grow
+            self._handed_over.add(name)
+        if waiter is None:
+            self._wakeups.wake_one(name)  # the waiter next in line, if ours
+        else:
+            self._wakeups.wake_token(name, waiter)
 
     def extend(self, name, token, ttl):
         """Returns True if the row still carried ``token`` (its expiry is now the

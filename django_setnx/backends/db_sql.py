@@ -114,6 +114,38 @@ class Dialect:
                 f"SELECT pg_notify(%s, chr(30) || next_token || chr(30) || name), next_token "
                 f"FROM released"
             )
+        # Both releases in one statement, for a lock that was just left to a waiter
+        # (the backend then expects another waiter next in line; otherwise it sends
+        # the shorter ``release`` first): to a live waiter next in line as
+        # ``release_to_next``, else a tombstone as ``release``. (Longer to parse than
+        # ``release``, so not the first choice for a lock nobody waits for.) Returns
+        # one row if released, with the token of the waiter the lock was left to
+        # ('' for none). PostgreSQL and SQLite, which can return it; None elsewhere.
+        # Params: name, token (and channel, on PostgreSQL).
+        self.release_any = None
+        if vendor in ("postgresql", "sqlite"):
+            live_next = f"(next_token <> '' AND next_seen > {now} - {lapse})"
+            release_any = (
+                f"UPDATE {lock} SET token = '', owner = '{{}}', acquired_at = {now}, "
+                f"expires_at = CASE WHEN {live_next} THEN {now} ELSE 0 END, "
+                f"next_since = CASE WHEN {live_next} THEN next_since ELSE 0 END, "
+                f"next_seen = CASE WHEN {live_next} THEN "
+                f"(CASE WHEN next_seen < {claim_end} THEN next_seen ELSE {claim_end} END) "
+                f"ELSE 0 END, "
+                f"next_token = CASE WHEN {live_next} THEN next_token ELSE '' END "
+                f"WHERE name = %s AND token = %s"
+            )
+            if vendor == "postgresql":
+                # ... waking the waiters of every process as ``release_to_next`` does
+                # when it leaves the lock to one.
+                self.release_any = (
+                    f"WITH released AS ({release_any} RETURNING name, next_token) "
+                    f"SELECT next_token, CASE WHEN next_token <> '' THEN "
+                    f"pg_notify(%s, chr(30) || next_token || chr(30) || name) END "
+                    f"FROM released"
+                )
+            else:
+                self.release_any = f"{release_any} RETURNING next_token"
         # A refused caller that will retry: take the place next in line if it is
         # free, lapsed, already ours, or held by a caller who started waiting later.
         # Params: token, since, name, token, token, since.

@@ -93,7 +93,6 @@ Connections of our own client (``LOCATION``) default to a ``socket_timeout`` of
 import asyncio
 import importlib
 import itertools
-import json
 import math
 import numbers
 import os
@@ -120,6 +119,7 @@ from .base import (
     ClearResult,
     LockInfo,
     built_once,
+    encode_owner,
 )
 from .paging import LockPage, check_ordering, check_window
 from .redis_eviction import (
@@ -214,29 +214,6 @@ def record_info(name, alias, now, fields):
         strict_owner=True,
     )
     return (None if token is None else _lenient_text(token)), info
-
-
-_OWNER_JSON_CACHE: dict[tuple[object, ...], str] = {}
-_OWNER_JSON_CACHE_SIZE = 1024
-
-
-def _owner_json(owner):
-    """``owner`` as compact JSON, cached: a thread writes the same owner record on
-    every acquire, and encoding it is a measurable part of an uncontended acquire."""
-    try:
-        # The value types are part of the key: 1, 1.0 and True are equal, but their
-        # JSON is not.
-        key = (*owner.items(), *map(type, owner.values()))
-        return _OWNER_JSON_CACHE[key]
-    except TypeError:  # an unhashable value: encode it every time
-        return json.dumps(owner, separators=(",", ":"), sort_keys=True)
-    except KeyError:
-        pass
-    text = json.dumps(owner, separators=(",", ":"), sort_keys=True)
-    if len(_OWNER_JSON_CACHE) >= _OWNER_JSON_CACHE_SIZE:
-        _OWNER_JSON_CACHE.clear()  # many threads or guards: start over rather than grow
-    _OWNER_JSON_CACHE[key] = text
-    return text
 
 
 def lock_keys(prefix, name):
@@ -914,7 +891,7 @@ class RedisBackend(BaseLockBackend):
             try:
                 won, value = await conn.acquire(
                     keys=self._keys(name),
-                    args=[token, ttl_ms, _owner_json(owner), self.retention_ms, wait_ms],
+                    args=[token, ttl_ms, encode_owner(owner), self.retention_ms, wait_ms],
                 )
             except (*self._network_errors, asyncio.CancelledError):
                 # As in acquire(): the script may have run. Undo it (also when the
@@ -1045,7 +1022,7 @@ class RedisBackend(BaseLockBackend):
             try:
                 won, value = conn.acquire(
                     keys=self._keys(name),
-                    args=[token, ttl_ms, _owner_json(owner), self.retention_ms, wait_ms],
+                    args=[token, ttl_ms, encode_owner(owner), self.retention_ms, wait_ms],
                 )
             except self._network_errors:
                 # The script may have run before the connection broke: undo it (withdraw
@@ -1058,7 +1035,7 @@ class RedisBackend(BaseLockBackend):
             return AcquireResult.won(value)
         if wait != 0:
             # Queued: wait() sends this very attempt again right behind its BLPOP.
-            self._queued[token] = (ttl_ms, _owner_json(owner))
+            self._queued[token] = (ttl_ms, encode_owner(owner))
         return AcquireResult.lost(retry_after=value / 1000)
 
     def stop_waiting(self, name, token):

@@ -128,13 +128,20 @@ from django.core.exceptions import ImproperlyConfigured
 from ..exceptions import LockBackendError
 from ..globs import compile_glob, escape, redis_match
 from ..validation import ttl_to_ms
-from .base import STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo, built_once
+from .base import (
+    STATES,
+    AcquireResult,
+    BaseLockBackend,
+    ClearResult,
+    LockInfo,
+    built_once,
+    encode_owner,
+)
 from .redis import (
     DEFAULT_FENCING_RETENTION,
     DEFAULT_KEY_PREFIX,
     DEFAULT_STALE_RETENTION,
     SCAN_COUNT,
-    _owner_json,
     check_client_options,
     lock_keys,
     name_from_lock_key,
@@ -657,7 +664,7 @@ class RedlockBackend(BaseLockBackend):
             self._all(
                 _ACQUIRE,
                 (*self._keys(name), self.marker_key),
-                (token, ttl_ms, _owner_json(owner), self.retention_ms, 0, self.max_ttl_ms),
+                (token, ttl_ms, encode_owner(owner), self.retention_ms, 0, self.max_ttl_ms),
             )
         )
         started = results.started
