@@ -117,6 +117,29 @@ def test_key_layout_under_prefix_shares_one_hash_slot(redis_client, name):
     assert len(slots) == 1
 
 
+def test_scripts_flushed_from_the_server_are_loaded_again(redis_client, make_backend):
+    """The server forgot every script (SCRIPT FLUSH, as a restart or a failover to a
+    replica that never saw them): each operation loads its script and runs it,
+    including a clear() that runs its script on a pipeline."""
+    backend = make_backend()
+    name = unique()
+    assert backend.acquire(name, "t1", 30, {"pid": 1}).acquired
+    assert backend.release(name, "t1")
+    operations = [
+        lambda: backend.acquire(name, "t2", 30, {"pid": 1}).acquired,
+        lambda: backend.extend(name, "t2", 30),
+        lambda: backend.owns(name, "t2"),
+        lambda: backend.get(name).fencing_token > 0,
+        lambda: backend.release(name, "t2"),
+        lambda: backend.acquire(name, "t3", 30, {"pid": 1}).acquired,
+        lambda: backend.clear(include_held=True).names == [name],
+    ]
+    for operation in operations:
+        redis_client.script_flush()
+        assert operation()
+    assert backend.get(name) is None
+
+
 def test_names_with_braces_colons_and_glob_characters_round_trip(make_backend):
     backend = make_backend()
     names = ["a}:lock", "b{c}d", "x*y?[z]\\", "üñí:cödé"]

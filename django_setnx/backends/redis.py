@@ -59,7 +59,7 @@ start with ``}`` there). Names are parsed back from lock keys by stripping ``P:{
 and ``}:lock``.
 
 Every acquire, release, extend, owns, get and delete is one round trip: a Lua script
-sent with ``EVALSHA`` (redis-py falls back to ``EVAL``-by-load on ``NOSCRIPT``), which
+sent with ``EVALSHA`` (loaded and sent again on ``NOSCRIPT``, see _Script), which
 reads the time with ``TIME`` inside Redis, so no two app servers' clocks are ever
 compared. Every script checks its numeric arguments before its first write, so a
 call with a bad one (from any client) fails and writes nothing. ``list`` and
@@ -442,7 +442,37 @@ def _bind_scripts(connection, client, scripts):
     """Register each script on ``client`` as an attribute of ``connection``: a
     script object binds its client, so each connection has its own."""
     for attribute, source in scripts.items():
-        setattr(connection, attribute, client.register_script(source))
+        setattr(connection, attribute, _Script(client, source))
+
+
+class _Script:
+    """A Lua script bound to a client, called as redis-py's ``Script`` is (``keys``,
+    ``args``, optionally a pipeline as ``client``) and, like it, loaded and run once
+    more when the server does not know it (``NOSCRIPT``: a restart, ``SCRIPT FLUSH``,
+    a failover; the script did not run, so running it again is safe).
+
+    Our own because ``Script.__call__`` imports redis-py's Pipeline class and tests
+    for it on every call, which costs a few µs of CPU, twice per acquire+release; a
+    call on a pipeline (clear()) goes through redis-py's, which registers the script
+    with the pipeline.
+    """
+
+    __slots__ = ("client", "for_pipelines", "sha", "source")
+
+    def __init__(self, client, source):
+        self.client = client
+        self.source = source
+        self.for_pipelines = client.register_script(source)
+        self.sha = self.for_pipelines.sha
+
+    def __call__(self, keys=(), args=(), client=None):
+        if client is not None:
+            return self.for_pipelines(keys=keys, args=args, client=client)
+        try:
+            return self.client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            self.client.script_load(self.source)
+            return self.client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
 
 def _max_block(socket_timeout):
