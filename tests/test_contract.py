@@ -5,6 +5,7 @@ PostgreSQL, MariaDB/MySQL, Redis and local memory, all real.
 """
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -202,6 +203,18 @@ def test_plain_owner_record_names_each_thread(alias, name):
     assert owners["other"]["pid"] == os.getpid()
     assert owners["other"]["thread"].startswith("owner-record-thread (")
     assert owners["other"]["thread"] != owners["main"]["thread"]
+
+
+def test_owner_fields_are_stored_as_given(alias, name):
+    # Equal values with different JSON (1 and True, 0.0 and -0.0, [1] and [True])
+    # must each be stored as given, one acquire after the other (the backends
+    # reuse encodings of owner records they saw before).
+    for value in (1, True, 1, 0.0, -0.0, [1], [True], [1.0]):
+        lk = lock(name, backend=alias)
+        lk.owner_extra["extra"] = value
+        with lk:
+            stored = lk.info().owner["extra"]
+        assert json.dumps(stored) == json.dumps(value), (stored, value)
 
 
 def test_default_ttl_is_finite(alias, name):

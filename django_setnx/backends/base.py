@@ -279,6 +279,9 @@ def _encode(owner: dict[str, Any]) -> str:
     return json.dumps(owner, separators=(",", ":"), sort_keys=True)
 
 
+#: The value types whose equal values always have the same JSON (not float: 0.0 and
+#: -0.0 are equal; not containers: their items may be equal but not the same).
+_CACHEABLE = frozenset({str, int, bool, type(None)})
 _OWNER_JSON_CACHE: dict[tuple[object, ...], str] = {}
 _OWNER_JSON_CACHE_SIZE = 1024
 
@@ -290,15 +293,16 @@ def encode_owner(owner: dict[str, Any]) -> str:
     is a measurable part of an uncontended acquire."""
     if type(owner) is OwnerRecord:
         return owner.json
-    try:
-        # The value types are part of the key: 1, 1.0 and True are equal, but their
-        # JSON is not.
-        key = (*owner.items(), *map(type, owner.values()))
-        return _OWNER_JSON_CACHE[key]
-    except TypeError:  # an unhashable value: encode it every time
+    types = tuple(map(type, owner.values()))
+    if not _CACHEABLE.issuperset(types):
+        # Equal values with different JSON (0.0 and -0.0, (1,) and (True,)) would
+        # share a cache entry: encode anything but plain scalars every time.
         return _encode(owner)
-    except KeyError:
-        pass
+    # The value types are part of the key: 1 and True are equal, their JSON is not.
+    key = (*owner.items(), *types)
+    text = _OWNER_JSON_CACHE.get(key)
+    if text is not None:
+        return text
     text = _encode(owner)
     if len(_OWNER_JSON_CACHE) >= _OWNER_JSON_CACHE_SIZE:
         _OWNER_JSON_CACHE.clear()  # many threads or guards: start over rather than grow
