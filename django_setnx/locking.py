@@ -126,6 +126,7 @@ class Lock:
 
     #: One record, named as the lock: acquire() makes the first attempt itself, and
     #: only a refused one goes through _acquire_steps (a semaphore spreads over slots).
+    #: A subclass that overrides _acquire_steps sets it to False, or takes ``first``.
     _single_record = True
 
     def __init__(

@@ -16,6 +16,7 @@ if "redis" not in settings.TEST_BACKENDS:
 import redis
 
 from django_setnx import lock, locks
+from django_setnx.backends.aio import wait_at_most
 from django_setnx.backends.redis import RedisBackend, lock_keys
 from django_setnx.backends.redis_asyncio import IN_FLIGHT
 from django_setnx.exceptions import LockBackendError
@@ -224,6 +225,65 @@ def test_idle_connections_dropped_by_the_server_are_replaced(name):
 
     run(main())
     admin.close()
+
+
+def test_an_acquire_cancelled_as_its_first_attempt_is_sent_is_cancelled(name, monkeypatch):
+    """Cancelled one loop step after it started (its script just sent through
+    redis.asyncio, whose ``wait_for`` drops such a cancellation before Python 3.12):
+    the task ends cancelled at once, it never goes on to wait (as it did, until the
+    cancellation surfaced a second or more later, or never), and nothing of it is
+    left behind (it was queued: the lock was held)."""
+    backend = locks["redis"]
+    client = backend.connection.client
+    _, _, waiters_key, _ = lock_keys(settings.SETNX_LOCKS["redis"]["KEY_PREFIX"], name)
+    waits = []
+    await_release = backend.await_release
+
+    async def counted(*args, **kwargs):
+        waits.append(args)
+        return await await_release(*args, **kwargs)
+
+    async def main():
+        holder = lock(name, ttl=30, backend="redis")
+        assert await holder.aacquire()
+        monkeypatch.setattr(backend, "await_release", counted)
+        for _ in range(5):
+            task = asyncio.ensure_future(lock(name, ttl=30, backend="redis").aacquire(timeout=30))
+            await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert waits == []
+        assert client.zcard(waiters_key) == 0
+        await holder.arelease()
+        newcomer = lock(name, ttl=30, backend="redis")
+        assert await newcomer.aacquire(blocking=False)
+        await newcomer.arelease()
+        await backend.aclose()
+
+    run(main())
+
+
+def test_a_wait_cancelled_as_it_ends_is_cancelled():
+    """``aio.wait_at_most`` (every wait of ours in asyncio): a cancellation that
+    arrives in the step in which the awaited future completes still cancels."""
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        for timeout in (None, 10.0):
+            future = loop.create_future()
+            task = asyncio.ensure_future(wait_at_most(future, timeout))
+            await asyncio.sleep(0)
+            future.set_result("woken")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        done = loop.create_future()
+        done.set_result(1)
+        assert await wait_at_most(done, 0) is True
+        assert await wait_at_most(loop.create_future(), 0.01) is False
+
+    run(main())
 
 
 def test_a_cancelled_waiter_leaves_nothing_queued(name):

@@ -266,13 +266,21 @@ class OwnerRecord(dict[str, Any]):
     """An owner record that carries its JSON encoding (:func:`encode_owner`'s),
     computed once when it is built: the plain record each thread builds once and
     shares among all its acquires (see ``locking._owner_record``). Never modified
-    after it is built; a copy (``dict(record)``, ``{**record}``) is a plain dict."""
+    after it is built; a copy (``dict(record)``, ``copy.copy``, ``deepcopy``, a
+    pickle) is a plain dict."""
 
     __slots__ = ("json",)
 
     def __init__(self, fields: dict[str, Any]) -> None:
         super().__init__(fields)
         self.json = _encode(fields)
+
+    # A copy, pickled or not, is a plain dict: it may be changed, its JSON would not.
+    def __copy__(self) -> dict[str, Any]:
+        return dict(self)
+
+    def __reduce__(self) -> tuple[type[dict[str, Any]], tuple[dict[str, Any]]]:
+        return dict, (dict(self),)
 
 
 def _encode(owner: dict[str, Any]) -> str:

@@ -286,6 +286,7 @@ class DatabaseBackend(BaseLockBackend):
         self._wakeups = Wakeups()
         self._wakeups.is_ours = self._waiting.__contains__
         self._listener = None
+        self._handed_over = set()
 
     def _new_wrapper(self):
         """This thread's lock connection (not connected yet)."""

@@ -36,6 +36,8 @@ import os
 import threading
 import time
 
+from .aio import wait_at_most
+
 logger = logging.getLogger("django_setnx")
 
 #: A listener that failed is started again at most this often (seconds).
@@ -140,11 +142,7 @@ class Wakeups:
         try:
             if self._woken_or_claim(name, since, token, head):
                 return True
-            try:
-                await asyncio.wait_for(waiter.future, timeout)
-            except asyncio.TimeoutError:
-                return False
-            return True
+            return await wait_at_most(waiter.future, timeout)
         finally:
             self._remove(name, waiter)
 

@@ -26,6 +26,8 @@ from redis.asyncio import connection as async_connection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from .aio import cancellations, raise_lost_cancellation, wait_at_most
+
 #: The connection settings carried over from the sync client's pool (what a user
 #: sets through LOCATION and CONNECTION_KWARGS); redis-py's internal objects of the
 #: sync pool (its retry policy, parser, maintenance handlers) are not.
@@ -139,6 +141,12 @@ class BoundedScript:
         self.slots = slots
 
     async def __call__(self, keys, args=()):
+        before = cancellations()
+        result = await self._call(keys, args)
+        raise_lost_cancellation(before)  # see aio: the script ran, the caller undoes it
+        return result
+
+    async def _call(self, keys, args):
         async with self.slots:
             connection = await self.pool.get_connection(*GET_CONNECTION_ARGS)
             try:
@@ -265,9 +273,11 @@ class InboxWaits:
                 self.task = loop.create_task(self._run())
             elif self.covered is not None and key not in self.covered and not self.poked:
                 self.poked = True
+                before = cancellations()
                 await self._poke()
-            return await asyncio.wait_for(future, timeout)
-        except asyncio.TimeoutError:
+                raise_lost_cancellation(before)
+            if await wait_at_most(future, timeout):
+                return future.result()
             return None
         finally:
             if self.futures.get(key) is future:

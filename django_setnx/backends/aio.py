@@ -1,0 +1,41 @@
+"""Waiting in asyncio without losing a cancellation.
+
+Before Python 3.12, ``asyncio.wait_for`` returns the awaited result, and drops the
+``CancelledError``, when the task is cancelled in the very step in which what it
+waits for completes. redis.asyncio sends every command through ``wait_for`` when a
+``socket_timeout`` is set, as ours always is: a coroutine cancelled just as its
+lock command was sent would carry on as if nothing happened (an ``aacquire``
+cancelled at once waited out its whole timeout instead). Our own waits use
+:func:`wait_at_most`, and the calls into redis.asyncio end with
+:func:`raise_lost_cancellation`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+
+async def wait_at_most(future: asyncio.Future[Any], timeout: float | None) -> bool:
+    """Wait up to ``timeout`` seconds (None: no limit) for ``future``, which is left
+    as it is (never cancelled). Returns whether it is done. A cancellation of the
+    caller always propagates."""
+    if not future.done():
+        await asyncio.wait((future,), timeout=timeout)
+    return future.done()
+
+
+def cancellations() -> int:
+    """How many cancellations of the current task are pending (``Task.cancelling``,
+    Python 3.11+; 0 before, where a lost one cannot be told)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling() if cancelling is not None else 0
+
+
+def raise_lost_cancellation(before: int) -> None:
+    """Raise ``CancelledError`` if the current task was cancelled since
+    :func:`cancellations` returned ``before`` and the error never reached it
+    (a cancellation that was delivered and handled was uncancelled again)."""
+    if cancellations() > before:
+        raise asyncio.CancelledError
