@@ -11,17 +11,20 @@ lock API, identical for every backend:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Coroutine, Generator, Sequence
 from types import TracebackType
 from typing import Any
 
 from . import signals
+from .backends.aio import CancelledAfter
 from .backends.base import AcquireResult, LockInfo, OwnerRecord
 from .conf import DEFAULT_LOCK_ALIAS
 from .exceptions import LockBackendError, LockError, LockNotAcquired, LockNotOwned
@@ -287,7 +290,9 @@ class Lock:
                 step, record, arg = steps.send(result)
         except BaseException:  # includes asyncio.CancelledError
             if calls.queued is not None:
-                await self._aabandon(calls.queued, token)
+                # Shielded: a second cancellation must not stop the undo halfway (a
+                # lock handed to us, confirmed by stop_waiting, never released).
+                await _shielded(self._aabandon(calls.queued, token))
             raise
         return self._won(token, record, arg, calls)
 
@@ -521,7 +526,30 @@ class Lock:
             raise self._lost_error("release")
         record, token = self._check_held_by_us("release")
         self._stop_renewer()
-        self._released(await self.backend.arelease(record, token))
+        try:
+            released = await self.backend.arelease(record, token)
+        except CancelledAfter as cancelled:
+            # The release ran, then the cancellation came through: record what it
+            # did (this object no longer holds the lock) before ending cancelled.
+            with contextlib.suppress(LockNotOwned):
+                self._released(bool(cancelled.result))
+            raise
+        except asyncio.CancelledError:
+            # Cancelled while the release was sent or answered: whether it ran is
+            # unknown. Release again, to the end (token-checked: nothing happens if
+            # the first one ran), so that this object no longer holds the lock.
+            await _shielded(self._arelease_again(record, token))
+            raise
+        self._released(released)
+
+    async def _arelease_again(self, record: str, token: str) -> None:
+        try:
+            await self.backend.arelease(record, token)
+        except LockError:
+            logger.warning("Could not release lock %r", self.name, exc_info=True)
+            return
+        # Released by this call or by the one that was cancelled: not held either way.
+        self._released(True)
 
     # -- extend -------------------------------------------------------------------
 
@@ -692,6 +720,20 @@ class Lock:
             exc,
             exc_info=True,  # noqa: LOG014 - inside the caller's except block
         )
+
+
+#: The undo tasks _shielded keeps running after their caller was cancelled (the
+#: event loop keeps only weak references to tasks).
+_undoing: set[asyncio.Task[Any]] = set()
+
+
+async def _shielded(work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work`` to its end even if the caller is cancelled meanwhile (the caller
+    then ends cancelled at once, and ``work`` goes on in its own task)."""
+    task = asyncio.ensure_future(work)
+    _undoing.add(task)
+    task.add_done_callback(_undoing.discard)
+    await asyncio.shield(task)
 
 
 def _remaining(deadline: float | None) -> float | None:

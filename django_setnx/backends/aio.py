@@ -8,6 +8,9 @@ lock command was sent would carry on as if nothing happened (an ``aacquire``
 cancelled at once waited out its whole timeout instead). Our own waits use
 :func:`wait_at_most`, and the calls into redis.asyncio end with
 :func:`raise_lost_cancellation`.
+
+Telling a dropped cancellation takes ``Task.cancelling()``, new in Python 3.11: on
+Python 3.10 such a cancellation stays lost (``wait_at_most`` still helps there).
 """
 
 from __future__ import annotations
@@ -33,9 +36,19 @@ def cancellations() -> int:
     return cancelling() if cancelling is not None else 0
 
 
-def raise_lost_cancellation(before: int) -> None:
-    """Raise ``CancelledError`` if the current task was cancelled since
-    :func:`cancellations` returned ``before`` and the error never reached it
-    (a cancellation that was delivered and handled was uncancelled again)."""
+class CancelledAfter(asyncio.CancelledError):
+    """A cancellation that ``wait_for`` dropped, raised again once the call it
+    interrupted had completed: ``result`` is what that call returned (the script
+    ran), for a caller that must finish its bookkeeping before it ends cancelled."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__()
+        self.result = result
+
+
+def raise_lost_cancellation(before: int, result: Any = None) -> None:
+    """Raise :class:`CancelledAfter` (carrying ``result``) if the current task was
+    cancelled since :func:`cancellations` returned ``before`` and the error never
+    reached it (a cancellation that was delivered and handled was uncancelled)."""
     if cancellations() > before:
-        raise asyncio.CancelledError
+        raise CancelledAfter(result)

@@ -302,9 +302,9 @@ def encode_owner(owner: dict[str, Any]) -> str:
     if type(owner) is OwnerRecord:
         return owner.json
     types = tuple(map(type, owner.values()))
-    if not _CACHEABLE.issuperset(types):
-        # Equal values with different JSON (0.0 and -0.0, (1,) and (True,)) would
-        # share a cache entry: encode anything but plain scalars every time.
+    if not _CACHEABLE.issuperset(types) or not all(type(key) is str for key in owner):
+        # Equal values with different JSON (0.0 and -0.0, (1,) and (True,), keys 1
+        # and True) would share a cache entry: encode anything else every time.
         return _encode(owner)
     # The value types are part of the key: 1 and True are equal, their JSON is not.
     key = (*owner.items(), *types)

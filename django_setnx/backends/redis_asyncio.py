@@ -142,8 +142,16 @@ class BoundedScript:
 
     async def __call__(self, keys, args=()):
         before = cancellations()
-        result = await self._call(keys, args)
-        raise_lost_cancellation(before)  # see aio: the script ran, the caller undoes it
+        try:
+            result = await self._call(keys, args)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            if cancellations() > before:  # dropped (see aio), then the call failed
+                raise asyncio.CancelledError from exc
+            raise
+        # See aio: the script ran; the caller learns its result from the exception.
+        raise_lost_cancellation(before, result)
         return result
 
     async def _call(self, keys, args):
