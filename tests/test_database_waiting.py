@@ -112,6 +112,16 @@ def test_a_lock_handed_on_again_wakes_the_next_waiter_in_another_process(
     threading.Timer(0.3, first.release).start()
     assert second.acquire(timeout=10)  # handed over in this process...
     assert name in backend._handed_over  # ...so the next release is the single statement
+    child, answer = _slow_polling_waiter(spawn, backend_alias, name)
+    time.sleep(0.5)  # its refused attempt has queued it next in line
+    released_at = time.time()
+    second.release()
+    _assert_woken_within_a_second(child, answer, released_at)
+
+
+def _slow_polling_waiter(spawn, backend_alias, name):
+    """A waiter for ``name`` in another process that polls only every 30 s; returns
+    it, once it was refused, and the queue it reports its acquisition time on."""
     queued, answer = spawn.ctx.Event(), spawn.ctx.Queue()
     child = spawn(
         workers.wait_and_report,
@@ -123,10 +133,11 @@ def test_a_lock_handed_on_again_wakes_the_next_waiter_in_another_process(
         answer,
     )
     assert queued.wait(30)
-    time.sleep(0.5)  # its refused attempt has queued it next in line
-    released_at = time.time()
-    second.release()
-    got_it = answer.get(timeout=20)
+    return child, answer
+
+
+def _assert_woken_within_a_second(child, answer, released_at):
+    got_it = answer.get(timeout=40)
     child.join(20)
     assert child.exitcode == 0
     assert got_it - released_at < 1.0, got_it - released_at
@@ -159,6 +170,57 @@ def test_a_killed_waiter_next_in_line_costs_the_others_a_claim(backend_alias, na
     assert acquired
     assert at - released_at < 1.5, at - released_at
     live.release()
+
+
+@pytest.mark.parametrize("backend_alias", PG)
+def test_a_release_past_a_dead_waiters_lapsed_place_wakes_the_others(backend_alias, name, spawn):
+    """The waiter next in line was SIGKILLed and its place has lapsed; a live waiter
+    in another process waits behind it, polling only every 30 s (PG_SAFETY_POLL).
+    The release finds the lapsed place and NOTIFYs: the live waiter has the lock
+    within a second, not at its next poll."""
+    holder = lock(name, ttl=60, backend=backend_alias)
+    assert holder.acquire(blocking=False)
+    ready = spawn.ctx.Event()
+    dead = spawn(workers.queue_and_hang, workers.child_environment(), backend_alias, name, ready)
+    assert ready.wait(30)
+    deadline = time.monotonic() + 10
+    while not (_next_in_line(backend_alias, name) or time.monotonic() > deadline):
+        time.sleep(0.01)
+    dead_token = _next_in_line(backend_alias, name)
+    assert dead_token, "the first waiter never queued"
+    os.kill(dead.pid, signal.SIGKILL)
+    dead.join()
+    live, answer = _slow_polling_waiter(spawn, backend_alias, name)
+    time.sleep(0.5)  # refused: the dead one's place was live, so it waits behind it
+    assert _next_in_line(backend_alias, name) == dead_token
+    _lapse_next_in_line(backend_alias, name)  # as if PG_NEXT_LAPSE_MS had passed
+    released_at = time.time()
+    holder.release()
+    _assert_woken_within_a_second(live, answer, released_at)
+
+
+def _on_backend_connection(backend_alias, statement, params):
+    """Run SQL on the backend's own autocommit connection (the test's ORM connection
+    may sit in a transaction)."""
+
+    def work(cursor, sql, raw):
+        cursor.execute(statement.format(table=sql.lock_table), params)
+        return cursor.fetchone() if cursor.description else None
+
+    return locks[backend_alias]._run("test", work)
+
+
+def _next_in_line(backend_alias, name):
+    row = _on_backend_connection(
+        backend_alias, "SELECT next_token FROM {table} WHERE name = %s", (name,)
+    )
+    return row and row[0]
+
+
+def _lapse_next_in_line(backend_alias, name):
+    _on_backend_connection(
+        backend_alias, "UPDATE {table} SET next_seen = 1 WHERE name = %s", (name,)
+    )
 
 
 @pytest.mark.parametrize("backend_alias", PG)

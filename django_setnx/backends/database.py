@@ -62,15 +62,17 @@ never depends on this: it is only about who wins next.
 
 Waiting (see db_wakeups). A release wakes the waiters of its own process at once. On
 PostgreSQL (psycopg >= 3.2) it also sends NOTIFY when it leaves the lock to a waiter
-next in line (in the same statement), and so does a waiter that takes the lock over
-from a queue (the others then compete for the place next in line at once); each
-process LISTENs on one connection of its own, and its waiters otherwise retry only
-at the holder's expiry or every PG_SAFETY_POLL (about one statement a second per
-waiter behind a long hold). Elsewhere (MySQL/MariaDB, SQLite, psycopg 2) the waiter
-next in line polls from HEAD_POLL, backing off to HEAD_POLL_MAX, and the others back
-off to WAITER_MAX_BACKOFF (at most about 20 statements a second each), never past
-the holder's expiry. Async waits await a future or ``asyncio.sleep``: a coroutine
-holds a thread only while one of its statements runs.
+next in line, or finds the place of one that stopped asking (it died: the waiters
+behind it wake now, not at their safety poll), in the same statement; and so does a
+waiter that takes the lock over from a queue (the others then compete for the place
+next in line at once); each process LISTENs on one connection of its own, and its
+waiters otherwise retry only at the holder's expiry or every PG_SAFETY_POLL (about
+one statement a second per waiter behind a long hold). Elsewhere (MySQL/MariaDB,
+SQLite, psycopg 2) the waiter next in line polls from HEAD_POLL, backing off to
+HEAD_POLL_MAX, and the others back off to WAITER_MAX_BACKOFF (at most about 20
+statements a second each), never past the holder's expiry. Async waits await a
+future or ``asyncio.sleep``: a coroutine holds a thread only while one of its
+statements runs.
 
 SQLite has a single writer. The backend switches an SQLite database to WAL mode
 (``OPTIONS["SQLITE_WAL"]``, default True; the mode is stored in the database file),
@@ -776,11 +778,9 @@ class DatabaseBackend(BaseLockBackend):
                     if self._waiting:  # this process has waiters (maybe on their way)
                         self._wakeups.wake_one(name)
                     return True
-                if sql.vendor == "postgresql":  # the statement NOTIFYs every process
-                    self._execute(cursor, sql.release_to_next, (name, token, self._channel))
-                    row = cursor.fetchone()
-                    if row is not None:
-                        self._left_to(name, row[1])
+                # Not ours, or a waiter is (or was, on PostgreSQL) next in line.
+                if sql.release_any is not None:  # on PostgreSQL it NOTIFYs every process
+                    if self._release_any(cursor, sql, name, token):
                         return True
                 else:
                     self._execute(cursor, sql.release_to_next, (name, token))

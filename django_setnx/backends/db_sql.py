@@ -88,43 +88,55 @@ class Dialect:
         )
         # Leaves a tombstone (see FENCING_RETENTION_MS) that keeps the fencing token:
         # expired since the epoch, so free to an acquiring statement that began before
-        # the release, and released at ``acquired_at`` (for the purge).
+        # the release, and released at ``acquired_at`` (for the purge). Only when no
+        # live waiter is next in line; on PostgreSQL only when none is recorded at all:
+        # the other waiters there sleep until a NOTIFY (or the slow safety poll), and
+        # a waiter whose place lapsed (it died) says that others may be waiting behind
+        # it, so the release that wakes them (``release_any``) is used instead.
+        no_waiter = (
+            "next_token = ''"
+            if vendor == "postgresql"
+            else f"(next_token = '' OR next_seen <= {now} - {lapse})"
+        )
         self.release = (
             f"UPDATE {lock} SET token = '', owner = '{{}}', acquired_at = {now}, "
             f"expires_at = 0, next_token = '', next_since = 0, next_seen = 0 "
-            f"WHERE name = %s AND token = %s "
-            f"AND (next_token = '' OR next_seen <= {now} - {lapse})"
+            f"WHERE name = %s AND token = %s AND {no_waiter}"
         )
         # A waiter is next in line: leave it the lock (expired, empty token) instead
         # of deleting the row, so nobody else can take it before that waiter does,
-        # for CLAIM_MS at most (its place then lapses, see CLAIM_MS).
+        # for CLAIM_MS at most (its place then lapses, see CLAIM_MS). MySQL/MariaDB
+        # only, whose UPDATE cannot return the waiter's token; elsewhere
+        # ``release_any`` does this.
         claim_end = f"{now} - {lapse} + {CLAIM_MS}"
-        self.release_to_next = (
-            f"UPDATE {lock} SET token = '', owner = '{{}}', acquired_at = {now}, "
-            f"expires_at = {now}, next_seen = CASE WHEN next_seen < {claim_end} THEN next_seen ELSE {claim_end} END "
-            f"WHERE name = %s AND token = %s"
-        )
-        if vendor == "postgresql":
-            # ... and wake the waiters of every process (see db_wakeups), in the same
-            # statement. Params: name, token, channel. One row if released.
-            # The payload names the waiter next in line (see db_wakeups): only it is
-            # woken. The statement returns its token, for this process' wake-up.
+        self.release_to_next = None
+        if vendor == "mysql":
             self.release_to_next = (
-                f"WITH released AS ({self.release_to_next} RETURNING name, next_token) "
-                f"SELECT pg_notify(%s, chr(30) || next_token || chr(30) || name), next_token "
-                f"FROM released"
+                f"UPDATE {lock} SET token = '', owner = '{{}}', acquired_at = {now}, "
+                f"expires_at = {now}, next_seen = CASE WHEN next_seen < {claim_end} "
+                f"THEN next_seen ELSE {claim_end} END "
+                f"WHERE name = %s AND token = %s"
             )
         # Both releases in one statement, for a lock that was just left to a waiter
         # (the backend then expects another waiter next in line; otherwise it sends
-        # the shorter ``release`` first): to a live waiter next in line as
-        # ``release_to_next``, else a tombstone as ``release``. (Longer to parse than
-        # ``release``, so not the first choice for a lock nobody waits for.) Returns
-        # one row if released, with the token of the waiter the lock was left to
-        # ('' for none). PostgreSQL and SQLite, which can return it; None elsewhere.
-        # Params: name, token (and channel, on PostgreSQL).
+        # the shorter ``release`` first), and for one that ``release`` refused: to a
+        # live waiter next in line as ``release_to_next``, else a tombstone as
+        # ``release``. (Longer to parse than ``release``, so not the first choice for
+        # a lock nobody waits for.) Returns one row if released, with the token of the
+        # waiter the lock was left to ('' for none). PostgreSQL and SQLite, which can
+        # return it; None elsewhere. Params: name, token (and channel, on PostgreSQL).
         self.release_any = None
         if vendor in ("postgresql", "sqlite"):
             live_next = f"(next_token <> '' AND next_seen > {now} - {lapse})"
+            # On PostgreSQL a lapsed waiter's token stays in the tombstone (its place
+            # is free to anyone: ``next_seen`` is 0), so that the statement returns it
+            # and NOTIFYs: the waiters behind the dead one wake now, not at their
+            # safety poll.
+            kept_token = (
+                "next_token"
+                if vendor == "postgresql"
+                else f"CASE WHEN {live_next} THEN next_token ELSE '' END"
+            )
             release_any = (
                 f"UPDATE {lock} SET token = '', owner = '{{}}', acquired_at = {now}, "
                 f"expires_at = CASE WHEN {live_next} THEN {now} ELSE 0 END, "
@@ -132,7 +144,7 @@ class Dialect:
                 f"next_seen = CASE WHEN {live_next} THEN "
                 f"(CASE WHEN next_seen < {claim_end} THEN next_seen ELSE {claim_end} END) "
                 f"ELSE 0 END, "
-                f"next_token = CASE WHEN {live_next} THEN next_token ELSE '' END "
+                f"next_token = {kept_token} "
                 f"WHERE name = %s AND token = %s"
             )
             if vendor == "postgresql":

@@ -8,8 +8,9 @@ its next poll, the holder's expiry or its timeout:
 - A release made in this process wakes one of this process' waiters for that name at
   once (:meth:`Wakeups.wake_one`: the one next in line, else the longest waiting), on
   every database.
-- On PostgreSQL, a release that leaves the lock to a waiter next in line (and a
-  waiter that gives up its place) also sends ``NOTIFY`` on the backend's channel,
+- On PostgreSQL, a release that leaves the lock to a waiter next in line, or finds
+  the lapsed place of one that died (and a waiter that gives up its place), also
+  sends ``NOTIFY`` on the backend's channel,
   with the lock's name as the payload (and the token of the waiter the lock was left
   to, which alone is woken; otherwise one waiter per process is). One :class:`PostgresListener` per backend and
   process (a daemon thread with its own connection, started by the first waiter)
