@@ -249,3 +249,50 @@ def test_migrations_match_the_models():
     call_command("makemigrations", "django_setnx", check=True, dry_run=True, stdout=out)
     assert "No changes detected" in out.getvalue()
 
+
+def test_a_row_is_taken_whole_or_left_alone_in_every_assignment_mode(db_alias, name):
+    """MySQL/MariaDB decide a takeover once, in the statement's first assignment, and
+    the others read that decision back (see db_sql): a refused attempt changes no
+    column and a takeover every one, whether the assignments see each other (the
+    default) or all read the old row (MariaDB's SIMULTANEOUS_ASSIGNMENT)."""
+    backend = locks[db_alias]
+    _sql(db_alias, "SELECT 1", ())  # connected: the dialect is known
+    modes = [None]
+    if backend._dialect.vendor == "mysql" and backend._dialect.is_mariadb:
+        modes.append("SIMULTANEOUS_ASSIGNMENT")
+    columns = "token, owner, acquired_at, expires_at, fencing, next_token, next_since, next_seen"
+
+    def row():
+        return _sql(db_alias, f"SELECT {columns} FROM {{table}} WHERE name = {{p}}", (name,))
+
+    for mode in modes:
+        if mode is not None:
+            # The backend's connection of this thread, which the calls below use.
+            _sql(db_alias, f"SET SESSION sql_mode = CONCAT(@@sql_mode, ',{mode}')", ())
+        try:
+            holder, other, waiter = _token(), _token(), _token()
+            first = backend.acquire(name, holder, 30, OWNER)
+            assert first.acquired
+            held = row()
+            assert held[0] == holder and held[4] == first.fencing_token
+            assert not backend.acquire(name, other, 30, {"host": "x", "pid": 2}).acquired
+            assert row() == held, "a refused attempt changed the row"
+            assert not backend.acquire(name, waiter, 30, OWNER, wait=10).acquired
+            queued = row()
+            assert queued[5] == waiter and queued[:5] == held[:5]
+            assert backend.release(name, holder)
+            left = row()
+            assert left[0] == "" and left[5] == waiter, "left to the waiter next in line"
+            assert not backend.acquire(name, other, 30, {"host": "x", "pid": 2}).acquired
+            assert row() == left, "a refused attempt changed the row left to a waiter"
+            taken = backend.acquire(name, waiter, 45, OWNER)
+            assert taken.acquired and taken.fencing_token > first.fencing_token
+            token, owner, acquired_at, expires_at, fencing, *next_in_line = row()
+            assert (token, fencing, next_in_line) == (waiter, taken.fencing_token, ["", 0, 0])
+            assert expires_at - acquired_at == 45_000 and acquired_at >= left[2]
+            assert backend.release(name, waiter)
+            backend._waiting.clear()
+            backend._handed_over.clear()
+        finally:
+            if mode is not None:
+                _sql(db_alias, f"SET SESSION sql_mode = REPLACE(@@sql_mode, '{mode}', '')", ())
