@@ -296,3 +296,35 @@ def test_a_row_is_taken_whole_or_left_alone_in_every_assignment_mode(db_alias, n
         finally:
             if mode is not None:
                 _sql(db_alias, f"SET SESSION sql_mode = REPLACE(@@sql_mode, '{mode}', '')", ())
+
+
+def test_a_hand_written_row_is_refused_or_taken_whole(db_alias, name):
+    """Rows this backend never writes: a held one with a negative fencing token is
+    refused (on MySQL the refused branch once overflowed an unsigned sum), and one
+    whose times are implausible (listed as stale) is taken whole, every column."""
+    backend = locks[db_alias]
+    insert = (
+        "INSERT INTO {table} (name, token, owner, acquired_at, expires_at, fencing, "
+        "next_token, next_since, next_seen) VALUES ({p}, {p}, '{{}}', {p}, {p}, {p}, {p}, 0, {p})"
+    )
+    now_ms = int(time.time() * 1000)
+    _sql(db_alias, insert, (name, "by-hand", now_ms, now_ms + 60_000, -1, "", 0))
+    assert not backend.acquire(name, _token(), 30, OWNER).acquired
+    assert _row(db_alias, name).token == "by-hand"
+    _sql(db_alias, "DELETE FROM {table} WHERE name = {p}", (name,))
+
+    absurd = 10**15
+    lapsed = now_ms - 60_000
+    _sql(db_alias, insert, (name, "by-hand", absurd, absurd + 60_000, 5, "ghost", lapsed))
+    mine = _token()
+    taken = backend.acquire(name, mine, 30, OWNER)
+    assert taken.acquired and taken.fencing_token > 5
+    token, acquired_at, expires_at, next_token, next_seen = _sql(
+        db_alias,
+        "SELECT token, acquired_at, expires_at, next_token, next_seen FROM {table} "
+        "WHERE name = {p}",
+        (name,),
+    )
+    assert (token, next_token, next_seen) == (mine, "", 0)
+    assert abs(acquired_at - now_ms) < 60_000 and expires_at - acquired_at == 30_000
+    assert backend.release(name, mine)

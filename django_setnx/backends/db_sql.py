@@ -272,7 +272,9 @@ class Dialect:
             # applies the assignments one after another (the default) or all at once
             # (MariaDB's SIMULTANEOUS_ASSIGNMENT). One test instead of one per column
             # halves the statement's parse time. (The functions of the current time
-            # are evaluated once per statement: {now} is one value throughout.)
+            # are evaluated once per statement: {now} is one value throughout.
+            # LAST_INSERT_ID() is unsigned: a refused attempt adds it as a signed 0, so
+            # that a hand-written negative fencing token is refused, not an error.)
             may_take = (
                 f"(expires_at <= VALUES(acquired_at) OR expires_at > {MAX_PLAUSIBLE_MS} "
                 f"OR acquired_at < 0 OR acquired_at > {MAX_PLAUSIBLE_MS}) "
@@ -287,7 +289,7 @@ class Dialect:
                 ON DUPLICATE KEY UPDATE
                     fencing = IF({may_take},
                                  LAST_INSERT_ID(GREATEST(fencing + 1, VALUES(fencing))),
-                                 fencing + LAST_INSERT_ID(0)),
+                                 fencing + CAST(LAST_INSERT_ID(0) AS SIGNED)),
                     token = IF(LAST_INSERT_ID(), VALUES(token), token),
                     owner = IF(LAST_INSERT_ID(), VALUES(owner), owner),
                     acquired_at = IF(LAST_INSERT_ID(), VALUES(acquired_at), acquired_at),
