@@ -26,14 +26,23 @@ pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
 class _StatementCounter:
     """Counts every statement a backend sends from now on, on any of its lock
-    connections: not the server's global count, which other clients of the same
-    server would inflate."""
+    connections, and every health check and (re)connection as one more: not the
+    server's global count, which other clients of the same server would inflate."""
 
     def __init__(self, backend, monkeypatch):
         self.count = 0
         self._lock = threading.Lock()
         make_cursor = backend._cursor
         monkeypatch.setattr(backend, "_cursor", lambda raw: self._Cursor(make_cursor(raw), self))
+        for owner, attr in ((database, "_usable"), (backend, "_connect")):
+            monkeypatch.setattr(owner, attr, self._counted(getattr(owner, attr)))
+
+    def _counted(self, function):
+        def counted(*args, **kwargs):
+            self.add()
+            return function(*args, **kwargs)
+
+        return counted
 
     def add(self):
         with self._lock:
