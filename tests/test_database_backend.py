@@ -11,6 +11,7 @@ import time
 
 from django_setnx import lock, locks
 from django_setnx.backends import database
+from tests.backend_sql import run_sql as _sql
 
 OWNER = {"host": "test", "pid": 1, "thread": "MainThread"}
 
@@ -23,17 +24,6 @@ class _Row:
     def __init__(self, token, next_token, next_since, next_seen):
         self.token, self.next_token = token, next_token
         self.next_since, self.next_seen = next_since, next_seen
-
-
-def _sql(alias, statement, params):
-    """Run SQL on the backend's own autocommit connection: the test's ORM connection
-    sits in a transaction whose snapshot would not see the backend's writes."""
-
-    def work(cursor, sql, raw):
-        cursor.execute(statement.format(table=sql.lock_table, p=sql.placeholder), params)
-        return cursor.fetchone() if cursor.description else None
-
-    return locks[alias]._run("test", work)
 
 
 def _row(alias, name):

@@ -17,6 +17,7 @@ from django.db import connections
 from django_setnx import lock, locks
 from django_setnx.backends import database
 from tests import workers
+from tests.backend_sql import run_sql
 
 DB_ALIASES = [a for a in ("default", "postgres", "mysql") if a in settings.CONTRACT_ALIASES]
 PG = [a for a in DB_ALIASES if a == "postgres"]
@@ -81,7 +82,6 @@ def test_a_waiter_behind_a_long_hold_sends_few_statements(backend_alias, name, m
     before, started = counter.count, time.monotonic()
     time.sleep(4)
     per_waiter_per_s = (counter.count - before) / (time.monotonic() - started) / 3
-    print(f"{backend_alias}: {per_waiter_per_s:.2f} statements a second per waiter")
     for thread in threads:
         thread.join()
     holder.release()
@@ -220,28 +220,13 @@ def test_a_release_past_a_dead_waiters_lapsed_place_wakes_the_others(backend_ali
     _assert_woken_within_a_second(live, answer, released_at)
 
 
-def _on_backend_connection(backend_alias, statement, params):
-    """Run SQL on the backend's own autocommit connection (the test's ORM connection
-    may sit in a transaction)."""
-
-    def work(cursor, sql, raw):
-        cursor.execute(statement.format(table=sql.lock_table), params)
-        return cursor.fetchone() if cursor.description else None
-
-    return locks[backend_alias]._run("test", work)
-
-
 def _next_in_line(backend_alias, name):
-    row = _on_backend_connection(
-        backend_alias, "SELECT next_token FROM {table} WHERE name = %s", (name,)
-    )
+    row = run_sql(backend_alias, "SELECT next_token FROM {table} WHERE name = {p}", (name,))
     return row and row[0]
 
 
 def _lapse_next_in_line(backend_alias, name):
-    _on_backend_connection(
-        backend_alias, "UPDATE {table} SET next_seen = 1 WHERE name = %s", (name,)
-    )
+    run_sql(backend_alias, "UPDATE {table} SET next_seen = 1 WHERE name = {p}", (name,))
 
 
 @pytest.mark.parametrize("backend_alias", PG)

@@ -120,11 +120,12 @@ class Dialect:
         # Both releases in one statement, for a lock that was just left to a waiter
         # (the backend then expects another waiter next in line; otherwise it sends
         # the shorter ``release`` first), and for one that ``release`` refused: to a
-        # live waiter next in line as ``release_to_next``, else a tombstone as
-        # ``release``. (Longer to parse than ``release``, so not the first choice for
-        # a lock nobody waits for.) Returns one row if released, with the token of the
-        # waiter the lock was left to ('' for none). PostgreSQL and SQLite, which can
-        # return it; None elsewhere. Params: name, token (and channel, on PostgreSQL).
+        # live waiter next in line with a claim (as MySQL's ``release_to_next``), else
+        # a tombstone as ``release``. (Longer to parse than ``release``, so not the
+        # first choice for a lock nobody waits for.) Returns one row if released, with
+        # the token of the waiter the lock was left to ('' for none). PostgreSQL and
+        # SQLite, which can return it; None elsewhere. Params: name, token (and
+        # channel, on PostgreSQL).
         self.release_any = None
         if vendor in ("postgresql", "sqlite"):
             live_next = f"(next_token <> '' AND next_seen > {now} - {lapse})"
