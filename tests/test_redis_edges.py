@@ -12,6 +12,7 @@ an ACL user, an idle ``timeout``, a proxy that loses a reply) with
 - timeouts, retries, idle connections dropped by the server, and forks.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -605,6 +606,89 @@ def test_a_release_whose_reply_was_lost_is_not_retried_into_not_ours(private_red
             with lock("n", ttl=30, backend="proxied", timeout=0) as again:
                 assert again.owned()
             locks.close_all()
+
+
+def test_a_retry_policy_the_user_chose_applies_to_the_lock_scripts(private_redis):
+    """Lock scripts are sent on the pool's connections directly (not through
+    ``execute_command``), and still under the connection's retry policy: with one
+    given in CONNECTION_KWARGS, an acquire whose reply was lost is sent again, finds
+    the record already carrying its token, and wins (with the default, no retry, it
+    is reported: see the test above)."""
+    server, client = private_redis
+    with ReplyDroppingProxy(server.port) as proxy:
+        backend = make_backend(proxy.url, CONNECTION_KWARGS={"retry": Retry(NoBackoff(), 2)})
+        try:
+            assert redis_backend._sends_plainly(backend.connection.client)
+            assert backend.acquire("warm", "tok0", 30, OWNER).acquired  # scripts loaded
+            proxy.drop_reply_to(ACQUIRE_SHA)
+            result = backend.acquire("n", "tok1", 30, OWNER)
+            assert proxy.dropped == 1
+            assert result.acquired
+            record = client.hgetall(lock_keys("setnx-edge", "n")[0])
+            assert record[b"token"] == b"tok1"
+            assert int(record[b"fencing"]) == result.fencing_token
+            assert backend.release("n", "tok1")
+        finally:
+            backend.close()
+
+
+class CountingRedis(redis.Redis):
+    """A client whose ``execute_command`` is its own (as instrumentation makes it):
+    it counts the commands sent through it."""
+
+    sent: list = []
+
+    def execute_command(self, *args, **options):
+        CountingRedis.sent.append(args[0])
+        return super().execute_command(*args, **options)
+
+
+def test_a_client_with_its_own_execute_command_gets_every_lock_command(private_redis):
+    """A client class that overrides ``execute_command`` (CLIENT_CLASS) sees our
+    scripts go through it, so its tracing or metrics see every lock operation."""
+    server, _ = private_redis
+    CountingRedis.sent = []
+    backend = make_backend(
+        server.url, CLIENT_CLASS="tests.test_redis_edges.CountingRedis.from_url"
+    )
+    try:
+        assert not redis_backend._sends_plainly(backend.connection.client)
+        assert backend.acquire("warm", "tok0", 30, OWNER).acquired
+        assert backend.release("warm", "tok0")  # both scripts are loaded now
+        CountingRedis.sent = []
+        assert backend.acquire("n", "tok", 30, OWNER).acquired
+        assert backend.release("n", "tok")
+        assert CountingRedis.sent == ["EVALSHA", "EVALSHA"]
+    finally:
+        backend.close()
+
+
+def test_an_execute_command_instrumented_at_run_time_gets_every_lock_command(
+    private_redis, monkeypatch
+):
+    """APM libraries (OpenTelemetry, Sentry) wrap ``redis.Redis.execute_command`` in
+    place, possibly after the backend connected: from then on our scripts go
+    through the wrapper."""
+    server, _ = private_redis
+    backend = make_backend(server.url)
+    sent = []
+    original = redis.Redis.execute_command
+
+    @functools.wraps(original)
+    def traced(self, *args, **options):
+        sent.append(args[0])
+        return original(self, *args, **options)
+
+    try:
+        assert backend.acquire("n", "tok1", 30, OWNER).acquired
+        assert backend.release("n", "tok1")
+        assert sent == []  # plain redis-py: sent on the pool's connection directly
+        monkeypatch.setattr(redis.Redis, "execute_command", traced)
+        assert backend.acquire("n", "tok2", 30, OWNER).acquired
+        assert backend.release("n", "tok2")
+        assert sent.count("EVALSHA") == 2
+    finally:
+        backend.close()
 
 
 # -- idle connections dropped by the server ---------------------------------------------

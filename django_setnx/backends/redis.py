@@ -92,6 +92,7 @@ Connections of our own client (``LOCATION``) default to a ``socket_timeout`` of
 
 import asyncio
 import importlib
+import inspect
 import itertools
 import math
 import numbers
@@ -454,7 +455,8 @@ class _Script:
     Our own because ``Script.__call__`` imports redis-py's Pipeline class and tests
     for it on every call, which costs a few µs of CPU, twice per acquire+release; a
     call on a pipeline (clear()) goes through redis-py's, which registers the script
-    with the pipeline.
+    with the pipeline. On a plain ``redis.Redis`` it also sends the command itself
+    (see :func:`_send_on_pool`).
     """
 
     __slots__ = ("client", "for_pipelines", "sha", "source")
@@ -469,10 +471,82 @@ class _Script:
         if client is not None:
             return self.for_pipelines(keys=keys, args=args, client=client)
         try:
-            return self.client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+            return self._send(keys, args)
         except redis.exceptions.NoScriptError:
             self.client.script_load(self.source)
-            return self.client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+            return self._send(keys, args)
+
+    def _send(self, keys, args):
+        client = self.client
+        if _sends_plainly(client):
+            return _send_on_pool(
+                client.connection_pool, "EVALSHA", self.sha, len(keys), *keys, *args
+            )
+        return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+
+
+def _sends_plainly(client):
+    """True if ``client`` is a plain ``redis.Redis`` (or a subclass that leaves
+    ``execute_command`` alone) with a connection pool: a command sent on one of its
+    pool's connections is then exactly what ``execute_command`` would send. False for
+    RedisCluster, a single-connection client, and a client whose ``execute_command``
+    is replaced or instrumented (OpenTelemetry, Sentry): those get theirs."""
+    return type(client).execute_command is _PLAIN_EXECUTE and client.connection is None
+
+
+def _send_on_pool(pool, *command):
+    """Send ``command`` on a connection of ``pool`` and return its reply, as redis-py's
+    ``execute_command`` does, less its per-command bookkeeping (about 6 µs of CPU per
+    command with redis-py 8: observability hooks, its own closures). Everything that
+    decides the outcome is kept: the connection's health check before sending, its
+    disconnect on any error while sending or reading (a broken connection never goes
+    back to the pool with a reply pending), and the connection's retry policy (none
+    on our own client, see _no_retry; a shared django-redis pool's own)."""
+    conn = pool.get_connection(*_GET_CONNECTION_ARGS)
+
+    def send():
+        conn.send_command(*command)
+        return conn.read_response()
+
+    try:
+        return conn.retry.call_with_retry(send, lambda error: conn.disconnect())
+    finally:
+        if _should_reconnect(conn):  # a server maintenance notice (redis-py >= 7)
+            conn.disconnect()
+        pool.release(conn)
+
+
+def _should_reconnect(conn):
+    check = getattr(conn, "should_reconnect", None)
+    return bool(check is not None and check())
+
+
+def _plain_execute():
+    """redis-py's own ``Redis.execute_command``, or None if something (APM
+    instrumentation) replaced it before we looked: then every client keeps its own."""
+    execute = redis.Redis.execute_command
+    plain = (
+        getattr(execute, "__module__", None) == "redis.client"
+        and getattr(execute, "__qualname__", None) == "Redis.execute_command"
+        and not hasattr(execute, "__wrapped__")
+    )
+    return execute if plain else None
+
+
+if redis is not None:
+    _PLAIN_EXECUTE = _plain_execute()
+
+
+def get_connection_args(pool_class):
+    """What ``pool_class.get_connection`` (sync or asyncio) must be given: a command
+    name before redis-py 5.3 (required then), nothing after (deprecated: it warns)."""
+    command_name = inspect.signature(pool_class.get_connection).parameters.get("command_name")
+    required = command_name is not None and command_name.default is inspect.Parameter.empty
+    return ("EVALSHA",) if required else ()
+
+
+if redis is not None:
+    _GET_CONNECTION_ARGS = get_connection_args(redis.ConnectionPool)
 
 
 def _max_block(socket_timeout):

@@ -17,7 +17,6 @@ methods fall back to running the sync ones in threads.
 
 import asyncio
 import hashlib
-import inspect
 import select
 
 import redis
@@ -27,6 +26,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from .aio import cancellations, raise_lost_cancellation, wait_at_most
+from .redis import get_connection_args
 
 #: The connection settings carried over from the sync client's pool (what a user
 #: sets through LOCATION and CONNECTION_KWARGS); redis-py's internal objects of the
@@ -65,14 +65,7 @@ IN_FLIGHT = 32
 
 #: What ``ConnectionPool.get_connection`` is called with: redis-py < 5.3 requires a
 #: command name, later versions deprecate it (with a warning on every call).
-_COMMAND_NAME = inspect.signature(async_connection.ConnectionPool.get_connection).parameters.get(
-    "command_name"
-)
-GET_CONNECTION_ARGS = (
-    ("EVALSHA",)
-    if _COMMAND_NAME is not None and _COMMAND_NAME.default is inspect.Parameter.empty
-    else ()
-)
+GET_CONNECTION_ARGS = get_connection_args(async_connection.ConnectionPool)
 
 #: redis-py's sync connection classes and their asyncio twins.
 ASYNC_CONNECTION_CLASSES = {
