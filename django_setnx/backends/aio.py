@@ -9,8 +9,11 @@ cancelled at once waited out its whole timeout instead). Our own waits use
 :func:`wait_at_most`, and the calls into redis.asyncio end with
 :func:`raise_lost_cancellation`.
 
-Telling a dropped cancellation takes ``Task.cancelling()``, new in Python 3.11: on
-Python 3.10 such a cancellation stays lost (``wait_at_most`` still helps there).
+Telling a dropped cancellation takes ``Task.cancelling()``, new in Python 3.11. The
+lock scripts are therefore written to the connection without ``wait_for`` (see
+redis_asyncio._send_packed), so on Python 3.10 too a cancellation reaches them; it
+can still be lost there in the rare commands sent through redis.asyncio's own
+``send_command`` (loading a script the server lost, a new connection's setup).
 """
 
 from __future__ import annotations
