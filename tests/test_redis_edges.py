@@ -663,6 +663,41 @@ def test_a_client_with_its_own_execute_command_gets_every_lock_command(private_r
         backend.close()
 
 
+@pytest.mark.parametrize("hook", ["execute_command on the client", "EVALSHA response callback"])
+def test_a_client_patched_or_given_a_callback_gets_every_lock_command(private_redis, hook):
+    """Patching ``execute_command`` on the client object itself (as
+    ``mock.patch.object`` does in a user's test) or registering a response callback
+    for ``EVALSHA`` puts every lock command back through redis-py's own path."""
+    server, _ = private_redis
+    backend = make_backend(server.url)
+    client = backend.connection.client
+    seen = []
+    try:
+        assert backend.acquire("warm", "tok0", 30, OWNER).acquired
+        assert backend.release("warm", "tok0")  # both scripts are loaded now
+        if hook == "EVALSHA response callback":
+
+            def callback(response, **options):
+                seen.append("EVALSHA")
+                return response
+
+            client.set_response_callback("EVALSHA", callback)
+        else:
+            plain = client.execute_command
+
+            def patched(*args, **options):
+                seen.append(args[0])
+                return plain(*args, **options)
+
+            client.execute_command = patched
+        assert not redis_backend._sends_plainly(client)
+        assert backend.acquire("n", "tok", 30, OWNER).acquired
+        assert backend.release("n", "tok")
+        assert seen == ["EVALSHA", "EVALSHA"]
+    finally:
+        backend.close()
+
+
 def test_an_execute_command_instrumented_at_run_time_gets_every_lock_command(
     private_redis, monkeypatch
 ):

@@ -479,9 +479,7 @@ class _Script:
     def _send(self, keys, args):
         client = self.client
         if _sends_plainly(client):
-            return _send_on_pool(
-                client.connection_pool, "EVALSHA", self.sha, len(keys), *keys, *args
-            )
+            return _send_on_pool(client, "EVALSHA", self.sha, len(keys), *keys, *args)
         return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
 
@@ -489,27 +487,48 @@ def _sends_plainly(client):
     """True if ``client`` is a plain ``redis.Redis`` (or a subclass that leaves
     ``execute_command`` alone) with a connection pool: a command sent on one of its
     pool's connections is then exactly what ``execute_command`` would send. False for
-    RedisCluster, a single-connection client, and a client whose ``execute_command``
-    is replaced or instrumented (OpenTelemetry, Sentry): those get theirs."""
-    return type(client).execute_command is _PLAIN_EXECUTE and client.connection is None
+    RedisCluster, a single-connection client, a client whose ``execute_command`` is
+    replaced or instrumented (OpenTelemetry, Sentry; patched on the class or on the
+    client itself, as ``mock.patch.object`` does in a test), one with its own
+    ``EVALSHA`` response callback, and while redis-py's own metrics are on: those
+    get ``execute_command``."""
+    return (
+        type(client).execute_command is _PLAIN_EXECUTE
+        and client.connection is None
+        and "execute_command" not in vars(client)
+        and "EVALSHA" not in client.response_callbacks
+        and not _redis_py_metrics_on()
+    )
 
 
-def _send_on_pool(pool, *command):
-    """Send ``command`` on a connection of ``pool`` and return its reply, as redis-py's
-    ``execute_command`` does, less its per-command bookkeeping (about 6 µs of CPU per
-    command with redis-py 8: observability hooks, its own closures). Everything that
-    decides the outcome is kept: the connection's health check before sending, its
-    disconnect on any error while sending or reading (a broken connection never goes
-    back to the pool with a reply pending), and the connection's retry policy (none
-    on our own client, see _no_retry; a shared django-redis pool's own)."""
+def _send_on_pool(client, *command):
+    """Send ``command`` on a connection of ``client``'s pool and return its reply, as
+    redis-py's ``execute_command`` does, less its per-command bookkeeping (about 6 µs
+    of CPU per command with redis-py 8: observability hooks, its own closures).
+    Everything that decides the outcome is kept: the connection's health check before
+    sending, its disconnect on any error while sending or reading (a broken
+    connection never goes back to the pool with a reply pending), and the retry
+    policy as that redis-py version applies it (none on our own client, see
+    _no_retry; a shared django-redis pool's own)."""
+    pool = client.connection_pool
     conn = pool.get_connection(*_GET_CONNECTION_ARGS)
 
     def send():
         conn.send_command(*command)
         return conn.read_response()
 
+    if _RETRY_ONLY_ON_LISTED_ERRORS:
+        # redis-py < 6 retries only the errors in the connection's retry_on_error
+        # (retry_on_timeout: TimeoutError), whatever its Retry object supports.
+        def failed(error):
+            client._disconnect_raise(conn, error)
+    else:
+
+        def failed(error):
+            conn.disconnect()
+
     try:
-        return conn.retry.call_with_retry(send, lambda error: conn.disconnect())
+        return conn.retry.call_with_retry(send, failed)
     finally:
         if _should_reconnect(conn):  # a server maintenance notice (redis-py >= 7)
             conn.disconnect()
@@ -523,18 +542,41 @@ def _should_reconnect(conn):
 
 def _plain_execute():
     """redis-py's own ``Redis.execute_command``, or None if something (APM
-    instrumentation) replaced it before we looked: then every client keeps its own."""
+    instrumentation) replaced it before we looked: then every client keeps its own.
+    A replacement is told by its ``__wrapped__`` (``functools.wraps``, wrapt) or by
+    code that is not in redis-py's client module."""
     execute = redis.Redis.execute_command
+    code = getattr(execute, "__code__", None)
     plain = (
-        getattr(execute, "__module__", None) == "redis.client"
-        and getattr(execute, "__qualname__", None) == "Redis.execute_command"
+        getattr(execute, "__qualname__", None) == "Redis.execute_command"
         and not hasattr(execute, "__wrapped__")
+        and code is not None
+        and code.co_name == "execute_command"
+        and os.path.normcase(code.co_filename)
+        == os.path.normcase(getattr(redis.client, "__file__", "") or "")
     )
     return execute if plain else None
 
 
+def _metrics_switch():
+    """redis-py's own metrics switch (``is_enabled`` of its observability instance,
+    redis-py >= 8), or None where there is none."""
+    try:
+        from redis.observability.providers import get_observability_instance
+    except ImportError:
+        return None
+    return get_observability_instance
+
+
+def _redis_py_metrics_on():
+    instance = _METRICS_SWITCH() if _METRICS_SWITCH is not None else None
+    return instance is not None and instance.is_enabled()
+
+
 if redis is not None:
     _PLAIN_EXECUTE = _plain_execute()
+    _METRICS_SWITCH = _metrics_switch()
+    _RETRY_ONLY_ON_LISTED_ERRORS = hasattr(redis.Redis, "_disconnect_raise")
 
 
 def get_connection_args(pool_class):
