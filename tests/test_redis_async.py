@@ -4,6 +4,8 @@ the eviction check on every new asyncio connection, and cancellation."""
 
 import asyncio
 import contextlib
+import os
+import signal
 import threading
 import time
 
@@ -199,6 +201,37 @@ def test_the_waits_connection_killed_by_the_server_wakes_its_waiters(name):
 
     run(main())
     admin.close()
+
+
+def test_a_command_the_kernel_cannot_take_at_once_is_bounded_by_the_socket_timeout():
+    """Lock commands are written without redis.asyncio's ``wait_for``: one the kernel
+    takes whole needs no wait. One it cannot (an owner record of megabytes, to a
+    server that stopped reading: SIGSTOP) is drained for ``socket_timeout`` at most,
+    and the caller gets LockBackendError, not a wait without end."""
+    with RedisServer() as server:
+        backend = RedisBackend(
+            "stalled",
+            {
+                "BACKEND": BACKEND,
+                "LOCATION": server.url,
+                "OPTIONS": {"CONNECTION_KWARGS": {"socket_timeout": 0.5}},
+            },
+        )
+        huge = {"host": "test", "pid": 1, "thread": "t", "note": "x" * 20_000_000}
+
+        async def main():
+            assert (await backend.aacquire("big", "tok1", 30, huge)).acquired
+            assert await backend.arelease("big", "tok1")
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(LockBackendError, match="'stalled'.*Timeout"):
+                    await asyncio.wait_for(backend.aacquire("big", "tok2", 30, huge), 60)
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            await backend.aclose()
+
+        run(main())
+        backend.close()
 
 
 def test_idle_connections_dropped_by_the_server_are_replaced(name):

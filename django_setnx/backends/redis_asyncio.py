@@ -203,20 +203,25 @@ def _packs_as_hiredis(connection):
 
 
 async def _send_packed(connection, writer, packed):
-    """``connection.send_packed_command(packed)`` (a list of bytes), less its
-    ``asyncio.wait_for`` around the write. That costs a Task per command before
+    """``connection.send_packed_command(packed)`` (a list of bytes), without its
+    ``asyncio.wait_for`` around every write. That costs a Task per command before
     Python 3.12 (about 11 µs), and before 3.12 it drops a cancellation that arrives
     in the step the write completes (see aio; on 3.10 nothing can tell it was
-    dropped). There is nothing for its timeout to bound: a lock command is a few
-    hundred bytes written on a connection with nothing else in flight (each
-    command's reply is read before the next is sent), so the transport buffers it
-    at once and ``drain()`` returns without waiting for the peer. Otherwise as
-    redis-py does it: the health check first, and a connection on which the write
-    failed is dropped."""
+    dropped). A lock command is a few hundred bytes written on a connection with
+    nothing else in flight (each command's reply is read before the next is sent):
+    the kernel takes it whole at once, and there is nothing to wait for. Only when
+    it did not (an owner record of megabytes, a server that stopped reading) is the
+    rest drained as redis-py does it, for ``socket_timeout`` at most. Otherwise as
+    redis-py does it too: the health check first, and a connection on which the
+    write failed is dropped."""
     await connection.check_health()
     try:
         writer.writelines(packed)
-        await writer.drain()
+        if writer.transport.get_write_buffer_size():
+            await asyncio.wait_for(writer.drain(), connection.socket_timeout)
+    except asyncio.TimeoutError:
+        await connection.disconnect(nowait=True)
+        raise redis.exceptions.TimeoutError("Timeout writing to socket") from None
     except OSError as exc:
         await connection.disconnect(nowait=True)
         raise redis.exceptions.ConnectionError(f"Error while writing to socket: {exc}") from exc
