@@ -234,6 +234,38 @@ def test_a_command_the_kernel_cannot_take_at_once_is_bounded_by_the_socket_timeo
         backend.close()
 
 
+@pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
+def test_sync_and_async_callers_exclude_each_other_whatever_the_encoding(encoding):
+    """A lock name is the same key to the sync client and to the asyncio one, also
+    with a non-UTF-8 ``encoding`` in CONNECTION_KWARGS (the sync client packs with
+    hiredis where it is installed, which writes UTF-8 whatever that option says:
+    the asyncio client packs as it does)."""
+    with RedisServer() as server:
+        backend = RedisBackend(
+            "encoded",
+            {
+                "BACKEND": BACKEND,
+                "LOCATION": server.url,
+                "OPTIONS": {"CONNECTION_KWARGS": {"encoding": encoding}},
+            },
+        )
+        owner = {"host": "test", "pid": 1, "thread": "t"}
+        names = ["plain", "é-ß", "ÿ"]
+
+        async def main():
+            for name in names:
+                assert backend.acquire(name, "sync", 30, owner).acquired
+                assert not (await backend.aacquire(name, "async", 30, owner)).acquired
+                assert backend.release(name, "sync")
+                assert (await backend.aacquire(name, "async", 30, owner)).acquired
+                assert not backend.acquire(name, "sync", 30, owner).acquired
+                assert await backend.arelease(name, "async")
+            await backend.aclose()
+
+        run(main())
+        backend.close()
+
+
 def test_idle_connections_dropped_by_the_server_are_replaced(name):
     """The server closes the loop's idle connections (CLIENT KILL, as its
     ``timeout`` or a restart would): the next calls reconnect instead of failing,
@@ -271,7 +303,7 @@ def test_an_acquire_cancelled_as_its_first_attempt_is_sent_is_cancelled(name, mo
     or never, on Python 3.10), and nothing of it is left behind (it was queued: the
     lock was held)."""
     if packer == "redis-py":  # as without hiredis: redis.asyncio's own packer
-        monkeypatch.setattr(redis_asyncio, "_pack", None)
+        monkeypatch.setattr(redis_asyncio, "_SYNC_PACKS_WITH_HIREDIS", False)
     backend = locks["redis"]
     client = backend.connection.client
     _, _, waiters_key, _ = lock_keys(settings.SETNX_LOCKS["redis"]["KEY_PREFIX"], name)

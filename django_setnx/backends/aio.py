@@ -12,8 +12,9 @@ cancelled at once waited out its whole timeout instead). Our own waits use
 Telling a dropped cancellation takes ``Task.cancelling()``, new in Python 3.11. The
 lock scripts are therefore written to the connection without ``wait_for`` (see
 redis_asyncio._send_packed), so on Python 3.10 too a cancellation reaches them; it
-can still be lost there in the rare commands sent through redis.asyncio's own
-``send_command`` (loading a script the server lost, a new connection's setup).
+can still be lost there in the other commands sent through redis.asyncio's own
+``send_command``: a health-check PING, the nudge to a loop's waiting connection
+(InboxWaits), a new connection's setup, the reload of a script the server lost.
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ class BoundedScript:
         if writer is None:  # not the stream connection we know: redis.asyncio's send
             await connection.send_command(*command)
         else:
-            if _pack is not None and _packs_as_hiredis(connection):
+            if _SYNC_PACKS_WITH_HIREDIS:
                 packed = [_pack(command)]
             else:
                 packed = connection.pack_command(*command)
@@ -189,17 +189,22 @@ except ImportError:  # redis.asyncio's own packer, through send_command
     _pack = None  # type: ignore[assignment]
 
 
-def _packs_as_hiredis(connection):
-    """Whether hiredis' packer writes what this connection's own packer would: with the
-    default encoding (strict UTF-8; our arguments are str and int only). The sync
-    client packs with hiredis too when it is installed, whatever the encoding; the
-    asyncio client's packer is pure Python, about 7 µs a command."""
-    encoder = getattr(connection, "encoder", None)
-    return (
-        encoder is not None
-        and encoder.encoding in ("utf-8", "utf8")
-        and encoder.encoding_errors == "strict"
-    )
+def _sync_packs_with_hiredis():
+    """Whether redis-py's sync connections pack commands with hiredis (when it is
+    installed: UTF-8 whatever the ``encoding`` option; else with the encoder). The
+    asyncio client packs exactly as they do, so that a lock name is the same key to
+    both clients; redis.asyncio's own packer is pure Python (about 7 µs a command)
+    and follows ``encoding``."""
+    if _pack is None:
+        return False
+    try:
+        packer = redis.connection.Connection()._command_packer
+    except Exception:  # noqa: BLE001 - an unknown redis-py: its own packer then
+        return False
+    return type(packer).__name__ == "HiredisRespSerializer"
+
+
+_SYNC_PACKS_WITH_HIREDIS = _sync_packs_with_hiredis()
 
 
 async def _send_packed(connection, writer, packed):
