@@ -119,10 +119,9 @@ class BoundedScript:
     underneath, without its retry wrapper, which our client disables anyway, and its
     per-command hooks): a round trip through ``redis.asyncio`` costs more than one
     through the sync client, and this keeps the difference to the event loop's own
-    share. A connection the
-    server dropped while it was idle is replaced before anything is sent on it
-    (``_closed_by_server``). A script missing on
-    the server (a restart, ``SCRIPT FLUSH``) is loaded and run again, as redis-py's
+    share. A connection the server dropped while it was idle is replaced before
+    anything is sent on it (``_closed_by_server``). A script missing on the server
+    (a restart, ``SCRIPT FLUSH``) is loaded and run again, as redis-py's
     ``Script`` does. A connection whose reply was not read in full (an error other
     than Redis' own, a cancellation) is disconnected before it goes back to the pool,
     so no reply can reach the next command.
