@@ -101,7 +101,6 @@ import random
 import secrets
 import socket
 import threading
-import time
 
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
@@ -133,7 +132,7 @@ from .redis_eviction import (
     read_eviction_settings,
     unknown_policy_refusal,
 )
-from .redis_scripts import CLAIM_MS, CLAIM_NOTICE, MAX_SCRIPT_MS, WAITER_MS
+from .redis_scripts import MAX_SCRIPT_MS, WAITER_MS
 
 try:
     import redis
@@ -181,12 +180,13 @@ SCAN_COUNT = 1000
 #: walks, whatever MATCH filters out: about SORT_SCAN_CALLS * SCAN_COUNT).
 SORT_SCAN_CALLS = 25
 #: Longest single wait of a queued waiter before it retries (and re-registers),
-#: drawn between WAIT_JITTER and 1 times this.
-WAIT_BLOCK = 1.5
+#: drawn between WAIT_JITTER and 1 times this. It bounds what a waiter that died
+#: after being handed the lock costs the others: the lock is free again CLAIM_MS
+#: after the handoff, and each live waiter finds out at its next retry, at most
+#: WAIT_BLOCK after the handoff (a retry during the claim waits for its end). So a
+#: dead waiter costs at most about max(CLAIM_MS, WAIT_BLOCK), with no wake-up sent.
+WAIT_BLOCK = 0.9
 WAIT_JITTER = 0.6
-#: How long past a claim's end the next waiter in line waits before it retries, so
-#: that its retry finds an unconfirmed claim expired (Redis' timer is ~1 ms coarse).
-CLAIM_MARGIN = 0.02
 
 
 def _lenient_text(value):
@@ -245,23 +245,6 @@ def _block_timeout(conn, max_wait, retry_after):
     if max_wait is not None:
         timeout = min(timeout, max_wait)
     return max(timeout, MIN_BLOCK) if timeout > 0 else None
-
-
-def _claim_timeout(conn, max_wait):
-    """Seconds to block after a CLAIM_NOTICE: until a claim made now may have lapsed."""
-    timeout = min(CLAIM_MS / 1000 + CLAIM_MARGIN, conn.max_block)
-    if max_wait is not None:
-        timeout = min(timeout, max_wait)
-    return max(timeout, MIN_BLOCK) if timeout > 0 else None
-
-
-def _left(max_wait, started):
-    """What is left of ``max_wait`` (None: no limit) since ``started`` (monotonic)."""
-    return None if max_wait is None else max_wait - (time.monotonic() - started)
-
-
-def _is_claim_notice(message):
-    return message == CLAIM_NOTICE or message == CLAIM_NOTICE.decode()
 
 
 def scanned_keys(prefix, name):
@@ -505,17 +488,45 @@ def _send_on_pool(client, *command):
     """Send ``command`` on a connection of ``client``'s pool and return its reply, as
     redis-py's ``execute_command`` does, less its per-command bookkeeping (about 6 µs
     of CPU per command with redis-py 8: observability hooks, its own closures).
-    Everything that decides the outcome is kept: the connection's health check before
-    sending, its disconnect on any error while sending or reading (a broken
-    connection never goes back to the pool with a reply pending), and the retry
-    policy as that redis-py version applies it (none on our own client, see
-    _no_retry; a shared django-redis pool's own)."""
-    pool = client.connection_pool
-    conn = pool.get_connection(*_GET_CONNECTION_ARGS)
+    Everything that decides the outcome is kept (see :func:`_exchange_on_pool`)."""
 
-    def send():
+    def exchange(conn):
         conn.send_command(*command)
         return conn.read_response()
+
+    return _exchange_on_pool(client, exchange)
+
+
+def _pipeline_on_pool(client, commands):
+    """Send ``commands`` in one write on a connection of ``client``'s pool, as
+    redis-py's ``Pipeline.execute(raise_on_error=False)`` does, less its bookkeeping
+    (about 30 µs of CPU for a BLPOP and an EVALSHA). Returns their replies in order;
+    an error reply (``NOSCRIPT``) is returned in its place, not raised: reading it
+    leaves the connection in step. A connection error or timeout is raised, and the
+    connection with replies still pending is dropped (see _exchange_on_pool)."""
+
+    def exchange(conn):
+        conn.send_packed_command(conn.pack_commands(commands))
+        replies = []
+        for _ in commands:
+            try:
+                replies.append(conn.read_response())
+            except redis.exceptions.ResponseError as error:
+                replies.append(error)
+        return replies
+
+    return _exchange_on_pool(client, exchange)
+
+
+def _exchange_on_pool(client, exchange):
+    """Run ``exchange(connection)`` on a connection of ``client``'s pool. Kept from
+    redis-py: the connection's health check before sending (in ``send_*``), its
+    disconnect on any error while sending or reading (a broken connection never goes
+    back to the pool with a reply pending), and the retry policy as that redis-py
+    version applies it (none on our own client, see _no_retry; a shared django-redis
+    pool's own)."""
+    pool = client.connection_pool
+    conn = pool.get_connection(*_GET_CONNECTION_ARGS)
 
     if _RETRY_ONLY_ON_LISTED_ERRORS:
         # redis-py < 6 retries only the errors in the connection's retry_on_error
@@ -528,7 +539,7 @@ def _send_on_pool(client, *command):
             conn.disconnect()
 
     try:
-        return conn.retry.call_with_retry(send, failed)
+        return conn.retry.call_with_retry(lambda: exchange(conn), failed)
     finally:
         if _should_reconnect(conn):  # a server maintenance notice (redis-py >= 7)
             conn.disconnect()
@@ -1122,14 +1133,8 @@ class RedisBackend(BaseLockBackend):
         timeout = _block_timeout(conn, max_wait, retry_after)
         if timeout is None:
             return None
-        inbox = self._inbox_key(name, token)
-        started = time.monotonic()
         with _ReportedAs(self, "wait for", name, shared=False):
-            message = await conn.waits.wait(inbox, timeout)
-            if message is not None and _is_claim_notice(message):
-                timeout = _claim_timeout(conn, _left(max_wait, started))
-                if timeout is not None:
-                    await conn.waits.wait(inbox, timeout)
+            await conn.waits.wait(self._inbox_key(name, token), timeout)
         return None
 
     def _keys(self, name):
@@ -1532,16 +1537,8 @@ class RedisBackend(BaseLockBackend):
             timeout = _block_timeout(conn, max_wait, retry_after)
             if timeout is None:
                 return None
-            started = time.monotonic()
             try:
-                message, result = self._block_then_retry(conn, name, token, timeout, max_wait)
-                if result is None and message is not None and _is_claim_notice(message):
-                    # Handed to the waiter ahead of us: wait out its claim (a handoff
-                    # to us, or a release, still wakes us at once).
-                    left = _left(max_wait, started)
-                    timeout = _claim_timeout(conn, left)
-                    if timeout is not None:
-                        _, result = self._block_then_retry(conn, name, token, timeout, left)
+                result = self._block_then_retry(conn, name, token, timeout, max_wait)
             except self._network_errors:
                 return None
         if result is not None:
@@ -1550,20 +1547,29 @@ class RedisBackend(BaseLockBackend):
 
     def _block_then_retry(self, conn, name, token, timeout, max_wait):
         """``BLPOP`` our inbox for up to ``timeout`` s with our next ACQUIRE pipelined
-        behind it. Returns ``(message or None, AcquireResult.won(...) or None)``."""
+        behind it. Returns ``AcquireResult.won(...)`` if that attempt won, else None.
+        The message itself does not matter: a wake-up, or the token of a lock handed
+        to us, which the attempt confirms."""
         queued = self._queued.get(token)
         inbox = self._inbox_key(name, token)
         if queued is None:  # not queued by acquire() (a direct call): only block
-            reply = conn.client.blpop([inbox], timeout=timeout)
-            return (reply[1] if reply else None), None
+            conn.client.blpop([inbox], timeout=timeout)
+            return None
         ttl_ms, owner_json = queued
         keys = self._keys(name)
         wait_ms = -1 if max_wait is None else int(min(max(max_wait, 0), WAITER_MS / 1000) * 1000)
         args = [token, ttl_ms, owner_json, self.retention_ms, wait_ms]
-        with conn.client.pipeline(transaction=False) as pipe:
-            pipe.blpop([inbox], timeout=timeout)
-            pipe.execute_command("EVALSHA", conn.acquire.sha, len(keys), *keys, *args)
-            reply, attempt = pipe.execute(raise_on_error=False)
+        client = conn.client
+        attempt_command = ("EVALSHA", conn.acquire.sha, len(keys), *keys, *args)
+        if _sends_plainly(client):
+            reply, attempt = _pipeline_on_pool(
+                client, [("BLPOP", inbox, timeout), attempt_command]
+            )
+        else:
+            with client.pipeline(transaction=False) as pipe:
+                pipe.blpop([inbox], timeout=timeout)
+                pipe.execute_command(*attempt_command)
+                reply, attempt = pipe.execute(raise_on_error=False)
         if isinstance(reply, Exception):
             raise reply
         if isinstance(attempt, redis.exceptions.NoScriptError):
@@ -1571,4 +1577,4 @@ class RedisBackend(BaseLockBackend):
         elif isinstance(attempt, Exception):
             raise attempt
         won, value = attempt
-        return (reply[1] if reply else None), (AcquireResult.won(value) if won else None)
+        return AcquireResult.won(value) if won else None

@@ -114,11 +114,9 @@ WAITER_MS = 3000
 #: A lock handed to a waiter is first written for this long only (a *claim*): the
 #: waiter confirms it with its next ACQUIRE, which writes its whole ttl. A waiter that
 #: died while queued (SIGKILL, a gunicorn worker timeout) never confirms, so it holds
-#: the others up for this long, not for the ttl it asked for.
+#: the others up for about this long (see redis.WAIT_BLOCK), not for the ttl it asked
+#: for.
 CLAIM_MS = 500
-#: The message that tells the next waiter in line a lock was handed to the waiter
-#: ahead of it (see _GRANT): retry once that claim may have lapsed.
-CLAIM_NOTICE = b"claim"
 
 # Handing a free lock to the longest-waiting live waiter, shared by every script
 # that frees a held lock (release, force-release, clear, a waiter giving up).
@@ -141,8 +139,11 @@ CLAIM_NOTICE = b"claim"
 # The waiter gets a *claim*: the record expires after CLAIM_MS (or its ttl, if
 # shorter) and keeps the ttl it asked for in ``claim``; its next ACQUIRE (or
 # STOP_WAITING) under its token confirms it, writing now + ttl. A waiter that died
-# while queued never confirms, so the lock is free again after CLAIM_MS; the next
-# waiter in line is told so (CLAIM_NOTICE in its inbox) and retries right then.
+# while queued never confirms, so the lock is free again after CLAIM_MS. Nobody else
+# is woken: every waiter retries within WAIT_BLOCK anyway (redis._block_timeout), and
+# a retry that finds a claim waits for its end. Waking the next waiter in line at
+# every handoff, as this once did, cost a process wake-up per handoff for the rare
+# dead waiter.
 _GRANT = f"""
 local function notify(waiter, message, signal_ms)
   local inbox = string.sub(KEYS[1], 1, -5) .. 'inbox:' .. waiter
@@ -170,7 +171,6 @@ local function grant(last, retention_ms, signal_ms)
         local next_in_line = redis.call('ZRANGE', KEYS[3], 0, 0)
         if next_in_line[1] then
           redis.call('HSET', KEYS[1], 'queued', 1)  -- the next release hands it on
-          notify(next_in_line[1], '{CLAIM_NOTICE.decode()}', signal_ms)
         end
         redis.call('PEXPIRE', KEYS[1], claim + retention_ms)
         notify(waiter, fencing, signal_ms)
