@@ -131,7 +131,8 @@ def test_the_cleanup_runs_in_a_process_of_its_own(tmp_path):
     middle = in_cleanup_process(lambda: out.write_text(str(os.getpid())))
     assert middle is not None
     deadline = time.monotonic() + 10
-    while not out.exists() and time.monotonic() < deadline:
+    # Until the pid is written whole (the file exists, empty, while it is written).
+    while not (out.exists() and out.read_text()) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert int(out.read_text()) != os.getpid()
     assert threading.active_count() == threads

@@ -735,6 +735,136 @@ def test_an_execute_command_instrumented_at_run_time_gets_every_lock_command(
         backend.close()
 
 
+# -- our own client's connections -------------------------------------------------------
+
+
+def every_lock_command(backend, token):
+    """acquire, extend, owns, get, a queued waiter's wait and give-up, release."""
+    assert backend.acquire("n", token, 30, OWNER).acquired
+    assert backend.extend("n", token, 30)
+    assert backend.owns("n", token)
+    assert backend.get("n") is not None
+    assert not backend.acquire("n", f"{token}-waiter", 30, OWNER, wait=1).acquired
+    kwargs = {"token": f"{token}-waiter", "attempt": 0, "max_wait": 0.01, "retry_after": 30}
+    assert backend.wait("n", **kwargs) is None
+    assert backend.stop_waiting("n", f"{token}-waiter") is None
+    assert backend.release("n", token)
+
+
+def test_the_lock_commands_of_our_own_client_use_one_connection_beside_its_pool():
+    """Lock commands skip the pool's per-command checkout (its lock, pid check and
+    metrics): they run on connections kept beside it, one here, reused for every
+    command; close() disconnects them too."""
+    with RedisServer() as server:
+        backend = make_backend(server.url)
+        client = redis.Redis(port=server.port)
+        try:
+            for i in range(20):
+                every_lock_command(backend, f"tok{i}")
+            pool = backend.connection.client.connection_pool
+            assert not pool._in_use_connections and not pool._available_connections
+            assert client.info("clients")["connected_clients"] == 2  # ours and this one
+            assert calls(client, "config") == 1  # its eviction policy was read once
+        finally:
+            backend.close()
+        wait_until(
+            lambda: client.info("clients")["connected_clients"] == 1,
+            "close() to disconnect our connection",
+        )
+
+
+def test_a_forked_child_never_sends_on_the_parents_connection():
+    """The child of a fork inherits our idle connection; it must open its own. The
+    parent is blocked on that connection (a waiter's BLPOP) while the child locks:
+    had the child written to the same socket, its command would queue behind the
+    BLPOP and the two processes would read each other's replies."""
+    with RedisServer() as server:
+        backend = make_backend(server.url)
+        client = redis.Redis(port=server.port)
+        try:
+            assert backend.acquire("held", "holder", 30, OWNER).acquired
+            assert not backend.acquire("held", "waiter", 30, OWNER, wait=5).acquired
+            read_end, write_end = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: never return into pytest
+                outcome = b"E"
+                try:
+                    wait_until(lambda: client.info("clients")["blocked_clients"] == 1, "BLPOP")
+                    result = backend.acquire("child", "tok", 30, OWNER)
+                    released = backend.release("child", "tok")
+                    outcome = b"1" if result.acquired and released else b"0"
+                finally:
+                    os.write(write_end, outcome)
+                    os._exit(0)
+            kwargs = {"token": "waiter", "attempt": 0, "max_wait": 3, "retry_after": 30}
+            assert backend.wait("held", **kwargs) is None  # not handed the lock
+            os.waitpid(pid, 0)
+            assert os.read(read_end, 1) == b"1"
+            assert (
+                backend.owns("held", "holder") and backend.stop_waiting("held", "waiter") is None
+            )
+            assert backend.release("held", "holder")
+        finally:
+            backend.close()
+
+
+def test_threads_share_our_own_connections_without_mixing_replies():
+    """8 threads, each acquiring and releasing its own names: every reply is its
+    own (a connection is never used by two threads at once), and no more
+    connections are opened than threads ran at once."""
+    with RedisServer() as server:
+        backend = make_backend(server.url)
+        client = redis.Redis(port=server.port)
+        errors = []
+
+        def work(t):
+            try:
+                for i in range(150):
+                    name = f"t{t}:{i % 5}"
+                    result = backend.acquire(name, f"tok{t}:{i}", 30, OWNER)
+                    assert result.acquired, (name, result)
+                    assert backend.get(name).fencing_token == result.fencing_token
+                    assert backend.release(name, f"tok{t}:{i}")
+            except Exception:  # noqa: BLE001 - reported below
+                errors.append(traceback.format_exc())
+
+        try:
+            threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            assert errors == []
+            assert 2 <= client.info("clients")["connected_clients"] <= 9
+        finally:
+            backend.close()
+
+
+def test_our_own_client_keeps_its_connection_limit():
+    """CONNECTION_KWARGS' max_connections bounds the connections our lock commands
+    open, as it bounds the pool's: a second command while the only one is busy (a
+    waiter blocked on it) fails as the pool would, with LockBackendError."""
+    with RedisServer() as server:
+        backend = make_backend(server.url, CONNECTION_KWARGS={"max_connections": 1})
+        try:
+            assert backend.acquire("held", "holder", 30, OWNER).acquired
+            assert not backend.acquire("held", "waiter", 30, OWNER, wait=5).acquired
+            blocked = threading.Thread(
+                target=backend.wait,
+                args=("held",),
+                kwargs={"token": "waiter", "attempt": 0, "max_wait": 1.5, "retry_after": 30},
+            )
+            blocked.start()
+            client = redis.Redis(port=server.port)
+            wait_until(lambda: client.info("clients")["blocked_clients"] == 1, "the waiter")
+            with pytest.raises(LockBackendError, match="Too many connections"):
+                backend.acquire("other", "tok", 30, OWNER)
+            blocked.join(10)
+            assert backend.acquire("other", "tok", 30, OWNER).acquired  # free again
+        finally:
+            backend.close()
+
+
 # -- idle connections dropped by the server ---------------------------------------------
 
 

@@ -91,6 +91,7 @@ Connections of our own client (``LOCATION``) default to a ``socket_timeout`` of
 """
 
 import asyncio
+import functools
 import importlib
 import inspect
 import itertools
@@ -418,15 +419,105 @@ class _Connection:
         self.client = client
         self.owned = owned
         self.watch = watch
-        _bind_scripts(self, client, SCRIPTS)
+        self.links = _OwnConnections.of(client) if owned else None
+        _bind_scripts(self, client, SCRIPTS, self.links)
         self.max_block = _max_block(socket_timeout)
 
+    def close(self):
+        """Disconnect our own client: its pool, and the connections kept beside it."""
+        if self.links is not None:
+            self.links.close()
+        self.client.close()
 
-def _bind_scripts(connection, client, scripts):
+
+class _OwnConnections:
+    """The idle connections the lock commands of our own client use, kept beside its
+    pool rather than checked out of it for every command.
+
+    redis-py's ``get_connection`` and ``release`` take the pool's lock, check its
+    pid and update its metrics on every command: about 12 µs of CPU per command
+    with redis-py 8 (more on a busy machine), and an acquire + release sends two.
+    Here a command takes an idle connection of this process (``list.pop`` and
+    ``append`` are atomic: no lock) and, as the pool does, reconnects one that has
+    something to read while idle (the server closed it: a restart, its ``timeout``,
+    ``CLIENT KILL``). Connections are made as the pool makes them
+    (``connection_class(**connection_kwargs)``: the same server, timeouts, retry
+    policy, health checks and connect hook, so our eviction check runs on each), at
+    most the pool's ``max_connections`` of them per process. After a fork the child
+    drops each inherited connection as it meets it, closing only its own copy of
+    the socket (redis-py shuts a socket down only in the process that opened it), so
+    a parent and its child never read each other's replies.
+
+    Only for a plain ``redis.ConnectionPool`` speaking RESP2 without a client-side
+    cache (see :meth:`of`): a Sentinel pool (which finds the master), a blocking
+    pool, RESP3 (whose maintenance notices the pool applies to its own connections)
+    and a shared django-redis pool keep the pool's checkout.
+    """
+
+    __slots__ = ("_created", "_creating", "_idle", "_make", "_max", "_pid")
+
+    def __init__(self, pool):
+        self._make = functools.partial(pool.connection_class, **dict(pool.connection_kwargs))
+        self._max = pool.max_connections
+        self._idle = []
+        self._creating = threading.Lock()
+        self._created = 0
+        self._pid = _process.pid
+
+    @classmethod
+    def of(cls, client):
+        """The connections for ``client``'s lock commands, or None where its pool
+        must be used."""
+        pool = getattr(client, "connection_pool", None)
+        if type(pool) is not redis.ConnectionPool or getattr(pool, "cache", None) is not None:
+            return None
+        if str(pool.connection_kwargs.get("protocol", 2)) != "2":
+            return None
+        return cls(pool)
+
+    def take(self):
+        """An idle connection of this process, ready to send, or a new one (which
+        connects when it first sends)."""
+        idle = self._idle
+        while idle:
+            try:
+                conn = idle.pop()
+            except IndexError:
+                break
+            if conn.pid != _process.pid:
+                conn.disconnect()  # inherited across a fork: closes only our copy
+                continue
+            if conn._sock is not None:
+                try:
+                    readable = conn.can_read()
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+                    readable = True
+                if readable:
+                    conn.disconnect()  # the send reconnects
+            return conn
+        with self._creating:
+            if self._pid != _process.pid:  # forked: the parent's count is not ours
+                self._pid, self._created = _process.pid, 0
+            if self._created >= self._max:
+                raise _MAX_CONNECTIONS_ERROR("Too many connections")
+            self._created += 1
+        return self._make()
+
+    def give_back(self, conn):
+        self._idle.append(conn)
+
+    def close(self):
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.disconnect()
+
+
+def _bind_scripts(connection, client, scripts, links=None):
     """Register each script on ``client`` as an attribute of ``connection``: a
-    script object binds its client, so each connection has its own."""
+    script object binds its client, so each connection has its own. ``links``: our
+    own client's connections for them (see _OwnConnections), or None."""
     for attribute, source in scripts.items():
-        setattr(connection, attribute, _Script(client, source))
+        setattr(connection, attribute, _Script(client, source, links))
 
 
 class _Script:
@@ -442,11 +533,12 @@ class _Script:
     (see :func:`_send_on_pool`).
     """
 
-    __slots__ = ("client", "for_pipelines", "sha", "source")
+    __slots__ = ("client", "for_pipelines", "links", "sha", "source")
 
-    def __init__(self, client, source):
+    def __init__(self, client, source, links=None):
         self.client = client
         self.source = source
+        self.links = links
         self.for_pipelines = client.register_script(source)
         self.sha = self.for_pipelines.sha
 
@@ -454,16 +546,16 @@ class _Script:
         if client is not None:
             return self.for_pipelines(keys=keys, args=args, client=client)
         try:
-            return self._send(keys, args)
+            return self._send("EVALSHA", self.sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:
-            self.client.script_load(self.source)
-            return self._send(keys, args)
+            self._send("SCRIPT", "LOAD", self.source)
+            return self._send("EVALSHA", self.sha, len(keys), *keys, *args)
 
-    def _send(self, keys, args):
+    def _send(self, *command):
         client = self.client
         if _sends_plainly(client):
-            return _send_on_pool(client, "EVALSHA", self.sha, len(keys), *keys, *args)
-        return client.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+            return _send_on_pool(client, *command, links=self.links)
+        return client.execute_command(*command)
 
 
 def _sends_plainly(client):
@@ -484,20 +576,21 @@ def _sends_plainly(client):
     )
 
 
-def _send_on_pool(client, *command):
-    """Send ``command`` on a connection of ``client``'s pool and return its reply, as
-    redis-py's ``execute_command`` does, less its per-command bookkeeping (about 6 µs
-    of CPU per command with redis-py 8: observability hooks, its own closures).
-    Everything that decides the outcome is kept (see :func:`_exchange_on_pool`)."""
+def _send_on_pool(client, *command, links=None):
+    """Send ``command`` on a connection of ``client``'s pool (or of ``links``, see
+    _OwnConnections) and return its reply, as redis-py's ``execute_command`` does,
+    less its per-command bookkeeping (about 6 µs of CPU per command with redis-py 8:
+    observability hooks, its own closures). Everything that decides the outcome is
+    kept (see :func:`_exchange_on_pool`)."""
 
     def exchange(conn):
         conn.send_command(*command)
         return conn.read_response()
 
-    return _exchange_on_pool(client, exchange)
+    return _exchange_on_pool(client, exchange, links)
 
 
-def _pipeline_on_pool(client, commands):
+def _pipeline_on_pool(client, commands, links=None):
     """Send ``commands`` in one write on a connection of ``client``'s pool, as
     redis-py's ``Pipeline.execute(raise_on_error=False)`` does, less its bookkeeping
     (about 30 µs of CPU for a BLPOP and an EVALSHA). Returns their replies in order;
@@ -515,18 +608,22 @@ def _pipeline_on_pool(client, commands):
                 replies.append(error)
         return replies
 
-    return _exchange_on_pool(client, exchange)
+    return _exchange_on_pool(client, exchange, links)
 
 
-def _exchange_on_pool(client, exchange):
-    """Run ``exchange(connection)`` on a connection of ``client``'s pool. Kept from
-    redis-py: the connection's health check before sending (in ``send_*``), its
-    disconnect on any error while sending or reading (a broken connection never goes
-    back to the pool with a reply pending), and the retry policy as that redis-py
-    version applies it (none on our own client, see _no_retry; a shared django-redis
-    pool's own)."""
-    pool = client.connection_pool
-    conn = pool.get_connection(*_GET_CONNECTION_ARGS)
+def _exchange_on_pool(client, exchange, links=None):
+    """Run ``exchange(connection)`` on a connection of ``client``'s pool, or of
+    ``links`` (see _OwnConnections). Kept from redis-py: the connection's health
+    check before sending (in ``send_*``), its disconnect on any error while sending
+    or reading (a broken connection never goes back with a reply pending), and the
+    retry policy as that redis-py version applies it (none on our own client, see
+    _no_retry; a shared django-redis pool's own)."""
+    if links is not None:
+        pool = None
+        conn = links.take()
+    else:
+        pool = client.connection_pool
+        conn = pool.get_connection(*_GET_CONNECTION_ARGS)
 
     if _RETRY_ONLY_ON_LISTED_ERRORS:
         # redis-py < 6 retries only the errors in the connection's retry_on_error
@@ -540,10 +637,21 @@ def _exchange_on_pool(client, exchange):
 
     try:
         return conn.retry.call_with_retry(lambda: exchange(conn), failed)
+    except redis.exceptions.ResponseError:
+        raise  # an error reply (NOSCRIPT): read, so the connection is in step
+    except BaseException:
+        # Interrupted between a write and its read (KeyboardInterrupt, a signal
+        # handler's exception): a reply may still be on its way. redis-py drops a
+        # connection that fails inside its own calls; this covers the gaps between.
+        conn.disconnect()
+        raise
     finally:
         if _should_reconnect(conn):  # a server maintenance notice (redis-py >= 7)
             conn.disconnect()
-        pool.release(conn)
+        if pool is None:
+            links.give_back(conn)
+        else:
+            pool.release(conn)
 
 
 def _should_reconnect(conn):
@@ -600,6 +708,10 @@ def get_connection_args(pool_class):
 
 if redis is not None:
     _GET_CONNECTION_ARGS = get_connection_args(redis.ConnectionPool)
+    # What a full pool raises (a ConnectionError; its own class since redis-py 5.1).
+    _MAX_CONNECTIONS_ERROR = getattr(
+        redis.exceptions, "MaxConnectionsError", redis.exceptions.ConnectionError
+    )
 
 
 def _max_block(socket_timeout):
@@ -968,7 +1080,7 @@ class RedisBackend(BaseLockBackend):
             conn, self._conn = self._conn, None
             entries, self._async_conns = self._async_conns, {}
         if conn is not None and conn.owned:
-            conn.client.close()
+            conn.close()
         for loop, pid, async_conn in entries.values():
             # An open loop's sockets are that loop's to close (aclose); a closed
             # loop's can only be closed here.
@@ -1563,7 +1675,7 @@ class RedisBackend(BaseLockBackend):
         attempt_command = ("EVALSHA", conn.acquire.sha, len(keys), *keys, *args)
         if _sends_plainly(client):
             reply, attempt = _pipeline_on_pool(
-                client, [("BLPOP", inbox, timeout), attempt_command]
+                client, [("BLPOP", inbox, timeout), attempt_command], conn.links
             )
         else:
             with client.pipeline(transaction=False) as pipe:
