@@ -1099,7 +1099,10 @@ class RedisBackend(BaseLockBackend):
             else:
                 entry = None
         if entry is not None and entry[2] is not None:
-            await entry[2].client.aclose()
+            client = entry[2].client
+            await client.aclose()
+            # A client given its pool leaves it open on aclose(): the pool is ours.
+            await client.connection_pool.disconnect()
 
     # -- asyncio -------------------------------------------------------------------
 
