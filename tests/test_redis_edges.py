@@ -773,6 +773,30 @@ def test_the_lock_commands_of_our_own_client_use_one_connection_beside_its_pool(
         )
 
 
+def test_a_connection_whose_server_the_pool_moved_is_replaced():
+    """redis-py applies a maintenance MOVING notice (Redis Enterprise) by changing
+    the pool's host and its own connections: ours follow the pool's host too."""
+    with RedisServer() as server:
+        backend = make_backend(server.url)
+        client = redis.Redis(port=server.port)
+
+        def ours():
+            me = client.client_id()
+            return {c["id"] for c in client.client_list() if int(c["id"]) != me}
+
+        try:
+            every_lock_command(backend, "before")
+            before = ours()
+            pool = backend.connection.client.connection_pool
+            assert pool.connection_kwargs["host"] == "127.0.0.1"
+            pool.connection_kwargs["host"] = "localhost"  # the same server, moved
+            every_lock_command(backend, "after")
+            after = ours()
+            assert len(before) == len(after) == 1 and before != after
+        finally:
+            backend.close()
+
+
 def test_a_forked_child_never_sends_on_the_parents_connection():
     """The child of a fork inherits our idle connection; it must open its own. The
     parent is blocked on that connection (a waiter's BLPOP) while the child locks:

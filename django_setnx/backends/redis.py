@@ -91,7 +91,6 @@ Connections of our own client (``LOCATION``) default to a ``socket_timeout`` of
 """
 
 import asyncio
-import functools
 import importlib
 import inspect
 import itertools
@@ -440,24 +439,25 @@ class _OwnConnections:
     Here a command takes an idle connection of this process (``list.pop`` and
     ``append`` are atomic: no lock) and, as the pool does, reconnects one that has
     something to read while idle (the server closed it: a restart, its ``timeout``,
-    ``CLIENT KILL``). Connections are made as the pool makes them
-    (``connection_class(**connection_kwargs)``: the same server, timeouts, retry
-    policy, health checks and connect hook, so our eviction check runs on each), at
-    most the pool's ``max_connections`` of them per process. After a fork the child
-    drops each inherited connection as it meets it, closing only its own copy of
-    the socket (redis-py shuts a socket down only in the process that opened it), so
-    a parent and its child never read each other's replies.
+    ``CLIENT KILL``). Connections are made as the pool makes them, from its
+    current ``connection_kwargs`` (the same server, timeouts, retry policy, health
+    checks and connect hook, so our eviction check runs on each), at most the
+    pool's ``max_connections`` of them per process. One whose server address is no
+    longer the pool's (a maintenance ``MOVING`` notice of Redis Enterprise, which
+    redis-py applies to the pool and its own connections) is replaced. After a fork
+    the child drops each inherited connection as it meets it, closing only its own
+    copy of the socket (redis-py shuts a socket down only in the process that opened
+    it), so a parent and its child never read each other's replies.
 
-    Only for a plain ``redis.ConnectionPool`` speaking RESP2 without a client-side
-    cache (see :meth:`of`): a Sentinel pool (which finds the master), a blocking
-    pool, RESP3 (whose maintenance notices the pool applies to its own connections)
-    and a shared django-redis pool keep the pool's checkout.
+    Only for a plain ``redis.ConnectionPool`` without a client-side cache (see
+    :meth:`of`): a Sentinel pool (which finds the master), a blocking pool and a
+    shared django-redis pool keep the pool's checkout.
     """
 
-    __slots__ = ("_created", "_creating", "_idle", "_make", "_max", "_pid")
+    __slots__ = ("_created", "_creating", "_idle", "_max", "_pid", "_pool")
 
     def __init__(self, pool):
-        self._make = functools.partial(pool.connection_class, **dict(pool.connection_kwargs))
+        self._pool = pool
         self._max = pool.max_connections
         self._idle = []
         self._creating = threading.Lock()
@@ -470,8 +470,6 @@ class _OwnConnections:
         must be used."""
         pool = getattr(client, "connection_pool", None)
         if type(pool) is not redis.ConnectionPool or getattr(pool, "cache", None) is not None:
-            return None
-        if str(pool.connection_kwargs.get("protocol", 2)) != "2":
             return None
         return cls(pool)
 
@@ -487,6 +485,11 @@ class _OwnConnections:
             if conn.pid != _process.pid:
                 conn.disconnect()  # inherited across a fork: closes only our copy
                 continue
+            host = getattr(conn, "host", None)
+            if host != self._pool.connection_kwargs.get("host", host):
+                conn.disconnect()  # the server moved (see above): a new connection
+                self._forget_one()
+                continue
             if conn._sock is not None:
                 try:
                     readable = conn.can_read()
@@ -501,7 +504,12 @@ class _OwnConnections:
             if self._created >= self._max:
                 raise _MAX_CONNECTIONS_ERROR("Too many connections")
             self._created += 1
-        return self._make()
+        pool = self._pool
+        return pool.connection_class(**pool.connection_kwargs)
+
+    def _forget_one(self):
+        with self._creating:
+            self._created -= 1
 
     def give_back(self, conn):
         self._idle.append(conn)
