@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import Any
 
 from . import signals
-from .backends.aio import CancelledAfter
+from .backends.aio import completed_call
 from .backends.base import AcquireResult, LockInfo, OwnerRecord
 from .conf import DEFAULT_LOCK_ALIAS
 from .exceptions import LockBackendError, LockError, LockNotAcquired, LockNotOwned
@@ -528,13 +528,15 @@ class Lock:
         self._stop_renewer()
         try:
             released = await self.backend.arelease(record, token)
-        except CancelledAfter as cancelled:
-            # The release ran, then the cancellation came through: record what it
-            # did (this object no longer holds the lock) before ending cancelled.
-            with contextlib.suppress(LockNotOwned):
-                self._released(bool(cancelled.result))
-            raise
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as cancelled:
+            completed = completed_call(cancelled)
+            if completed is not None:
+                # The release ran, then the cancellation came through: record what
+                # it did (this object no longer holds the lock) before ending
+                # cancelled.
+                with contextlib.suppress(LockNotOwned):
+                    self._released(bool(completed[0]))
+                raise
             # Cancelled while the release was sent or answered: whether it ran is
             # unknown. Release again, to the end (token-checked: nothing happens if
             # the first one ran), so that this object no longer holds the lock.

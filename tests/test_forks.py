@@ -149,3 +149,55 @@ def test_a_forked_child_never_releases_the_parents_streaming_lock(shared_alias, 
     )
     response.close()
     assert not lock(name + "/parent/", backend=shared_alias).locked()
+
+
+def _fork_without_hooks():
+    """fork(2) through libc, as uWSGI forks its workers by default: the
+    ``os.register_at_fork`` hooks do not run in the child."""
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).fork()
+
+
+def _session_of(backend):
+    """The server session of this thread's lock connection (SQLite: the connection
+    object, which SQLite says never to use across a fork)."""
+    wrapper, raw = backend._connection()
+    if wrapper.vendor == "sqlite":
+        return id(raw)
+    query = (
+        "SELECT pg_backend_pid()" if wrapper.vendor == "postgresql" else "SELECT CONNECTION_ID()"
+    )
+    cursor = raw.cursor()
+    try:
+        cursor.execute(query)
+        return cursor.fetchone()[0]
+    finally:
+        cursor.close()
+
+
+@pytest.mark.parametrize("fork", [os.fork, _fork_without_hooks], ids=["os.fork", "no-fork-hooks"])
+def test_a_database_backends_child_opens_its_own_connection(db_alias, name, fork):
+    """After a fork, with or without fork hooks (uWSGI's default runs none), the
+    child's lock operations run on a connection of its own, never on the session
+    its parent opened; the parent's session carries on."""
+    backend = locks[db_alias]
+    with lock(name, ttl=10, backend=db_alias, timeout=5):
+        pass
+    parents = _session_of(backend)
+    read_end, write_end = os.pipe()
+    pid = fork()
+    if pid == 0:  # the child: never return into pytest
+        outcome = b"E"
+        try:
+            with lock(f"{name}:child", ttl=10, backend=db_alias, timeout=5):
+                pass
+            outcome = b"1" if _session_of(backend) != parents else b"0"
+        finally:
+            os.write(write_end, outcome)
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read_end, 1) == b"1"
+    assert _session_of(backend) == parents
+    with lock(name, ttl=10, backend=db_alias, timeout=5) as lk:
+        assert lk.owned()

@@ -163,6 +163,44 @@ def test_a_killed_waiter_holds_the_next_caller_up_for_a_claim_not_its_ttl(
 @pytest.mark.skipif(
     "redis" not in settings.TEST_BACKENDS, reason="redis is not in settings.TEST_BACKENDS"
 )
+def test_waiters_killed_together_hold_the_live_ones_up_for_a_bounded_time(name, spawn, env):
+    """Two waiters SIGKILLed while queued, two live ones behind them; each live one
+    holds the lock briefly. The lock passes down the queue (a dead waiter handed
+    it only gets a claim) and both live waiters have had it within about
+    WAITER_MS + WAIT_BLOCK (2.4 s) of the release, not after a dead one's ttl."""
+    import threading
+
+    from django_setnx.backends.redis import WAIT_BLOCK
+    from django_setnx.backends.redis_scripts import WAITER_MS
+
+    holder = lock(name, ttl=60, backend="redis")
+    assert holder.acquire(blocking=False)
+    for _ in range(2):
+        _queue_a_waiter_and_kill_it(spawn, env, name, ttl=30)
+    got = []
+
+    def live_waiter():
+        lk = lock(name, ttl=10, backend="redis")
+        if lk.acquire(timeout=15):
+            got.append(time.monotonic())
+            time.sleep(0.05)
+            lk.release()
+
+    threads = [threading.Thread(target=live_waiter) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.1)  # queued in this order, behind the dead ones
+    released_at = time.monotonic()
+    holder.release()
+    for thread in threads:
+        thread.join(20)
+    assert len(got) == 2, "a live waiter never got the lock"
+    assert max(got) - released_at < WAITER_MS / 1000 + WAIT_BLOCK + 0.5
+
+
+@pytest.mark.skipif(
+    "redis" not in settings.TEST_BACKENDS, reason="redis is not in settings.TEST_BACKENDS"
+)
 def test_a_killed_waiter_whose_place_lapsed_is_skipped(name, spawn, env):
     """Once the dead waiter's place lapsed (WAITER_MS after its last attempt), a
     release skips it: the lock is free at once."""

@@ -301,6 +301,85 @@ def test_lock_commands_skip_the_pools_checkout_and_aclose_reaches_their_connecti
     run(main())
 
 
+def test_aclose_reaches_the_connections_of_commands_in_flight(name):
+    """aclose() while lock commands are being written (owner records of 2 MB): the
+    connections they hold are disconnected too, not left open once they finish."""
+    with RedisServer() as server:
+        backend = RedisBackend("inflight", {"BACKEND": BACKEND, "LOCATION": server.url})
+        admin = redis.Redis(port=server.port)
+
+        def ours():
+            return admin.info("clients")["connected_clients"] - 1
+
+        async def main():
+            assert (await backend.aacquire("warm", "t", 30, {"x": 1})).acquired
+            pool = backend._aconnection().client.connection_pool
+            big = {"x": "y" * 2_000_000}
+            tasks = [
+                asyncio.ensure_future(backend.aacquire(f"{name}:{i}", "t", 30, big))
+                for i in range(8)
+            ]
+            deadline = time.monotonic() + 10
+            while len(pool._in_use_connections) < 8:  # each holds a connection, in use
+                assert time.monotonic() < deadline, "the commands never took connections"
+                await asyncio.sleep(0)
+            await backend.aclose()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            assert not any(c.is_connected for c in pool._available_connections)
+            assert not any(c.is_connected for c in pool._in_use_connections)
+
+        try:
+            run(main())
+            # The acquire that failed undid itself on a new client of the loop
+            # (aclose() forgot the old one): close() closes that closed loop's too.
+            backend.close()
+            wait_until_true(lambda: ours() == 0, "our connections to close")
+        finally:
+            backend.close()
+            admin.close()
+
+
+def test_a_lock_call_cut_off_by_a_timeout_raises_timeout_error(name):
+    """``asyncio.timeout()`` (``wait_for`` before 3.11) around a lock call that it
+    cuts off raises TimeoutError: the cancellation a call re-raises after the
+    command ran (see aio) is a plain CancelledError, which Python 3.11's timeout
+    recognises (it turns only that exact class into TimeoutError)."""
+    import random
+
+    timeout = getattr(asyncio, "timeout", None)
+
+    async def bounded(call, seconds):
+        if timeout is None:
+            return await asyncio.wait_for(call, seconds)
+        async with timeout(seconds):
+            return await call
+
+    async def main():
+        lk = lock(name, ttl=30, backend="redis")
+        assert await lk.aacquire(blocking=False)
+        cut = 0
+        for _ in range(1500):
+            try:
+                await bounded(lk.aowned(), random.uniform(0, 0.0004))
+            except TimeoutError:
+                cut += 1
+            # Anything else (a CancelledError escaping the timeout) fails the test.
+        assert cut > 0
+        assert asyncio.current_task().cancelling() == 0 if timeout else True
+        assert await lk.aowned()
+        await lk.arelease()
+        await locks["redis"].aclose()
+
+    run(main())
+
+
+def wait_until_true(predicate, what, timeout=10):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
 def test_idle_connections_dropped_by_the_server_are_replaced(name):
     """The server closes the loop's idle connections (CLIENT KILL, as its
     ``timeout`` or a restart would): the next calls reconnect instead of failing,

@@ -797,11 +797,21 @@ def test_a_connection_whose_server_the_pool_moved_is_replaced():
             backend.close()
 
 
-def test_a_forked_child_never_sends_on_the_parents_connection():
+def fork_without_hooks():
+    """fork(2) through libc, as uWSGI forks its workers by default: the
+    ``os.register_at_fork`` hooks do not run in the child."""
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).fork()
+
+
+@pytest.mark.parametrize("fork", [os.fork, fork_without_hooks], ids=["os.fork", "no-fork-hooks"])
+def test_a_forked_child_never_sends_on_the_parents_connection(fork):
     """The child of a fork inherits our idle connection; it must open its own. The
     parent is blocked on that connection (a waiter's BLPOP) while the child locks:
     had the child written to the same socket, its command would queue behind the
-    BLPOP and the two processes would read each other's replies."""
+    BLPOP and the two processes would read each other's replies. Also when the fork
+    runs no fork hooks (uWSGI's default)."""
     with RedisServer() as server:
         backend = make_backend(server.url)
         client = redis.Redis(port=server.port)
@@ -809,7 +819,7 @@ def test_a_forked_child_never_sends_on_the_parents_connection():
             assert backend.acquire("held", "holder", 30, OWNER).acquired
             assert not backend.acquire("held", "waiter", 30, OWNER, wait=5).acquired
             read_end, write_end = os.pipe()
-            pid = os.fork()
+            pid = fork()
             if pid == 0:  # the child: never return into pytest
                 outcome = b"E"
                 try:

@@ -40,19 +40,28 @@ def cancellations() -> int:
     return cancelling() if cancelling is not None else 0
 
 
-class CancelledAfter(asyncio.CancelledError):
-    """A cancellation that ``wait_for`` dropped, raised again once the call it
-    interrupted had completed: ``result`` is what that call returned (the script
-    ran), for a caller that must finish its bookkeeping before it ends cancelled."""
-
-    def __init__(self, result: Any) -> None:
-        super().__init__()
-        self.result = result
+#: The attribute of a CancelledError raised by :func:`raise_lost_cancellation`:
+#: ``(result,)`` of the call that completed before the cancellation came through.
+_COMPLETED = "django_setnx_completed"
 
 
 def raise_lost_cancellation(before: int, result: Any = None) -> None:
-    """Raise :class:`CancelledAfter` (carrying ``result``) if the current task was
-    cancelled since :func:`cancellations` returned ``before`` and the error never
-    reached it (a cancellation that was delivered and handled was uncancelled)."""
+    """Raise ``asyncio.CancelledError`` if the current task was cancelled since
+    :func:`cancellations` returned ``before`` and the error never reached it (a
+    cancellation that was delivered and handled was uncancelled). The error carries
+    ``result``, what the interrupted call returned (it ran), for a caller that must
+    finish its bookkeeping before it ends cancelled (:func:`completed_call`). It is
+    a plain ``CancelledError``, not a subclass: ``asyncio.timeout()`` of Python
+    3.11 turns only that exact class into ``TimeoutError``."""
     if cancellations() > before:
-        raise CancelledAfter(result)
+        error = asyncio.CancelledError()
+        setattr(error, _COMPLETED, (result,))
+        raise error
+
+
+def completed_call(error: BaseException) -> tuple[Any] | None:
+    """``(result,)`` if ``error`` was raised by :func:`raise_lost_cancellation`
+    after the call it interrupted had completed, else None (whether it ran is
+    unknown)."""
+    completed = getattr(error, _COMPLETED, None)
+    return completed if isinstance(completed, tuple) else None

@@ -233,6 +233,10 @@ class DatabaseBackend(BaseLockBackend):
         self._prepared = False
         self._next_purge = 0.0  # monotonic time of the next purge of old stale rows
         self._local = threading.local()
+        # The process the connections are of: a fork hook (_forget_connections_after_fork)
+        # resets them in a child, and _connection() checks too, for a fork that
+        # runs no hook (uWSGI's default).
+        self._pid = os.getpid()
         self._dialect = None
         # Every wrapper we opened, to close them all from close() (any thread).
         self._wrappers = weakref.WeakSet()
@@ -273,6 +277,7 @@ class DatabaseBackend(BaseLockBackend):
     def _forget_connections(self):
         """In a forked child (see ``_forget_connections_after_fork``): never use the
         parent's connections again, and never close them either."""
+        self._pid = os.getpid()
         with contextlib.suppress(Exception):
             for wrapper in list(self._wrappers):
                 raw, wrapper.connection = wrapper.connection, None
@@ -326,6 +331,8 @@ class DatabaseBackend(BaseLockBackend):
         """This thread's ``(wrapper, raw connection)``, connected. A connection that
         sat idle for ``health_check_after`` seconds is checked first (one round
         trip) and replaced if the server dropped it; a busy one is used as it is."""
+        if self._pid != os.getpid():  # forked without a fork hook (uWSGI's default)
+            self._forget_connections()
         wrapper = getattr(self._local, "wrapper", None)
         if wrapper is None:
             wrapper = self._new_wrapper()

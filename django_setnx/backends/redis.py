@@ -184,7 +184,8 @@ SORT_SCAN_CALLS = 25
 #: after being handed the lock costs the others: the lock is free again CLAIM_MS
 #: after the handoff, and each live waiter finds out at its next retry, at most
 #: WAIT_BLOCK after the handoff (a retry during the claim waits for its end). So a
-#: dead waiter costs at most about max(CLAIM_MS, WAIT_BLOCK), with no wake-up sent.
+#: dead waiter costs at most about max(CLAIM_MS, WAIT_BLOCK), with no wake-up sent
+#: (and waiters killed together, until their places lapse: see WAITER_MS).
 WAIT_BLOCK = 0.9
 WAIT_JITTER = 0.6
 
@@ -330,21 +331,6 @@ def _no_retry():
     return Retry(NoBackoff(), 0)
 
 
-class _Process:
-    """This process' pid, kept up to date across forks without a getpid() call per
-    operation (a child must not use its parent's asyncio connections)."""
-
-    pid = os.getpid()
-
-    @classmethod
-    def forked(cls):
-        cls.pid = os.getpid()
-
-
-_process = _Process
-os.register_at_fork(after_in_child=_Process.forked)
-
-
 #: The scripts a connection registers, by the attribute that holds them.
 SCRIPTS = {
     operation: getattr(redis_scripts, operation.upper())
@@ -442,9 +428,10 @@ class _OwnConnections:
     ``CLIENT KILL``). Connections are made as the pool makes them, from its
     current ``connection_kwargs`` (the same server, timeouts, retry policy, health
     checks and connect hook, so our eviction check runs on each), at most the
-    pool's ``max_connections`` of them per process. One whose server address is no
-    longer the pool's (a maintenance ``MOVING`` notice of Redis Enterprise, which
-    redis-py applies to the pool and its own connections) is replaced. After a fork
+    pool's ``max_connections`` of them per process. One made before the pool took
+    a maintenance ``MOVING`` notice of Redis Enterprise (which redis-py applies to
+    the pool and its own connections: a new host, or the notice's mark) is
+    replaced at its next use. After a fork
     the child drops each inherited connection as it meets it, closing only its own
     copy of the socket (redis-py shuts a socket down only in the process that opened
     it), so a parent and its child never read each other's replies.
@@ -454,15 +441,16 @@ class _OwnConnections:
     shared django-redis pool keep the pool's checkout.
     """
 
-    __slots__ = ("_created", "_creating", "_idle", "_max", "_pid", "_pool")
+    __slots__ = ("_closed", "_created", "_creating", "_idle", "_max", "_pid", "_pool")
 
     def __init__(self, pool):
         self._pool = pool
         self._max = pool.max_connections
         self._idle = []
+        self._closed = False
         self._creating = threading.Lock()
         self._created = 0
-        self._pid = _process.pid
+        self._pid = os.getpid()
 
     @classmethod
     def of(cls, client):
@@ -476,45 +464,81 @@ class _OwnConnections:
     def take(self):
         """An idle connection of this process, ready to send, or a new one (which
         connects when it first sends)."""
+        pid = os.getpid()  # not a fork hook's: uWSGI forks without running them
+        if self._pid != pid:
+            self._forked(pid)
         idle = self._idle
         while idle:
             try:
                 conn = idle.pop()
             except IndexError:
                 break
-            if conn.pid != _process.pid:
-                conn.disconnect()  # inherited across a fork: closes only our copy
-                continue
-            host = getattr(conn, "host", None)
-            if host != self._pool.connection_kwargs.get("host", host):
-                conn.disconnect()  # the server moved (see above): a new connection
-                self._forget_one()
-                continue
-            if conn._sock is not None:
-                try:
-                    readable = conn.can_read()
-                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
-                    readable = True
-                if readable:
-                    conn.disconnect()  # the send reconnects
+            try:
+                if conn.pid != pid:
+                    conn.disconnect()  # inherited across a fork: closes only our copy
+                    continue
+                if self._moved(conn):
+                    conn.disconnect()  # the server moved (see above): a new connection
+                    self._count(-1)
+                    continue
+                if conn._sock is not None:
+                    try:
+                        readable = conn.can_read()
+                    except (
+                        redis.exceptions.ConnectionError,
+                        redis.exceptions.TimeoutError,
+                        OSError,
+                    ):
+                        readable = True
+                    if readable:
+                        conn.disconnect()  # the send reconnects
+            except BaseException:
+                # Interrupted (a signal handler's exception): keep the connection,
+                # dropped, rather than lose it and its place under max_connections.
+                conn.disconnect()
+                idle.append(conn)
+                raise
             return conn
-        with self._creating:
-            if self._pid != _process.pid:  # forked: the parent's count is not ours
-                self._pid, self._created = _process.pid, 0
-            if self._created >= self._max:
-                raise _MAX_CONNECTIONS_ERROR("Too many connections")
-            self._created += 1
-        pool = self._pool
-        return pool.connection_class(**pool.connection_kwargs)
+        self._count(+1)
+        try:
+            pool = self._pool
+            return pool.connection_class(**pool.connection_kwargs)
+        except BaseException:
+            self._count(-1)
+            raise
 
-    def _forget_one(self):
+    def _forked(self, pid):
+        """First use in a forked child: the parent's count is not ours, and the
+        lock may have been held by another thread of the parent at the fork."""
+        self._creating = threading.Lock()
+        self._created = 0
+        self._pid = pid
+
+    def _count(self, change):
         with self._creating:
-            self._created -= 1
+            if change > 0 and self._created >= self._max:
+                raise _MAX_CONNECTIONS_ERROR("Too many connections")
+            self._created += change
+
+    def _moved(self, conn):
+        """Whether the pool's server address or maintenance notice changed since
+        ``conn`` was made (a MOVING notice changes the pool's host, or only marks it
+        with the notice's hash when the endpoint stays: redis-py then reconnects its
+        own connections)."""
+        kwargs = self._pool.connection_kwargs
+        host = getattr(conn, "host", None)
+        notice = getattr(conn, "maintenance_notification_hash", None)
+        return host != kwargs.get("host", host) or notice != kwargs.get(
+            "maintenance_notification_hash", notice
+        )
 
     def give_back(self, conn):
+        if self._closed:
+            conn.disconnect()  # close() ran while it was in use
         self._idle.append(conn)
 
     def close(self):
+        self._closed = True
         idle, self._idle = self._idle, []
         for conn in idle:
             conn.disconnect()
@@ -1092,7 +1116,7 @@ class RedisBackend(BaseLockBackend):
         for loop, pid, async_conn in entries.values():
             # An open loop's sockets are that loop's to close (aclose); a closed
             # loop's can only be closed here.
-            if loop.is_closed() and pid == _process.pid and async_conn is not None:
+            if loop.is_closed() and pid == os.getpid() and async_conn is not None:
                 _close_sockets_of(async_conn.client)
 
     async def aclose(self):
@@ -1107,10 +1131,12 @@ class RedisBackend(BaseLockBackend):
             else:
                 entry = None
         if entry is not None and entry[2] is not None:
+            from .redis_asyncio import close_pool
+
             client = entry[2].client
             await client.aclose()
             # A client given its pool leaves it open on aclose(): the pool is ours.
-            await client.connection_pool.disconnect()
+            await close_pool(client.connection_pool)
 
     # -- asyncio -------------------------------------------------------------------
 
@@ -1121,22 +1147,22 @@ class RedisBackend(BaseLockBackend):
         run the sync ones in threads."""
         loop = asyncio.get_running_loop()
         entry = self._async_conns.get(id(loop))
-        if entry is None or entry[0] is not loop or entry[1] != _process.pid:
+        if entry is None or entry[0] is not loop or entry[1] != os.getpid():
             sync = self._built_connection()
             with self._conn_lock:
                 entry = self._async_conns.get(id(loop))
-                if entry is None or entry[0] is not loop or entry[1] != _process.pid:
+                if entry is None or entry[0] is not loop or entry[1] != os.getpid():
                     # A loop's client keeps its loop alive (its connections'
                     # transports refer to it), so entries never go by themselves:
                     # each new loop drops those of the loops that have been closed
                     # (asyncio.run and async_to_sync make one per call), and closes
                     # their sockets, which no closed loop can do any more.
                     for key, (other, pid, conn) in list(self._async_conns.items()):
-                        if other.is_closed() or pid != _process.pid:
+                        if other.is_closed() or pid != os.getpid():
                             del self._async_conns[key]
-                            if pid == _process.pid and conn is not None:
+                            if pid == os.getpid() and conn is not None:
                                 _close_sockets_of(conn.client)
-                    entry = (loop, _process.pid, self._async_connect(sync))
+                    entry = (loop, os.getpid(), self._async_connect(sync))
                     self._async_conns[id(loop)] = entry
         return entry[2]
 

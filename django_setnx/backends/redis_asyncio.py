@@ -132,7 +132,7 @@ class BoundedScript:
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
         self.slots = slots
-        self.idle = _idle_connections_of(self.pool)
+        self.direct = _can_take_directly(self.pool)
 
     async def __call__(self, keys, args=()):
         before = cancellations()
@@ -171,29 +171,40 @@ class BoundedScript:
 
     async def _take(self):
         """A connection of the pool, ready to send. Taken from the pool's idle list
-        directly where we can (see _idle_connections_of): ``get_connection`` and
+        directly where we can (see _can_take_directly): ``get_connection`` and
         ``release`` take the pool's asyncio lock and update its metrics, about 13 µs
         of CPU per command with redis-py 8. The pool's own readiness check
         (``ensure_connection``: connect, and reconnect one with something to read)
         still runs."""
-        idle = self.idle
-        if idle is None:
-            return await self.pool.get_connection(*GET_CONNECTION_ARGS)
-        connection = idle.pop() if idle else self.pool.make_connection()
+        pool = self.pool
+        if not self.direct:
+            return await pool.get_connection(*GET_CONNECTION_ARGS)
+        idle = pool._available_connections
+        connection = idle.pop() if idle else pool.make_connection()
+        # In use, as the pool counts it: its disconnect() (aclose) and its handling
+        # of a maintenance notice (MOVING: a new host) reach the connection too.
+        pool._in_use_connections.add(connection)
         try:
-            await self.pool.ensure_connection(connection)
+            await pool.ensure_connection(connection)
         except BaseException:
-            idle.append(connection)  # as the pool's get_connection releases it
+            self._give_back_now(connection)  # as the pool's get_connection releases it
             raise
         return connection
 
     async def _give_back(self, connection):
-        if self.idle is None:
+        if not self.direct:
             await self.pool.release(connection)
             return
-        if _should_reconnect(connection):  # a server maintenance notice
+        if _should_reconnect(connection) or is_closed(self.pool):
+            # A server maintenance notice, or aclose() ran while this command was
+            # in flight (the connection may have been connecting then, out of the
+            # disconnect's reach).
             await connection.disconnect()
-        self.idle.append(connection)
+        self._give_back_now(connection)
+
+    def _give_back_now(self, connection):
+        self.pool._in_use_connections.discard(connection)
+        self.pool._available_connections.append(connection)
 
     async def _run(self, connection, keys, args):
         command = ("EVALSHA", self.sha, len(keys), *keys, *args)
@@ -261,19 +272,35 @@ async def _send_packed(connection, writer, packed):
         raise
 
 
-def _idle_connections_of(pool):
-    """The idle-connection list of ``pool`` (one our client made: a plain
-    ``redis.asyncio.ConnectionPool``, unbounded), for BoundedScript to take from
-    and give back to without the pool's lock and metrics; None on a redis-py whose
-    pool has no such list or no ``ensure_connection``. Connections in the list are
-    the pool's own: ``get_connection`` (the loop's waits) uses them too, and the
-    pool's ``disconnect`` (``aclose()``) reaches them."""
-    idle = getattr(pool, "_available_connections", None)
-    if type(pool) is not async_connection.ConnectionPool or not isinstance(idle, list):
-        return None
-    if not hasattr(pool, "ensure_connection"):
-        return None
-    return idle
+def _can_take_directly(pool):
+    """Whether BoundedScript may take connections of ``pool`` (one our client made:
+    a plain ``redis.asyncio.ConnectionPool``, unbounded) from its idle list and give
+    them back without the pool's lock and metrics: False on a redis-py whose pool
+    has no such list, no in-use set or no ``ensure_connection``. The connections
+    stay the pool's own: ``get_connection`` (the loop's waits) uses them too, and a
+    taken one is in the in-use set, so the pool's ``disconnect`` (``aclose()``) and
+    maintenance notices reach every one of them."""
+    return (
+        type(pool) is async_connection.ConnectionPool
+        and isinstance(getattr(pool, "_available_connections", None), list)
+        and isinstance(getattr(pool, "_in_use_connections", None), set)
+        and hasattr(pool, "ensure_connection")
+    )
+
+
+#: The attribute marking a loop's pool that RedisBackend.aclose() closed.
+_CLOSED = "django_setnx_closed"
+
+
+async def close_pool(pool):
+    """Disconnect ``pool`` (a loop's, built by async_client_from) for good: its
+    connections, and those of lock commands still in flight when they end."""
+    setattr(pool, _CLOSED, True)
+    await pool.disconnect()
+
+
+def is_closed(pool):
+    return getattr(pool, _CLOSED, False)
 
 
 def _should_reconnect(connection):

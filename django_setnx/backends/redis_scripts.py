@@ -106,11 +106,13 @@ end
 
 
 #: Longest a waiter stays queued without retrying. A live waiter re-registers on
-#: every refused attempt, at least every ``WAIT_BLOCK`` seconds, so it never lapses;
-#: a waiter that died lapses within this, and a release never hands the lock to it
-#: afterwards (it could before: then the lock sits unused until its ttl ends, as
-#: with a holder that crashed).
-WAITER_MS = 3000
+#: every refused attempt, at least every ``WAIT_BLOCK`` (0.9) seconds, so it never
+#: lapses (one paused longer only loses its place: it queues again at the back); a
+#: waiter that died lapses within this, and a release never hands the lock to it
+#: afterwards. Before that, a release may hand it the lock as a claim, which costs
+#: the live waiters up to about WAIT_BLOCK each time: so waiters killed together
+#: cost them at most about WAITER_MS + WAIT_BLOCK in all.
+WAITER_MS = 1500
 #: A lock handed to a waiter is first written for this long only (a *claim*): the
 #: waiter confirms it with its next ACQUIRE, which writes its whole ttl. A waiter that
 #: died while queued (SIGKILL, a gunicorn worker timeout) never confirms, so it holds

@@ -74,20 +74,6 @@ class Failure:
         return f"{self.label}: {self.reason}"
 
 
-#: This process' pid, kept current by os.register_at_fork (os.getpid() is a system
-#: call, and Server.take runs once per server per round).
-_pid = os.getpid()
-
-
-def _forked():
-    global _pid
-    _pid = os.getpid()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forked)
-
-
 class _Link:
     """A connected redis-py connection and, on the fast path, its non-blocking
     socket, our own hiredis reader of it and a buffer to receive into."""
@@ -125,12 +111,13 @@ class Server:
 
     def take(self):
         """A connected link of this process, idle or new (connecting may raise)."""
+        pid = os.getpid()  # not a fork hook's: uWSGI forks without running them
         while True:
             try:
                 link = self._idle.pop()  # list.pop/append are atomic: thread-safe
             except IndexError:
                 break
-            if link.conn.pid == _pid:
+            if link.conn.pid == pid:
                 return link
             link.conn.disconnect()  # inherited across a fork: closes only our copy
         conn = self._new_connection()
