@@ -334,7 +334,8 @@ def test_a_release_before_the_waiter_blocks_is_not_lost(make_backend):
     handed = backend.wait(
         "n", token="waiter", attempt=0, max_wait=None, retry_after=contended.retry_after
     )
-    assert time.monotonic() - started < 1
+    # Under the shortest wait without a wake-up (WAIT_JITTER * WAIT_BLOCK, 0.54 s).
+    assert time.monotonic() - started < 0.5
     assert handed.acquired
     assert backend.get("n").fencing_token == handed.fencing_token
     assert backend.get("n").expires_in > 29  # the whole ttl, not the claim
