@@ -1146,23 +1146,24 @@ class RedisBackend(BaseLockBackend):
         Cluster, a custom CLIENT_CLASS: see redis_asyncio); the async methods then
         run the sync ones in threads."""
         loop = asyncio.get_running_loop()
+        me = os.getpid()  # not a fork hook's: uWSGI forks without running them
         entry = self._async_conns.get(id(loop))
-        if entry is None or entry[0] is not loop or entry[1] != os.getpid():
+        if entry is None or entry[0] is not loop or entry[1] != me:
             sync = self._built_connection()
             with self._conn_lock:
                 entry = self._async_conns.get(id(loop))
-                if entry is None or entry[0] is not loop or entry[1] != os.getpid():
+                if entry is None or entry[0] is not loop or entry[1] != me:
                     # A loop's client keeps its loop alive (its connections'
                     # transports refer to it), so entries never go by themselves:
                     # each new loop drops those of the loops that have been closed
                     # (asyncio.run and async_to_sync make one per call), and closes
                     # their sockets, which no closed loop can do any more.
                     for key, (other, pid, conn) in list(self._async_conns.items()):
-                        if other.is_closed() or pid != os.getpid():
+                        if other.is_closed() or pid != me:
                             del self._async_conns[key]
-                            if pid == os.getpid() and conn is not None:
+                            if pid == me and conn is not None:
                                 _close_sockets_of(conn.client)
-                    entry = (loop, os.getpid(), self._async_connect(sync))
+                    entry = (loop, me, self._async_connect(sync))
                     self._async_conns[id(loop)] = entry
         return entry[2]
 

@@ -26,7 +26,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from .aio import cancellations, raise_lost_cancellation, wait_at_most
-from .redis import get_connection_args
+from .redis import _should_reconnect, get_connection_args
 
 #: The connection settings carried over from the sync client's pool (what a user
 #: sets through LOCATION and CONNECTION_KWARGS); redis-py's internal objects of the
@@ -301,11 +301,6 @@ async def close_pool(pool):
 
 def is_closed(pool):
     return getattr(pool, _CLOSED, False)
-
-
-def _should_reconnect(connection):
-    check = getattr(connection, "should_reconnect", None)
-    return bool(check is not None and check())
 
 
 def _closed_by_server(connection):
