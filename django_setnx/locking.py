@@ -367,10 +367,15 @@ class Lock:
                 record,
                 {"attempt": calls.waits, "max_wait": max_wait, "retry_after": result.retry_after},
             )
-            if handed is not None:  # a release handed the lock to us
+            calls.waits += 1
+            if handed is None:
+                continue
+            if handed.acquired:  # a release handed the lock to us
                 calls.queued = None
                 return handed
-            calls.waits += 1
+            # The backend made our next attempt at the end of its wait (see
+            # BaseLockBackend.wait), and it was refused: it is this loop's next result.
+            first = (handed, max_wait)
 
     def adopt(self, token: str) -> bool:
         """Take over an acquisition made elsewhere under ``token``: for integrations

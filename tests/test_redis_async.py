@@ -29,6 +29,18 @@ from tests.servers import RedisServer
 BACKEND = "django_setnx.backends.redis.RedisBackend"
 
 
+def backend_on(server, alias, **connection_kwargs):
+    """A RedisBackend ``alias`` on a private ``server``, with CONNECTION_KWARGS."""
+    return RedisBackend(
+        alias,
+        {
+            "BACKEND": BACKEND,
+            "LOCATION": server.url,
+            "OPTIONS": {"CONNECTION_KWARGS": connection_kwargs},
+        },
+    )
+
+
 def run(coroutine):
     return asyncio.run(coroutine)
 
@@ -236,6 +248,115 @@ def test_a_command_the_kernel_cannot_take_at_once_is_bounded_by_the_socket_timeo
         backend.close()
 
 
+#: The socket_timeout of the backend of ``stoppable``.
+SOCKET_TIMEOUT = 0.5
+
+
+@pytest.fixture
+def stoppable():
+    """A backend (alias ``stopped``, socket_timeout SOCKET_TIMEOUT) on a private
+    server, and ``stopped()``: a context in which that server is SIGSTOPped (it
+    takes commands and never answers)."""
+    with RedisServer() as server:
+        backend = backend_on(server, "stopped", socket_timeout=SOCKET_TIMEOUT)
+
+        @contextlib.contextmanager
+        def stopped():
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                yield
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+
+        yield backend, stopped
+        backend.close()
+
+
+def test_replies_that_do_not_come_time_out_each_after_its_own_socket_timeout(stoppable):
+    """The replies to lock scripts are timed by one timer per event loop, not one per
+    command (see redis_asyncio.ReadDeadlines). Calls that start at different times,
+    to a server that stopped, each fail with LockBackendError after its own
+    ``socket_timeout``: the timer sets itself again for the later deadlines. The
+    callers' tasks are left with no pending cancellation, and calls made after the
+    server is back succeed on new connections."""
+    backend, stopped = stoppable
+
+    async def warm(i):
+        assert (await backend.aacquire(f"warm{i}", "tok", 30, {})).acquired
+        assert await backend.arelease(f"warm{i}", "tok")
+
+    async def release_timed(i):
+        await asyncio.sleep(0.2 * i)
+        started = time.monotonic()
+        with pytest.raises(LockBackendError, match="'stopped'.*Timeout reading"):
+            await backend.arelease(f"late{i}", "tok")
+        cancelling = getattr(asyncio.current_task(), "cancelling", lambda: 0)()
+        return time.monotonic() - started, cancelling
+
+    async def main():
+        await asyncio.gather(*(warm(i) for i in range(5)))  # five idle connections
+        with stopped():
+            outcomes = await asyncio.wait_for(
+                asyncio.gather(*(release_timed(i) for i in range(5))), 30
+            )
+        for took, cancelling in outcomes:
+            assert SOCKET_TIMEOUT - 0.05 <= took < SOCKET_TIMEOUT + 0.4, outcomes
+            assert cancelling == 0, outcomes
+        assert (await backend.aacquire("after", "tok", 30, {})).acquired
+        assert await backend.arelease("after", "tok")
+        await backend.aclose()
+
+    run(main())
+
+
+@pytest.mark.skipif(
+    not hasattr(redis.asyncio.connection.AbstractConnection, "update_current_socket_timeout"),
+    reason="this redis-py has no maintenance notices",
+)
+def test_a_maintenance_notice_relaxes_the_timeout_of_a_read_in_flight(stoppable):
+    """redis-py relaxes the timeout of the read in flight when the server announces
+    maintenance (RESP3 push; here the call its handler makes): a lock command's read
+    timed by ReadDeadlines is relaxed too, and times out at the new deadline."""
+    backend, stopped = stoppable
+
+    async def main():
+        assert await backend.arelease("warm", "tok") is False  # one idle connection
+        pool = backend._aconnection().client.connection_pool
+        with stopped():
+            started = time.monotonic()
+            call = asyncio.ensure_future(backend.arelease("x", "tok"))
+            await asyncio.sleep(0.2)
+            (connection,) = pool._in_use_connections
+            connection.update_current_socket_timeout(1.5)  # from now on
+            with pytest.raises(LockBackendError, match="Timeout reading"):
+                await call
+            took = time.monotonic() - started
+        assert 1.6 <= took < 2.2, took
+        await backend.aclose()
+
+    run(main())
+
+
+def test_a_callers_cancellation_during_a_timed_read_stays_a_cancellation(stoppable):
+    """A caller's own cancellation of a lock call whose reply is awaited (here from
+    a server that stopped) reaches it as CancelledError, not as the read's timeout,
+    and the next call works."""
+    backend, stopped = stoppable
+
+    async def main():
+        assert await backend.arelease("warm", "tok") is False  # one idle connection
+        with stopped():
+            call = asyncio.ensure_future(backend.arelease("x", "tok"))
+            await asyncio.sleep(0.1)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+        assert await backend.arelease("x", "tok") is False
+        await backend.aclose()
+
+    run(main())
+
+
 @pytest.mark.parametrize("encoding", ["utf-8", "latin-1"])
 def test_sync_and_async_callers_exclude_each_other_whatever_the_encoding(encoding):
     """A lock name is the same key to the sync client and to the asyncio one, also
@@ -243,14 +364,7 @@ def test_sync_and_async_callers_exclude_each_other_whatever_the_encoding(encodin
     hiredis where it is installed, which writes UTF-8 whatever that option says:
     the asyncio client packs as it does)."""
     with RedisServer() as server:
-        backend = RedisBackend(
-            "encoded",
-            {
-                "BACKEND": BACKEND,
-                "LOCATION": server.url,
-                "OPTIONS": {"CONNECTION_KWARGS": {"encoding": encoding}},
-            },
-        )
+        backend = backend_on(server, "encoded", encoding=encoding)
         owner = {"host": "test", "pid": 1, "thread": "t"}
         names = ["plain", "é-ß", "ÿ"]
 

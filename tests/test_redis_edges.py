@@ -1039,3 +1039,26 @@ def test_a_connection_argument_redis_py_does_not_take_is_named(private_redis, lo
         assert list(client.scan_iter("setnx-edge:*")) == []
     finally:
         backend.close()
+
+
+def test_a_waiting_cycle_is_one_blocking_read_and_one_attempt(private_redis):
+    """A waiter's next attempt goes out right behind its BLPOP (see
+    RedisBackend.wait); when that attempt is refused, its refusal is the waiter's
+    next result, so the waiter blocks again at once instead of sending an attempt of
+    its own: one EVALSHA per BLPOP, plus the first attempt and the withdrawal."""
+    server, client = private_redis
+    params = {"BACKEND": BACKEND, "LOCATION": server.url, "KEY_PREFIX": "setnx-edge"}
+    with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "private": params}):
+        holder = lock("n", ttl=30, backend="private")
+        assert holder.acquire(blocking=False)
+        client.config_resetstat()
+        waiter = lock("n", ttl=30, backend="private")
+        assert waiter.acquire(timeout=3) is False
+        stats = client.info("commandstats")
+        blocking_reads = stats["cmdstat_blpop"]["calls"]
+        # A script's first EVALSHA on this server fails (NOSCRIPT) and is sent again.
+        attempts = stats["cmdstat_evalsha"]["calls"] - stats["cmdstat_evalsha"]["failed_calls"]
+        assert blocking_reads >= 3, blocking_reads  # waits of at most WAIT_BLOCK
+        assert attempts == blocking_reads + 2, (blocking_reads, attempts)
+        holder.release()
+        locks.close_all()

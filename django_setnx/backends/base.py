@@ -575,8 +575,13 @@ class BaseLockBackend:
         ``token`` is the caller's, as in its refused :meth:`acquire`. Returns None
         (the caller retries), or ``AcquireResult.won(fencing)`` when a backend that
         queues waiters handed the lock to this caller while it waited (it holds the
-        lock). The default sleeps :meth:`retry_delay`; backends that can be woken by
-        a release override it. Returning early is always allowed.
+        lock). A backend that made the caller's next attempt itself at the end of
+        the wait (Redis sends it right behind its blocking read) returns that
+        attempt's result, won or refused: the caller takes a refusal as the result
+        of its next :meth:`acquire` (queued again, with its ``retry_after``) and
+        waits again without making one. The default sleeps :meth:`retry_delay`;
+        backends that can be woken by a release override it. Returning early is
+        always allowed.
         """
         time.sleep(self.retry_delay(token, attempt, max_wait, retry_after))
         return None

@@ -381,12 +381,13 @@ class _AsyncConnection:
     its coroutines (see redis_asyncio.InboxWaits)."""
 
     def __init__(self, client, socket_timeout, key_prefix):
-        from .redis_asyncio import IN_FLIGHT, BoundedScript, InboxWaits
+        from .redis_asyncio import IN_FLIGHT, BoundedScript, InboxWaits, ReadDeadlines
 
         self.client = client
         slots = asyncio.Semaphore(IN_FLIGHT)
+        deadlines = ReadDeadlines(asyncio.get_running_loop())
         for attribute, source in ASYNC_SCRIPTS.items():
-            setattr(self, attribute, BoundedScript(client, source, slots))
+            setattr(self, attribute, BoundedScript(client, source, slots, deadlines))
         self.max_block = _max_block(socket_timeout)
         self.waits = InboxWaits(
             client, f"{key_prefix}:waits:{secrets.token_hex(8)}", self.max_block
@@ -1677,7 +1678,9 @@ class RedisBackend(BaseLockBackend):
         process has even woken up, so a handoff costs one wake-up, not a wake-up and
         a round trip. That attempt confirms a lock handed to us (a claim, see _GRANT),
         takes over one whose claim lapsed, or queues us again. Returns
-        ``AcquireResult.won(fencing)`` when it won; else None (the caller retries).
+        ``AcquireResult.won(fencing)`` when it won, its refusal (``AcquireResult.lost``:
+        it queued us again, so the caller waits again without an attempt of its own)
+        when it did not, None if no attempt was made (the caller retries).
         Also None when the connection broke while blocked: the retry reconnects and
         finds out (an attempt that ran before the reply was lost left our token on
         the lock, which ACQUIRE recognises; if the server is down, it raises
@@ -1691,13 +1694,14 @@ class RedisBackend(BaseLockBackend):
                 result = self._block_then_retry(conn, name, token, timeout, max_wait)
             except self._network_errors:
                 return None
-        if result is not None:
+        if result is not None and result.acquired:
             self._queued.pop(token, None)
         return result
 
     def _block_then_retry(self, conn, name, token, timeout, max_wait):
         """``BLPOP`` our inbox for up to ``timeout`` s with our next ACQUIRE pipelined
-        behind it. Returns ``AcquireResult.won(...)`` if that attempt won, else None.
+        behind it. Returns that attempt's AcquireResult, won or refused, or None if
+        none was made.
         The message itself does not matter: a wake-up, or the token of a lock handed
         to us, which the attempt confirms."""
         queued = self._queued.get(token)
@@ -1727,4 +1731,4 @@ class RedisBackend(BaseLockBackend):
         elif isinstance(attempt, Exception):
             raise attempt
         won, value = attempt
-        return AcquireResult.won(value) if won else None
+        return AcquireResult.won(value) if won else AcquireResult.lost(retry_after=value / 1000)

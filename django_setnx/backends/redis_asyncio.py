@@ -115,11 +115,12 @@ class BoundedScript:
     shared by the loop's scripts) while it runs.
 
     The command goes straight to the connection (written as ``send_command`` would,
-    see _send_packed, then ``read_response``: what ``Redis.execute_command`` does
-    underneath, without its retry wrapper, which our client disables anyway, and its
-    per-command hooks): a round trip through ``redis.asyncio`` costs more than one
-    through the sync client, and this keeps the difference to the event loop's own
-    share. A connection the server dropped while it was idle is replaced before
+    see _send_packed, and its reply read as ``read_response`` would, with one timer
+    per loop instead of one per command, see ReadDeadlines: what
+    ``Redis.execute_command`` does underneath, without its retry wrapper, which our
+    client disables anyway, and its per-command hooks): a round trip through
+    ``redis.asyncio`` costs more than one through the sync client, and this keeps
+    the difference to the event loop's own share. A connection the server dropped while it was idle is replaced before
     anything is sent on it (``_closed_by_server``). A script missing on the server
     (a restart, ``SCRIPT FLUSH``) is loaded and run again, as redis-py's
     ``Script`` does. A connection whose reply was not read in full (an error other
@@ -127,11 +128,12 @@ class BoundedScript:
     so no reply can reach the next command.
     """
 
-    def __init__(self, client, source, slots):
+    def __init__(self, client, source, slots, deadlines=None):
         self.pool = client.connection_pool
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
         self.slots = slots
+        self.deadlines = deadlines
         self.direct = _can_take_directly(self.pool)
 
     async def __call__(self, keys, args=()):
@@ -217,7 +219,9 @@ class BoundedScript:
             else:
                 packed = connection.pack_command(*command)
             await _send_packed(connection, writer, packed)
-        return await connection.read_response()
+        if self.deadlines is None:
+            return await connection.read_response()
+        return await self.deadlines.read_reply(connection)
 
 
 try:
@@ -270,6 +274,141 @@ async def _send_packed(connection, writer, packed):
     except BaseException:
         await connection.disconnect(nowait=True)
         raise
+
+
+class _Read:
+    """A reply awaited by ``task`` until ``deadline`` (loop time; None: no limit)."""
+
+    __slots__ = ("deadlines", "deadline", "task", "expired")
+
+    def __init__(self, deadlines, deadline, task):
+        self.deadlines = deadlines
+        self.deadline = deadline
+        self.task = task
+        self.expired = False
+
+    def reschedule(self, deadline):
+        """Move the deadline (``asyncio.Timeout``'s method, which redis-py calls on
+        the read in flight when a maintenance notice relaxes or restores the
+        connection's timeout)."""
+        self.deadline = deadline
+        if deadline is not None:
+            self.deadlines.arm(deadline)
+
+
+class ReadDeadlines:
+    """``socket_timeout`` on the replies to one event loop's lock scripts, kept by
+    one timer for all of them.
+
+    redis.asyncio's ``read_response`` enters an ``asyncio.timeout`` for every reply:
+    a timer scheduled and cancelled per command, a good part of what an
+    uncontended ``aacquire`` + ``arelease`` costs more than the sync pair. A lock
+    command's reply takes well under a millisecond and the timeout is seconds, so
+    instead the reads in flight are noted (:meth:`read_reply`) and one timer, set
+    for the earliest deadline, looks at them when it fires: a read past its deadline
+    has its task cancelled, and that cancellation becomes redis-py's
+    ``TimeoutError``, when the per-command timer would have fired. The timer then
+    sets itself for the next deadline, if a read is in flight: it fires about once
+    per ``socket_timeout`` while commands keep coming, never while idle. A read in
+    flight is the connection's ``_active_read_timeout``, as redis-py's timeout is,
+    so that a maintenance notice (RESP3) still relaxes it.
+
+    Telling our cancellation from the caller's takes ``Task.uncancel`` (Python
+    3.11+); without it, replies are read through ``read_response``.
+    """
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.reads = set()
+        self.timer = None
+
+    async def read_reply(self, connection):
+        """The reply to the command just sent on ``connection`` (an error reply is
+        raised, as ``read_response`` does). Raises redis-py's ``TimeoutError`` when
+        none came within the connection's ``socket_timeout`` and ``ConnectionError``
+        when the connection broke; either way, and on a cancellation, the connection
+        is disconnected (a reply may still be on its way)."""
+        timeout = connection.socket_timeout
+        if timeout is None or not _CAN_UNCANCEL:
+            return await connection.read_response()
+        loop = self.loop
+        task = asyncio.current_task()
+        cancelling = task.cancelling()
+        read = _Read(self, loop.time() + timeout, task)
+        self.reads.add(read)
+        self.arm(read.deadline)
+        if _RELAXES_READS:
+            connection._active_read_timeout = read
+        try:
+            if connection.protocol in (3, "3"):
+                response = await connection._parser.read_response(
+                    disable_decoding=False, push_request=False
+                )
+            else:
+                response = await connection._parser.read_response(disable_decoding=False)
+        except asyncio.CancelledError:
+            await connection.disconnect(nowait=True)
+            if read.expired and task.uncancel() <= cancelling:
+                raise redis.exceptions.TimeoutError(
+                    f"Timeout reading from {_host_of(connection)}"
+                ) from None
+            raise
+        except OSError as exc:
+            await connection.disconnect(nowait=True)
+            raise redis.exceptions.ConnectionError(
+                f"Error while reading from {_host_of(connection)} : {exc.args}"
+            ) from exc
+        except BaseException:
+            await connection.disconnect(nowait=True)
+            raise
+        finally:
+            if _RELAXES_READS:
+                connection._active_read_timeout = None
+            self.reads.discard(read)
+        if connection.health_check_interval:
+            connection.next_health_check = loop.time() + connection.health_check_interval
+        if isinstance(response, redis.exceptions.ResponseError):
+            raise response from None
+        return response
+
+    def arm(self, deadline):
+        """Make sure the timer fires by ``deadline``."""
+        timer = self.timer
+        if timer is None or deadline < timer.when():
+            if timer is not None:
+                timer.cancel()
+            self.timer = self.loop.call_at(deadline, self._expire)
+
+    def _expire(self):
+        """The timer: cancel the reads past their deadline, and set the timer for
+        the earliest of the others."""
+        self.timer = None
+        now = self.loop.time()
+        earliest = None
+        for read in self.reads:
+            deadline = read.deadline
+            if deadline is None:
+                continue
+            if deadline <= now:
+                if not read.expired:
+                    read.expired = True
+                    read.task.cancel()
+            elif earliest is None or deadline < earliest:
+                earliest = deadline
+        if earliest is not None:
+            self.timer = self.loop.call_at(earliest, self._expire)
+
+
+#: Whether a task can tell our cancellation from its caller's (Python 3.11+).
+_CAN_UNCANCEL = hasattr(asyncio.Task, "uncancel")
+#: Whether redis-py's maintenance notices relax the timeout of a read in flight (its
+#: ``_active_read_timeout``, redis-py 7+).
+_RELAXES_READS = hasattr(async_connection.AbstractConnection, "_reschedule_active_read_timeout")
+
+
+def _host_of(connection):
+    host_error = getattr(connection, "_host_error", None)
+    return host_error() if host_error is not None else "the Redis server"
 
 
 def _can_take_directly(pool):
