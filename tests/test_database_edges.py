@@ -606,6 +606,9 @@ def test_a_silent_server_fails_the_connect_within_the_timeout(make_backend, temp
         ({"OPERATION_TIMEOUT": float("inf")}, "OPERATION_TIMEOUT"),
         ({"HEALTH_CHECK_AFTER": -1}, "HEALTH_CHECK_AFTER"),
         ({"HEALTH_CHECK_AFTER": True}, "HEALTH_CHECK_AFTER"),
+        ({"LOCAL_WAKEUPS": "no"}, "LOCAL_WAKEUPS"),
+        ({"SQLITE_SYNCHRONOUS": "OFF"}, "SQLITE_SYNCHRONOUS"),
+        ({"SQLITE_SYNCHRONOUS": 1}, "SQLITE_SYNCHRONOUS"),
     ],
 )
 def test_bad_connection_options_are_named(options, named):
@@ -762,6 +765,26 @@ def test_sqlite_inside_a_write_transaction_says_what_to_do(name, make_backend):
     assert "inside a transaction" in message
     assert "Take the lock before the transaction writes" in message
     assert "release it after the commit" in message
+
+
+@needs("default" in _aliases("sqlite"))
+@pytest.mark.parametrize("choice, expected", [(None, 1), ("FULL", 2), ("extra", 3)])
+def test_sqlite_lock_connection_commits_without_an_fsync_unless_told(
+    make_backend, name, choice, expected
+):
+    """In WAL mode our own connection commits with ``synchronous=NORMAL`` (1) unless
+    ``OPTIONS["SQLITE_SYNCHRONOUS"]`` says otherwise; Django's connections keep
+    their own setting (FULL, 2, by default)."""
+    options = {} if choice is None else {"SQLITE_SYNCHRONOUS": choice}
+    backend = make_backend("default", **options)
+    assert backend.acquire(name, "tok", 30, OWNER).acquired
+    _, raw = backend._connection()
+    assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert raw.execute("PRAGMA synchronous").fetchone()[0] == expected
+    with connections["default"].cursor() as cursor:
+        cursor.execute("PRAGMA synchronous")
+        assert cursor.fetchone()[0] == 2
+    assert backend.release(name, "tok")
 
 
 def test_a_deeply_nested_owner_is_unreadable_not_a_crash(db_alias, name):

@@ -21,6 +21,7 @@ from tests.backend_sql import run_sql
 
 DB_ALIASES = [a for a in ("default", "postgres", "mysql") if a in settings.CONTRACT_ALIASES]
 PG = [a for a in DB_ALIASES if a == "postgres"]
+LOCAL = [a for a in DB_ALIASES if a != "postgres"]  # woken by db_local_wakeups
 
 pytestmark = pytest.mark.django_db(transaction=True, databases="__all__")
 
@@ -116,6 +117,42 @@ def test_a_release_in_another_process_wakes_a_postgres_waiter_at_once(
     assert child.exitcode == 0
     assert got_it - release_at < 1.0, got_it - release_at
     assert backend._listener is not None and backend._listener.ready_at is not None
+    waiter.release()
+
+
+@pytest.mark.parametrize("backend_alias", LOCAL)
+def test_a_release_in_another_process_of_this_host_wakes_a_waiter_at_once(
+    backend_alias, name, spawn, monkeypatch
+):
+    """SQLite and MySQL cannot notify, but a process of this host that leaves the lock
+    to our waiter sends it a datagram (db_local_wakeups). The waiter polls only every
+    30 s here: it gets the lock well within a second of the release only because it
+    was woken."""
+    monkeypatch.setattr(database, "HEAD_POLL", 30.0)
+    monkeypatch.setattr(database, "HEAD_POLL_MAX", 30.0)
+    backend = locks[backend_alias]
+    holder = lock(name, ttl=60, backend=backend_alias)
+    assert holder.acquire(blocking=False)
+    ready = spawn.ctx.Event()
+    released_at = spawn.ctx.Value("d", 0.0)
+    child = spawn(
+        workers.release_when_told,
+        workers.child_environment(),
+        backend_alias,
+        name,
+        holder._token,
+        ready,
+        0.4,  # the waiter is next in line by then, and its place is fresh
+        released_at,
+    )
+    assert ready.wait(60), "the child did not start"
+    waiter = lock(name, ttl=30, backend=backend_alias)
+    assert waiter.acquire(timeout=20)
+    got_it = time.time()
+    child.join(20)
+    assert child.exitcode == 0
+    assert got_it - released_at.value < 0.5, got_it - released_at.value
+    assert backend._local_listener is not None and backend._local_listener.path is not None
     waiter.release()
 
 
@@ -267,6 +304,53 @@ def _wait_in_forked_child(backend_alias, name, result):
     lk = child_lock(name, ttl=30, backend=backend_alias)
     result.put(lk.acquire(timeout=20))
     lk.release()
+
+
+def _wait_in_forked_child_and_time_it(backend_alias, name, result):
+    from django_setnx import lock as child_lock
+
+    lk = child_lock(name, ttl=30, backend=backend_alias)
+    acquired = lk.acquire(timeout=20)
+    result.put((acquired, time.time()))
+    lk.release()
+
+
+@pytest.mark.parametrize("backend_alias", LOCAL)
+def test_a_forked_child_binds_its_own_wakeup_socket(backend_alias, name, monkeypatch):
+    """The parent listens for wake-ups from this host's other processes; a forked
+    child that waits binds a socket of its own (it never reads or removes the
+    parent's) and is woken through it by the parent's release, while the parent's
+    socket stays in place."""
+    monkeypatch.setattr(database, "HEAD_POLL", 30.0)
+    monkeypatch.setattr(database, "HEAD_POLL_MAX", 30.0)
+    backend = locks[backend_alias]
+    backend.get(name)  # connected: the channel is known from the first connection
+    backend._listen_locally()
+    parent_socket = backend._local_listener.path
+    assert parent_socket is not None and os.path.exists(parent_socket)
+    holder = lock(name, ttl=30, backend=backend_alias)
+    assert holder.acquire(blocking=False)
+    ctx = multiprocessing.get_context("fork")
+    result = ctx.Queue()
+    child = ctx.Process(
+        target=_wait_in_forked_child_and_time_it, args=(backend_alias, name, result)
+    )
+    child.start()
+    time.sleep(0.5)  # the child is next in line, its place fresh (it lapses after 1 s)
+    holder.release()
+    released_at = time.time()
+    acquired, got_it = result.get(timeout=25)
+    child.join(10)
+    assert acquired is True
+    assert got_it - released_at < 0.5, got_it - released_at
+    assert backend._local_listener.path == parent_socket and os.path.exists(parent_socket)
+    directory = os.path.dirname(parent_socket)
+    [child_socket] = [s for s in os.listdir(directory) if s.startswith(f"{child.pid}-")]
+    # The child ended without removing it (os._exit: no atexit): the next sender
+    # finds that it refuses, and removes it.
+    backend._wake_locally(name)
+    assert child_socket not in os.listdir(directory)
+    assert os.path.exists(parent_socket)
 
 
 @pytest.mark.parametrize("backend_alias", PG)

@@ -718,22 +718,60 @@ def test_an_asyncio_connection_to_a_server_that_may_evict_is_refused(evicting_re
     backend.close()
 
 
-def test_sentinel_and_cluster_clients_fall_back_to_threads():
-    """A client redis.asyncio cannot mirror (here: a custom CLIENT_CLASS) makes the
-    async methods run the sync ones in threads, still correct."""
+def custom_client_alias():
+    """Settings with a lock alias ``custom`` whose client redis.asyncio cannot mirror
+    (a custom CLIENT_CLASS, as Sentinel and Cluster): its async calls use threads."""
     params = {
         "BACKEND": BACKEND,
         "LOCATION": settings.SETNX_LOCKS["redis"]["LOCATION"],
         "KEY_PREFIX": "setnx-custom",
         "OPTIONS": {"CLIENT_CLASS": "tests.test_redis_async.custom_client"},
     }
-    with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "custom": params}):
+    return override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "custom": params})
+
+
+def test_sentinel_and_cluster_clients_fall_back_to_threads():
+    """A client redis.asyncio cannot mirror (here: a custom CLIENT_CLASS) makes the
+    async methods run the sync ones in threads, still correct."""
+    with custom_client_alias():
 
         async def main():
             assert locks["custom"]._aconnection() is None
             lk = lock("fallback", ttl=30, backend="custom")
             assert await lk.aacquire(blocking=False)
             await lk.arelease()
+
+        run(main())
+        locks["custom"].close()
+
+
+def test_a_waiter_cancelled_on_the_thread_fallback_leaves_no_lock_behind(name):
+    """Without an asyncio client (a custom CLIENT_CLASS, Sentinel, Cluster) a waiter
+    waits in a thread, its BLPOP with its next attempt behind it. Cancelled while it
+    blocks, it withdraws at once; the thread's attempt, which may still run and win
+    after the holder's release, is released when the thread ends: the lock is free,
+    not held by nobody for its ttl."""
+    with custom_client_alias():
+
+        async def main():
+            backend = locks["custom"]
+            assert backend._aconnection() is None
+            for attempt in range(3):
+                record = f"{name}:{attempt}"
+                holder = lock(record, ttl=20, backend="custom")
+                assert await holder.aacquire(blocking=False)
+                waiter = asyncio.ensure_future(
+                    lock(record, ttl=20, backend="custom").aacquire(timeout=10)
+                )
+                await asyncio.sleep(0.2)  # blocked in BLPOP, in a thread
+                waiter.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await waiter
+                await holder.arelease()
+                await asyncio.sleep(1.5)  # past WAIT_BLOCK: the thread's attempt ran
+                info = await backend.aget(record)
+                assert info is None or not info.is_held, (attempt, info)
+                assert await lock(record, ttl=5, backend="custom").aacquire(blocking=False)
 
         run(main())
         locks["custom"].close()

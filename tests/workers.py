@@ -183,6 +183,23 @@ def release_at(env, alias, name, token, when):
     os._exit(0)
 
 
+def release_when_told(env, alias, name, token, ready, delay, released_at):
+    """Set ``ready`` once set up, then release ``name`` (held under ``token`` by the
+    parent) ``delay`` seconds later; put time.time() after the release into
+    ``released_at`` (a multiprocessing Value)."""
+    _setup(env)
+    from django_setnx import locks
+
+    backend = locks[alias]
+    backend.get(name)  # connected before the clock starts
+    ready.set()
+    time.sleep(delay)
+    if not backend.release(name, token):
+        os._exit(2)
+    released_at.value = time.time()
+    os._exit(0)
+
+
 def wait_and_report(env, alias, name, safety_poll, queued, answer):
     """Wait for ``name`` (polling only every ``safety_poll`` s on PostgreSQL); put
     time.time() into ``answer`` as soon as it is ours, then release it."""

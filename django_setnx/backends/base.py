@@ -611,10 +611,16 @@ class BaseLockBackend:
         max_wait: float | None,
         retry_after: float | None,
     ) -> AcquireResult | None:
-        """Async twin of :meth:`wait`."""
+        """Async twin of :meth:`wait`. A backend that wakes its waiters waits in a
+        thread; if the caller is cancelled meanwhile, whatever the wait's own attempt
+        won is released when it ends (see :meth:`_undone_if_cancelled`)."""
         if self.wakes_waiters:
-            return await sync_to_async(self.wait, thread_sensitive=False)(
-                name, token=token, attempt=attempt, max_wait=max_wait, retry_after=retry_after
+            return await self._undone_if_cancelled(
+                lambda: self.wait(
+                    name, token=token, attempt=attempt, max_wait=max_wait, retry_after=retry_after
+                ),
+                name,
+                token,
             )
         await asyncio.sleep(self.retry_delay(token, attempt, max_wait, retry_after))
         return None
@@ -629,25 +635,40 @@ class BaseLockBackend:
         ends, the thread itself undoes it (releases what it won, or withdraws the
         place next in line a refused attempt took), even if the event loop is gone
         by then (``asyncio.run`` cancels, then waits for its executor's threads)."""
+        result = await self._undone_if_cancelled(
+            lambda: self.acquire(name, token, ttl, owner, wait), name, token
+        )
+        assert result is not None  # acquire() always returns an AcquireResult
+        return result
+
+    async def _undone_if_cancelled(
+        self, attempt: Callable[[], AcquireResult | None], name: str, token: str
+    ) -> AcquireResult | None:
+        """Run ``attempt`` (an acquire, or a wait that may end with one) in a thread
+        and return its result. A caller cancelled meanwhile does not stop it: when it
+        ends, the thread itself undoes what it did (see :meth:`_undo_attempt`), even
+        if the event loop is gone by then (``asyncio.run`` cancels, then waits for its
+        executor's threads)."""
         guard = threading.Lock()
         state: dict[str, Any] = {}
 
-        def attempt() -> AcquireResult:
-            result = self.acquire(name, token, ttl, owner, wait)
+        def guarded() -> AcquireResult | None:
+            result = attempt()
             with guard:
+                state["done"] = True
                 state["result"] = result
                 abandoned = state.get("abandoned", False)
-            if abandoned:
+            if abandoned and result is not None:
                 self._undo_attempt(name, token, result)
             return result
 
-        future = asyncio.get_running_loop().run_in_executor(None, attempt)
+        future = asyncio.get_running_loop().run_in_executor(None, guarded)
         try:
             return await future
         except asyncio.CancelledError:
             with guard:
                 state["abandoned"] = True
-                finished = state.get("result")
+                finished = state.get("result") if state.get("done") else None
             if finished is not None:
                 # It ended just before the cancellation reached us: undo it here, in
                 # a thread (a database backend refuses sync calls in the loop).
@@ -659,9 +680,9 @@ class BaseLockBackend:
             raise
 
     def _undo_attempt(self, name: str, token: str, result: AcquireResult) -> None:
-        """After a cancelled acquire: release what its attempt won, or withdraw the
-        place next in line a refused attempt may have queued for (a release would
-        otherwise be left to a caller that is gone)."""
+        """After a cancelled acquire (or wait): release what its attempt won, or
+        withdraw the place next in line a refused attempt may have queued for (a
+        release would otherwise be left to a caller that is gone)."""
         try:
             won = result.acquired
             if not won:

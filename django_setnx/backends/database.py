@@ -70,13 +70,22 @@ waiters otherwise retry only at the holder's expiry or every PG_SAFETY_POLL (abo
 one statement a second per waiter behind a long hold). Elsewhere (MySQL/MariaDB,
 SQLite, psycopg 2) the waiter next in line polls from HEAD_POLL, backing off to
 HEAD_POLL_MAX, and the others back off to WAITER_MAX_BACKOFF (at most about 20
-statements a second each), never past the holder's expiry. Async waits await a
+statements a second each), never past the holder's expiry; and on SQLite and MySQL
+the processes of one host wake each other's waiters where a PostgreSQL release
+would NOTIFY (``OPTIONS["LOCAL_WAKEUPS"]``, see db_local_wakeups). Async waits await a
 future or ``asyncio.sleep``: a coroutine holds a thread only while one of its
 statements runs.
 
 SQLite has a single writer. The backend switches an SQLite database to WAL mode
 (``OPTIONS["SQLITE_WAL"]``, default True; the mode is stored in the database file),
-so that a caller's open read transaction does not block our writes. A lock
+so that a caller's open read transaction does not block our writes. In WAL mode our
+own connection commits with ``PRAGMA synchronous=NORMAL``
+(``OPTIONS["SQLITE_SYNCHRONOUS"]``): no ``fsync`` per commit, which is most of what
+an SQLite write costs. WAL with NORMAL never corrupts the database; it may lose the
+last commits to a power loss or an OS crash, and since every process that uses an
+SQLite file runs on its host, such a crash also ended every process that held or
+waited for those locks (fencing tokens keep increasing: a token is never below the
+clock in µs). The caller's own connections keep their setting. A lock
 acquired or released while the caller's own connection holds an open *write*
 transaction still waits for it, and fails with ``LockBackendError`` after
 ``OPERATION_TIMEOUT``, with a message that says so: take the lock before writing,
@@ -111,8 +120,10 @@ from .base import (
     LockInfo,
     encode_owner,
 )
+from .db_local_wakeups import LocalListener, LocalNotifier, channel_directory
+from .db_local_wakeups import encode as encode_wakeup
 from .db_sql import LOCK_TABLE, Dialect
-from .db_wakeups import PostgresListener, Wakeups, channel_name
+from .db_wakeups import PostgresListener, Wakeups, channel_name, deliver
 from .paging import LockPage, check_ordering, check_window, complete_ordering
 
 logger = logging.getLogger("django_setnx")
@@ -137,6 +148,9 @@ BATCH_SIZE = 500
 #: At most this many names are remembered as just left to a waiter (see release).
 HANDED_OVER_KEEP = 1024
 HEAD_POLL = 0.0005
+#: ``PRAGMA synchronous`` values the lock connection may use on an SQLite database in
+#: WAL mode (``OPTIONS["SQLITE_SYNCHRONOUS"]``; OFF could corrupt the file).
+SQLITE_SYNCHRONOUS = ("NORMAL", "FULL", "EXTRA")
 HEAD_POLL_MAX = 0.125
 WAITER_MAX_BACKOFF = 0.25
 #: PostgreSQL with its listener up: a waiter retries when NOTIFY wakes it, at the
@@ -192,10 +206,12 @@ class DatabaseBackend(BaseLockBackend):
         {
             "DATABASE",
             "SQLITE_WAL",
+            "SQLITE_SYNCHRONOUS",
             "OPERATION_TIMEOUT",
             "HEALTH_CHECK_AFTER",
             "STALE_RETENTION",
             "PREPARED_STATEMENTS",
+            "LOCAL_WAKEUPS",
         }
     )
 
@@ -216,6 +232,11 @@ class DatabaseBackend(BaseLockBackend):
         self._wakeups = Wakeups()  # their wake-ups, by lock name (see db_wakeups)
         self._wakeups.is_ours = self._waiting.__contains__
         self._listener = None  # the PostgreSQL LISTEN thread, once a waiter needed it
+        # SQLite, MySQL: wake-ups between the processes of this host (db_local_wakeups),
+        # known at the first connection; the listener starts with the first waiter.
+        self.local_wakeups = self.options.get("LOCAL_WAKEUPS", True)
+        self._local_notifier = None
+        self._local_listener = None
         # The names whose last release here left the lock to a waiter: the next
         # release of each goes straight to the statement that handles both cases.
         self._handed_over = set()
@@ -223,6 +244,7 @@ class DatabaseBackend(BaseLockBackend):
         self._channel = None  # the NOTIFY channel: both known at the first connection
         self.database = self.options.get("DATABASE", "default")
         self.sqlite_wal = bool(self.options.get("SQLITE_WAL", True))
+        self.sqlite_synchronous = str(self.options.get("SQLITE_SYNCHRONOUS", "NORMAL")).upper()
         self.operation_timeout = float(
             self.options.get("OPERATION_TIMEOUT", DEFAULT_OPERATION_TIMEOUT)
         )
@@ -293,6 +315,9 @@ class DatabaseBackend(BaseLockBackend):
         self._wakeups = Wakeups()
         self._wakeups.is_ours = self._waiting.__contains__
         self._listener = None
+        listener, self._local_listener = self._local_listener, None
+        if listener is not None:
+            listener.abandon()  # the parent's socket: never read or removed here
         self._handed_over = set()
 
     def _new_wrapper(self):
@@ -361,6 +386,8 @@ class DatabaseBackend(BaseLockBackend):
                     getattr(wrapper, "mysql_is_mariadb", False),
                 )
                 self._prepared = _uses_prepared_statements(wrapper, self.options)
+                if self.local_wakeups:
+                    self._local_notifier = _local_notifier(wrapper)
             if wrapper.vendor == "postgresql":
                 _bound_waits(wrapper.connection, self.operation_timeout)
             cursor = wrapper.connection.cursor()
@@ -375,6 +402,12 @@ class DatabaseBackend(BaseLockBackend):
                     )
                 elif wrapper.vendor == "sqlite" and self.sqlite_wal:
                     cursor.execute("PRAGMA journal_mode=WAL")
+                    (mode,) = cursor.fetchone()
+                    if str(mode).lower() == "wal":
+                        # Our connection only (see SQLITE_SYNCHRONOUS): in WAL mode,
+                        # NORMAL never corrupts, and loses commits only to a crash of
+                        # the host, which also ends every process that held a lock.
+                        cursor.execute(f"PRAGMA synchronous={self.sqlite_synchronous}")
             finally:
                 cursor.close()
         except Exception as exc:  # the driver's errors, wrapped by Django or not
@@ -502,6 +535,9 @@ class DatabaseBackend(BaseLockBackend):
         listener, self._listener = self._listener, None
         if listener is not None and listener.pid == os.getpid():
             listener.close()
+        local_listener, self._local_listener = self._local_listener, None
+        if local_listener is not None and local_listener.pid == os.getpid():
+            local_listener.close()
         with self._wrappers_lock:
             wrappers = list(self._wrappers)
         for wrapper in wrappers:
@@ -683,6 +719,7 @@ class DatabaseBackend(BaseLockBackend):
             token, attempt, max_wait, retry_after, self._listener_ready()
         )
         if delay > 0:
+            self._listen_locally()
             self._wakeups.wait(name, delay, since, self._rank(token), token)
         return None
 
@@ -694,6 +731,7 @@ class DatabaseBackend(BaseLockBackend):
             ready = await sync_to_async(self._listener_ready, thread_sensitive=False)()
         since, delay = self._wait_plan(token, attempt, max_wait, retry_after, ready)
         if delay > 0:
+            self._listen_locally()  # a bind and a thread start, once per process
             await self._wakeups.await_wakeup(name, delay, since, self._rank(token), token)
         return None
 
@@ -759,10 +797,46 @@ class DatabaseBackend(BaseLockBackend):
     def _notify(self, cursor, sql, name):
         """Wake the waiters of ``name``: this process' at once, and on PostgreSQL every
         process' (NOTIFY, delivered when the statement's transaction commits: at
-        once, in autocommit)."""
+        once, in autocommit); elsewhere those of this host's other processes
+        (db_local_wakeups)."""
         if sql.vendor == "postgresql":
             cursor.execute("SELECT pg_notify(%s, %s)", (self._channel, name))
+        else:
+            self._wake_locally(name)
         self._wakeups.wake_one(name)
+
+    def _listen_locally(self):
+        """Start this process' listener for wake-ups from the other processes of this
+        host (SQLite, MySQL; see db_local_wakeups), unless it runs."""
+        notifier = self._local_notifier
+        if notifier is None:
+            return
+        listener = self._local_listener
+        if listener is None or listener.pid != os.getpid():
+            with self._wrappers_lock:
+                listener = self._local_listener
+                if listener is None or listener.pid != os.getpid():
+                    wakeups = self._wakeups
+                    # A release leaves a lock to one waiter; our waiters poll anyway,
+                    # so none stands in for another process' (see Wakeups.wake_token).
+                    listener = self._local_listener = LocalListener(
+                        self.alias,
+                        notifier.directory,
+                        lambda payload: deliver(wakeups, payload, stand_in=False),
+                    )
+                    # Once per process: the sockets of processes that ended
+                    # without removing theirs (SIGKILL, os._exit) go.
+                    notifier.prune()
+        listener.ensure_running()
+
+    def _wake_locally(self, name, token=None, head=False):
+        """Wake the waiter of ``name`` that ``token`` names (else, with ``head``, the
+        one next in line; else one waiter per process) in the other processes of
+        this host (SQLite, MySQL)."""
+        notifier = self._local_notifier
+        if notifier is not None:
+            listener = self._local_listener
+            notifier.send(encode_wakeup(name, token, head), own=listener and listener.path)
 
     # -- token-checked single statements -------------------------------------------
 
@@ -825,6 +899,8 @@ class DatabaseBackend(BaseLockBackend):
             if len(self._handed_over) >= HANDED_OVER_KEEP:
                 self._handed_over.clear()  # many contended names: start over, not grow
             self._handed_over.add(name)
+        if self._dialect.vendor != "postgresql":  # there the statement sent NOTIFY
+            self._wake_locally(name, waiter, head=True)
         if waiter is None:
             self._wakeups.wake_one(name)  # the waiter next in line, if ours
         else:
@@ -1135,7 +1211,8 @@ def _holder_result(token, holder):
 
 
 def _option_problems(alias, options):
-    """Messages for invalid ``OPERATION_TIMEOUT`` / ``HEALTH_CHECK_AFTER`` values."""
+    """Messages for invalid ``OPERATION_TIMEOUT``, ``HEALTH_CHECK_AFTER``,
+    ``STALE_RETENTION``, ``SQLITE_SYNCHRONOUS`` and ``LOCAL_WAKEUPS`` values."""
     problems = []
     where = f"SETNX_LOCKS[{alias!r}]['OPTIONS']"
     timeout = options.get("OPERATION_TIMEOUT", DEFAULT_OPERATION_TIMEOUT)
@@ -1154,7 +1231,48 @@ def _option_problems(alias, options):
         problems.append(
             f"{where}['STALE_RETENTION'] must be a positive number of seconds, got {retention!r}."
         )
+    synchronous = options.get("SQLITE_SYNCHRONOUS", "NORMAL")
+    if not isinstance(synchronous, str) or synchronous.upper() not in SQLITE_SYNCHRONOUS:
+        problems.append(
+            f"{where}['SQLITE_SYNCHRONOUS'] must be one of "
+            f"{', '.join(map(repr, SQLITE_SYNCHRONOUS))}, got {synchronous!r}."
+        )
+    local_wakeups = options.get("LOCAL_WAKEUPS", True)
+    if not isinstance(local_wakeups, bool):
+        problems.append(f"{where}['LOCAL_WAKEUPS'] must be True or False, got {local_wakeups!r}.")
     return problems
+
+
+def _local_notifier(wrapper):
+    """The sender of wake-ups to this host's other processes for our table in
+    ``wrapper``'s database (see db_local_wakeups), or None: PostgreSQL (NOTIFY
+    instead), an in-memory SQLite database (one process), or no usable directory.
+    Never raises: without wake-ups the waiters poll."""
+    try:
+        directory = _local_channel_directory(wrapper)
+    except Exception:
+        logger.warning("Lock wake-ups between processes are off", exc_info=True)
+        return None
+    return None if directory is None else LocalNotifier(directory)
+
+
+def _local_channel_directory(wrapper):
+    settings = wrapper.settings_dict
+    if wrapper.vendor == "sqlite":
+        name = str(settings.get("NAME") or "")
+        if not name or wrapper.is_in_memory_db():
+            return None
+        key = f"sqlite:{os.path.realpath(name)}"
+    elif wrapper.vendor == "mysql":
+        options = settings.get("OPTIONS") or {}
+        server = (
+            options.get("unix_socket")
+            or f"{settings.get('HOST') or 'localhost'}:{settings.get('PORT') or 3306}"
+        )
+        key = f"mysql:{server}/{settings.get('NAME') or options.get('db') or ''}"
+    else:
+        return None
+    return channel_directory(f"{key}/{LOCK_TABLE}")
 
 
 def _uses_prepared_statements(wrapper, options):

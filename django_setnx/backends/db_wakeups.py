@@ -173,13 +173,14 @@ class Wakeups:
             waiter.woken = True  # before releasing the lock: no second wake_one picks it
         waiter.wake()
 
-    def wake_token(self, name, token):
+    def wake_token(self, name, token, stand_in=True):
         """Wake the waiter of ``name`` whose token is ``token`` (the one a release
         left the lock to), if it waits in this process; if it is on its way to wait,
-        the wake-up is kept for it (see :meth:`wake_one`). If it is not ours, wake
-        one of ours instead: that waiter is refused while the other one's claim
-        lasts, and then takes the lock if the other one died (and nobody else would
-        look until the next safety poll)."""
+        the wake-up is kept for it (see :meth:`wake_one`). If it is not ours, and
+        ``stand_in``, wake one of ours instead: that waiter is refused while the
+        other one's claim lasts, and then takes the lock if the other one died (and
+        nobody else would look until the next safety poll; waiters that poll
+        anyway need no stand-in)."""
         now = time.monotonic()
         with self._lock:
             waiters = [w for w in self._waiters.get(name, ()) if w.token == token]
@@ -192,10 +193,27 @@ class Wakeups:
                 for waiter in waiters:
                     waiter.woken = True
         if not waiters:
-            self.wake_one(name)
+            if stand_in:
+                self.wake_one(name)
             return
         for waiter in waiters:
             waiter.wake()
+
+    def wake_head(self, name):
+        """Wake the waiter of ``name`` next in line, if it waits in this process (a
+        release left it the lock without knowing its token: MySQL); if it is on its
+        way to wait, it sees the release and does not (see ``_released``). Nobody
+        else is woken."""
+        now = time.monotonic()
+        with self._lock:
+            self._released[name] = now
+            self._prune_unclaimed(now)
+            heads = [w for w in self._waiters.get(name, ()) if not w.woken and w.rank[0] == 0]
+            if not heads:
+                return
+            waiter = min(heads, key=lambda w: w.rank)
+            waiter.woken = True
+        waiter.wake()
 
     def _prune_unclaimed(self, now):
         if len(self._unclaimed) > WOKEN_KEEP:
@@ -240,15 +258,23 @@ class Wakeups:
 #: Starts a NOTIFY payload that names the waiter the lock was left to:
 #: ``RS token RS name`` (lock names cannot start with it in practice; a plain name is
 #: a payload of an earlier version).
-_TOKEN_MARK = "\x1e"
+TOKEN_MARK = "\x1e"
+#: Starts a local wake-up (db_local_wakeups) for the waiter next in line, whichever
+#: it is: ``GS name`` (a MySQL release cannot tell its token).
+HEAD_MARK = "\x1d"
 
 
-def _deliver(wakeups, payload):
-    """Wake this process' waiter(s) for one NOTIFY: the waiter a release left the
-    lock to, if it is ours, else one waiter per process (the lock goes to one)."""
-    if payload.startswith(_TOKEN_MARK):
-        token, _, name = payload[1:].partition(_TOKEN_MARK)
-        wakeups.wake_token(name, token)
+def deliver(wakeups, payload, stand_in=True):
+    """Wake this process' waiter(s) for one NOTIFY (or local wake-up, see
+    db_local_wakeups): the waiter a release left the lock to, if it is ours; else,
+    with ``stand_in``, one waiter of ours (see :meth:`Wakeups.wake_token`). A plain
+    name wakes one waiter per process (the lock goes to one); ``HEAD_MARK`` and a
+    name, the waiter next in line only."""
+    if payload.startswith(TOKEN_MARK):
+        token, _, name = payload[1:].partition(TOKEN_MARK)
+        wakeups.wake_token(name, token, stand_in)
+    elif payload.startswith(HEAD_MARK):
+        wakeups.wake_head(payload[1:])
     else:
         wakeups.wake_one(payload)
 
@@ -326,7 +352,7 @@ class PostgresListener:
             self._ready.set()
             while not self._stop.is_set():
                 for notify in connection.notifies(timeout=LISTEN_BLOCK):
-                    _deliver(self.wakeups, notify.payload)
+                    deliver(self.wakeups, notify.payload)
         except Exception as exc:  # noqa: BLE001 - any failure: the waiters poll
             if not self._stop.is_set():
                 self.failed_at = time.monotonic()

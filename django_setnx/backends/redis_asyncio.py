@@ -346,30 +346,33 @@ class ReadDeadlines:
                 )
             else:
                 response = await connection._parser.read_response(disable_decoding=False)
-        except asyncio.CancelledError:
+        except BaseException as exc:
+            # Out of the timer's reach before anything else is awaited, so that it
+            # cannot cancel us again while we clean up.
+            self._done(connection, read)
             await connection.disconnect(nowait=True)
-            if read.expired and task.uncancel() <= cancelling:
-                raise redis.exceptions.TimeoutError(
-                    f"Timeout reading from {_host_of(connection)}"
-                ) from None
+            if isinstance(exc, asyncio.CancelledError):
+                if read.expired and task.uncancel() <= cancelling:
+                    raise redis.exceptions.TimeoutError(
+                        f"Timeout reading from {_host_of(connection)}"
+                    ) from None
+                raise
+            if isinstance(exc, OSError):
+                raise redis.exceptions.ConnectionError(
+                    f"Error while reading from {_host_of(connection)} : {exc.args}"
+                ) from exc
             raise
-        except OSError as exc:
-            await connection.disconnect(nowait=True)
-            raise redis.exceptions.ConnectionError(
-                f"Error while reading from {_host_of(connection)} : {exc.args}"
-            ) from exc
-        except BaseException:
-            await connection.disconnect(nowait=True)
-            raise
-        finally:
-            if _RELAXES_READS:
-                connection._active_read_timeout = None
-            self.reads.discard(read)
+        self._done(connection, read)
         if connection.health_check_interval:
             connection.next_health_check = loop.time() + connection.health_check_interval
         if isinstance(response, redis.exceptions.ResponseError):
             raise response from None
         return response
+
+    def _done(self, connection, read):
+        if _RELAXES_READS:
+            connection._active_read_timeout = None
+        self.reads.discard(read)
 
     def arm(self, deadline):
         """Make sure the timer fires by ``deadline``."""

@@ -1,0 +1,281 @@
+"""Waking the database backend's waiters in the other processes of this host, on
+databases that cannot notify (SQLite, MySQL/MariaDB).
+
+PostgreSQL wakes every process' waiters with ``NOTIFY`` (see db_wakeups). SQLite and
+MySQL have nothing like it, so their waiters poll, and a lock released between two
+polls stays free until the next one: most of a handoff's cost under contention. Yet
+the processes that share an SQLite file all run on one host, and so, often, do the
+workers that contend for a MySQL lock. They can tell each other directly.
+
+Each process that has a waiter binds one Unix datagram socket in a directory of
+its own user (``<tempdir>/django-setnx-<uid>/<digest of the database and table>``,
+mode 0700) and reads it in a daemon thread (:class:`LocalListener`). A release that
+leaves a lock to a waiter, or after which the waiters should compete for the place
+next in line, sends one datagram to every socket in that directory
+(:class:`LocalNotifier`): the payload of PostgreSQL's ``NOTIFY``, the lock's name
+and, when known, the token of the waiter the lock was left to. The reader wakes
+that waiter if it waits in this process; a plain name wakes one waiter of the
+process (:meth:`db_wakeups.Wakeups.wake_one`).
+
+A wake-up is only a hint, as on PostgreSQL: the waiter retries and the database
+decides. The waiters keep polling as before, so nothing depends on a datagram
+arriving: a process of another user (another directory), on another host, of an
+older version, or whose socket buffer is full is simply not woken, and finds out at
+its next poll. A socket whose process died refuses datagrams (``ECONNREFUSED``) and
+is removed by the first sender that finds it so. After a fork the child never reads
+or removes its parent's socket; it binds its own when one of its callers waits.
+"""
+
+import atexit
+import contextlib
+import errno
+import hashlib
+import logging
+import os
+import secrets
+import socket
+import stat
+import tempfile
+import threading
+import weakref
+
+logger = logging.getLogger("django_setnx")
+
+#: How long the reader blocks before it looks whether it should stop (seconds): the
+#: delay of ``close()``, never of a wake-up.
+READ_BLOCK = 1.0
+#: The largest datagram read; longer ones (a name of kilobytes) are cut, and the
+#: cut wake-up then wakes nobody: the waiter's poll catches up.
+MAX_DATAGRAM = 65536
+#: The longest temporary directory used as is: a socket's path, ``<base>/django-
+#: setnx-<uid>/<16 hex>/<pid>-<8 hex>``, must fit in 104 bytes (macOS; Linux: 108).
+MAX_BASE = 50
+#: Whether this platform has Unix datagram sockets (not Windows).
+AVAILABLE = hasattr(socket, "AF_UNIX")
+
+
+def channel_directory(key, base=None):
+    """The directory of the sockets of one lock table (``key``: what names it, for
+    example the database file's real path and the table), for the current user,
+    or None if it cannot be used safely: it must be a real directory owned by this
+    user that nobody else can enter (0700), under a parent with the same guarantees,
+    so that no other user can list, plant or remove our sockets. ``base``: the
+    temporary directory to use (default: ``tempfile.gettempdir()``)."""
+    if not AVAILABLE:
+        return None
+    base = base or tempfile.gettempdir()
+    if len(base) > MAX_BASE and os.path.isdir("/tmp"):
+        base = "/tmp"  # a long TMPDIR (macOS): the socket paths would not fit
+    parent = os.path.join(base, f"django-setnx-{os.geteuid()}")
+    digest = hashlib.sha1(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    directory = os.path.join(parent, digest)
+    for path in (parent, directory):
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(path, 0o700)
+            info = os.lstat(path)
+        except OSError as exc:
+            logger.warning(
+                "Lock wake-ups between processes are off: cannot make %s (%s); waiters "
+                "poll instead",
+                path,
+                exc,
+            )
+            return None
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            logger.warning(
+                "Lock wake-ups between processes are off: %s is not a directory private "
+                "to this user (waiters poll instead)",
+                path,
+            )
+            return None
+    return directory
+
+
+def encode(name, token=None, head=False):
+    """The datagram of a wake-up (``NOTIFY``'s payload, see db_wakeups.deliver): for
+    the waiter whose token is ``token``; else, with ``head``, for the waiter next in
+    line; else for one waiter per process."""
+    from .db_wakeups import HEAD_MARK, TOKEN_MARK
+
+    if token is not None:
+        payload = f"{TOKEN_MARK}{token}{TOKEN_MARK}{name}"
+    elif head:
+        payload = f"{HEAD_MARK}{name}"
+    else:
+        payload = name
+    return payload.encode("utf-8", "surrogatepass")
+
+
+class LocalNotifier:
+    """Sends wake-ups to the sockets of one directory (any thread)."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        self._socket = None
+        self._pid = None
+        self._listing = ()
+        self._listed_at = None  # the directory's mtime when _listing was read
+        self._lock = threading.Lock()
+
+    def send(self, payload, own=None):
+        """Send ``payload`` to every socket in the directory but ``own`` (this
+        process' listener's path). Best effort: never raises."""
+        try:
+            sock = self._sender()
+            for path in self._paths():
+                if path == own:
+                    continue
+                try:
+                    sock.sendto(payload, path)
+                except (ConnectionRefusedError, FileNotFoundError):
+                    # Its process is gone (a socket nobody reads refuses): remove it.
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.ENOBUFS):
+                        raise
+                    # Its buffer is full: that process is busy waking up already.
+        except OSError as exc:
+            logger.debug("Could not send a lock wake-up in %s: %s", self.directory, exc)
+
+    def prune(self):
+        """Remove the sockets of processes that ended without removing theirs (they
+        refuse an empty datagram, which the live ones ignore)."""
+        self.send(b"")
+
+    def _sender(self):
+        pid = os.getpid()
+        if self._socket is None or self._pid != pid:
+            with self._lock:
+                if self._socket is None or self._pid != pid:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                    sock.setblocking(False)
+                    self._socket, self._pid = sock, pid
+        return self._socket
+
+    def _paths(self):
+        """The sockets of the directory, listed again only when it changed."""
+        mtime = os.stat(self.directory).st_mtime_ns
+        if mtime != self._listed_at:
+            entries = [os.path.join(self.directory, entry) for entry in os.listdir(self.directory)]
+            self._listing, self._listed_at = tuple(entries), mtime
+        return self._listing
+
+    def close(self):
+        sock, self._socket = self._socket, None
+        if sock is not None and self._pid == os.getpid():
+            sock.close()
+
+
+class LocalListener:
+    """This process' socket in a channel directory, read in a daemon thread that
+    calls ``deliver(payload)`` for every datagram.
+
+    :meth:`ensure_running` binds the socket and starts the thread; ``path`` is the
+    socket's path while it runs (else None)."""
+
+    def __init__(self, alias, directory, deliver):
+        self.alias = alias
+        self.directory = directory
+        self.deliver = deliver
+        self.pid = os.getpid()
+        self.path = None
+        self.failed = False
+        self._socket = None
+        self._thread = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    def ensure_running(self):
+        """Bind and start unless running; returns whether it runs. A failure to bind
+        (a path too long for a Unix socket, a directory removed under us) is logged
+        once and not retried: the waiters poll."""
+        if self._thread is not None and self._thread.is_alive():
+            return True
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return True
+            if self.failed:
+                return False
+            path = os.path.join(self.directory, f"{os.getpid()}-{secrets.token_hex(4)}")
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            try:
+                sock.bind(path)
+            except OSError as exc:
+                sock.close()
+                self.failed = True
+                logger.warning(
+                    "Lock backend %r: no wake-ups from other processes (%s: %s); "
+                    "waiters poll instead",
+                    self.alias,
+                    type(exc).__name__,
+                    exc,
+                )
+                return False
+            sock.settimeout(READ_BLOCK)
+            self._socket, self.path = sock, path
+            self._stop.clear()
+            self._thread = threading.Thread(
+                target=self._run,
+                args=(sock, path),
+                name=f"django-setnx wake-ups {self.alias}",
+                daemon=True,
+            )
+            self._thread.start()
+            _RUNNING.add(self)
+        return True
+
+    def _run(self, sock, path):
+        try:
+            while not self._stop.is_set():
+                try:
+                    payload = sock.recv(MAX_DATAGRAM)
+                except TimeoutError:
+                    continue
+                if not payload:  # a probe (see LocalNotifier.prune): no wake-up
+                    continue
+                try:
+                    self.deliver(payload.decode("utf-8", "surrogatepass"))
+                except Exception:
+                    logger.debug("Ignored a malformed lock wake-up", exc_info=True)
+        except OSError:
+            pass  # the socket failed: the waiters poll (and the next wait binds again)
+        finally:
+            with self._lock:
+                if self._socket is sock:
+                    self._socket = self.path = None
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            sock.close()  # here, not from another thread: its number could be reused
+
+    def close(self):
+        """Stop reading: the socket is removed at once (nobody sends to it any
+        more) and closed by the reader within READ_BLOCK."""
+        self._stop.set()
+        with self._lock:
+            path, self.path = self.path, None
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def abandon(self):
+        """In a forked child: close the inherited socket, leaving the parent's path
+        (and the parent's reader, which the child does not have) alone."""
+        sock, self._socket, self.path = self._socket, None, None
+        self._thread = None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+#: The listeners started in this process, closed (their sockets removed) when it
+#: exits normally; one that ends otherwise leaves its socket to LocalNotifier.prune.
+_RUNNING: "weakref.WeakSet[LocalListener]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit():
+    for listener in list(_RUNNING):
+        if listener.pid == os.getpid():
+            listener.close()

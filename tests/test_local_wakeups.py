@@ -1,0 +1,169 @@
+"""Wake-ups between the processes of one host (db_local_wakeups): a directory only
+its user can enter, datagrams on real Unix sockets, the sockets of ended processes
+removed, and a socket that cannot be bound leaving the waiters to poll."""
+
+import logging
+import os
+import pathlib
+import queue
+import shutil
+import socket
+import stat
+import tempfile
+import threading
+import time
+
+import pytest
+
+from django_setnx.backends import db_local_wakeups
+from django_setnx.backends.db_local_wakeups import (
+    LocalListener,
+    LocalNotifier,
+    channel_directory,
+    encode,
+)
+from django_setnx.backends.db_wakeups import Wakeups, deliver
+
+
+@pytest.fixture
+def tempdir():
+    """A fresh temporary directory short enough for the socket paths (pytest's own
+    are not), the ``base`` of channel_directory in these tests."""
+    path = pathlib.Path(tempfile.mkdtemp(dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def listening(directory):
+    """A started listener on ``directory`` and the queue of what it delivers."""
+    got = queue.Queue()
+    listener = LocalListener("test", directory, got.put)
+    assert listener.ensure_running()
+    return listener, got
+
+
+def test_the_directory_is_private_to_the_user(tempdir):
+    directory = channel_directory("sqlite:/srv/app.db/django_setnx_lock", str(tempdir))
+    assert directory is not None
+    assert directory == channel_directory("sqlite:/srv/app.db/django_setnx_lock", str(tempdir))
+    assert directory != channel_directory("sqlite:/srv/other.db/django_setnx_lock", str(tempdir))
+    for path in (directory, os.path.dirname(directory)):
+        info = os.lstat(path)
+        assert stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
+        assert stat.S_IMODE(info.st_mode) == 0o700
+
+
+@pytest.mark.parametrize("planted", ["open to others", "a symlink", "a file"])
+def test_a_directory_others_could_enter_or_plant_is_refused(tempdir, planted, caplog):
+    """Nobody else may list, plant or remove our sockets: a parent that is not a
+    private directory of ours turns the wake-ups off (the waiters poll)."""
+    parent = tempdir / f"django-setnx-{os.geteuid()}"
+    if planted == "open to others":
+        parent.mkdir(mode=0o755)
+        parent.chmod(0o755)
+    elif planted == "a symlink":
+        (tempdir / "elsewhere").mkdir(mode=0o700)
+        parent.symlink_to(tempdir / "elsewhere")
+    else:
+        parent.write_text("")
+    with caplog.at_level(logging.WARNING, logger="django_setnx"):
+        assert channel_directory("sqlite:/srv/app.db/django_setnx_lock", str(tempdir)) is None
+    assert str(parent) in caplog.text
+
+
+def test_a_wakeup_reaches_every_other_socket_of_the_directory(tempdir):
+    directory = channel_directory("k", str(tempdir))
+    first, first_got = listening(directory)
+    second, second_got = listening(directory)
+    try:
+        LocalNotifier(directory).send(encode("job:1", "tok"), own=first.path)
+        assert second_got.get(timeout=5) == "\x1etok\x1ejob:1"
+        LocalNotifier(directory).send(encode("job:2"))
+        assert first_got.get(timeout=5) == "job:2"
+        assert second_got.get(timeout=5) == "job:2"
+        assert first_got.empty(), "a sender must skip its own process' socket"
+    finally:
+        first.close()
+        second.close()
+
+
+def test_the_sockets_of_ended_processes_are_removed_and_probes_wake_nobody(tempdir):
+    directory = channel_directory("k", str(tempdir))
+    live, got = listening(directory)
+    dead = os.path.join(directory, "99999999-dead")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(dead)
+    sock.close()  # as a process killed with its socket bound leaves it
+    try:
+        LocalNotifier(directory).prune()
+        assert not os.path.exists(dead)
+        assert os.path.exists(live.path)
+        time.sleep(0.2)
+        assert got.empty(), "a probe woke a listener"
+    finally:
+        live.close()
+
+
+def test_close_removes_the_socket_at_once(tempdir):
+    listener, _ = listening(channel_directory("k", str(tempdir)))
+    path = listener.path
+    listener.close()
+    assert not os.path.exists(path)
+    assert listener.path is None
+
+
+def test_a_long_temporary_directory_is_replaced_by_tmp(tmp_path):
+    """macOS' TMPDIR is long: the sockets go under /tmp instead, where they fit."""
+    directory = channel_directory("k", str(tmp_path / ("d" * 60)))
+    assert directory.startswith("/tmp/django-setnx-")
+    listener, _ = listening(directory)
+    listener.close()
+
+
+def test_a_socket_that_cannot_be_bound_leaves_the_waiters_polling(tempdir, caplog):
+    """A directory whose path is too long for a Unix socket (108 bytes on Linux):
+    the listener does not start, says so once, and does not try again."""
+    directory = tempdir / ("d" * 110)
+    directory.mkdir()
+    listener = LocalListener("test", str(directory), lambda payload: None)
+    with caplog.at_level(logging.WARNING, logger="django_setnx"):
+        assert listener.ensure_running() is False
+        assert listener.ensure_running() is False
+    assert caplog.text.count("no wake-ups from other processes") == 1
+    LocalNotifier(str(directory)).send(encode("n"))  # and sending never raises
+
+
+def test_unix_sockets_are_available_here():
+    """The wake-ups are not skipped silently on this platform."""
+    assert db_local_wakeups.AVAILABLE
+
+
+def test_a_wakeup_for_the_waiter_next_in_line_wakes_only_that_one():
+    """MySQL's release cannot tell the token of the waiter it left the lock to: its
+    datagram names the waiter next in line, which alone is woken (the others would
+    only be refused)."""
+    wakeups = Wakeups()
+    since = time.monotonic()
+    woken = {}
+
+    def wait(role, rank):
+        woken[role] = wakeups.wait("n", 10, since, rank=rank, token=role)
+
+    threads = [
+        threading.Thread(target=wait, args=("behind", (1, 1))),
+        threading.Thread(target=wait, args=("next", (0, 2))),
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 5
+    while len(wakeups._waiters.get("n", ())) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    deliver(wakeups, encode("n", head=True).decode(), stand_in=False)
+    threads[1].join(5)
+    assert woken == {"next": True}
+    time.sleep(0.2)
+    assert "behind" not in woken
+    wakeups.wake_one("n")
+    threads[0].join(5)
+    assert woken == {"next": True, "behind": True}
