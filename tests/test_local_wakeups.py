@@ -124,7 +124,7 @@ def test_a_socket_that_cannot_be_bound_leaves_the_waiters_polling(tempdir, caplo
     """A directory whose path is too long for a Unix socket (108 bytes on Linux):
     the listener does not start, says so once, and does not try again."""
     directory = tempdir / ("d" * 110)
-    directory.mkdir()
+    directory.mkdir(mode=0o700)
     listener = LocalListener("test", str(directory), lambda payload: None)
     with caplog.at_level(logging.WARNING, logger="django_setnx"):
         assert listener.ensure_running() is False
@@ -167,3 +167,21 @@ def test_a_wakeup_for_the_waiter_next_in_line_wakes_only_that_one():
     wakeups.wake_one("n")
     threads[0].join(5)
     assert woken == {"next": True, "behind": True}
+
+
+def test_a_directory_removed_by_a_temporary_files_cleaner_comes_back(tempdir, monkeypatch):
+    """systemd-tmpfiles and tmpreaper remove old entries of /tmp: a listener whose
+    socket went ends, and the next wait makes the directory and binds again."""
+    monkeypatch.setattr(db_local_wakeups, "READ_BLOCK", 0.05)
+    directory = channel_directory("k", str(tempdir))
+    listener, got = listening(directory)
+    shutil.rmtree(os.path.dirname(directory))
+    deadline = time.monotonic() + 5
+    while listener.path is not None:
+        assert time.monotonic() < deadline, "the listener did not notice"
+        time.sleep(0.02)
+    assert listener.ensure_running()
+    assert os.path.exists(listener.path)
+    LocalNotifier(directory).send(encode("back"))
+    assert got.get(timeout=5) == "back"
+    listener.close()

@@ -816,6 +816,8 @@ class DatabaseBackend(BaseLockBackend):
             with self._wrappers_lock:
                 listener = self._local_listener
                 if listener is None or listener.pid != os.getpid():
+                    if listener is not None:  # a fork that ran no hook (uWSGI)
+                        listener.abandon()
                     wakeups = self._wakeups
                     # A release leaves a lock to one waiter; our waiters poll anyway,
                     # so none stands in for another process' (see Wakeups.wake_token).

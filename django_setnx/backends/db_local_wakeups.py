@@ -39,6 +39,8 @@ import tempfile
 import threading
 import weakref
 
+from .db_wakeups import HEAD_MARK, TOKEN_MARK
+
 logger = logging.getLogger("django_setnx")
 
 #: How long the reader blocks before it looks whether it should stop (seconds): the
@@ -69,7 +71,13 @@ def channel_directory(key, base=None):
     parent = os.path.join(base, f"django-setnx-{os.geteuid()}")
     digest = hashlib.sha1(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
     directory = os.path.join(parent, digest)
-    for path in (parent, directory):
+    return directory if _make_private(directory) else None
+
+
+def _make_private(directory):
+    """Make ``directory`` and its parent (0700) unless they exist; returns whether
+    both are directories of this user that nobody else can enter (else logs why)."""
+    for path in (os.path.dirname(directory), directory):
         try:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(path, 0o700)
@@ -81,23 +89,21 @@ def channel_directory(key, base=None):
                 path,
                 exc,
             )
-            return None
+            return False
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
             logger.warning(
                 "Lock wake-ups between processes are off: %s is not a directory private "
                 "to this user (waiters poll instead)",
                 path,
             )
-            return None
-    return directory
+            return False
+    return True
 
 
 def encode(name, token=None, head=False):
     """The datagram of a wake-up (``NOTIFY``'s payload, see db_wakeups.deliver): for
     the waiter whose token is ``token``; else, with ``head``, for the waiter next in
     line; else for one waiter per process."""
-    from .db_wakeups import HEAD_MARK, TOKEN_MARK
-
     if token is not None:
         payload = f"{TOKEN_MARK}{token}{TOKEN_MARK}{name}"
     elif head:
@@ -114,8 +120,9 @@ class LocalNotifier:
         self.directory = directory
         self._socket = None
         self._pid = None
-        self._listing = ()
-        self._listed_at = None  # the directory's mtime when _listing was read
+        #: (the directory's mtime when listed, the socket paths then): one tuple, so
+        #: that threads sending at once never see a listing with another's mtime.
+        self._listing = (None, ())
         self._lock = threading.Lock()
 
     def send(self, payload, own=None):
@@ -157,10 +164,13 @@ class LocalNotifier:
     def _paths(self):
         """The sockets of the directory, listed again only when it changed."""
         mtime = os.stat(self.directory).st_mtime_ns
-        if mtime != self._listed_at:
-            entries = [os.path.join(self.directory, entry) for entry in os.listdir(self.directory)]
-            self._listing, self._listed_at = tuple(entries), mtime
-        return self._listing
+        listed_at, paths = self._listing
+        if mtime != listed_at:
+            paths = tuple(
+                os.path.join(self.directory, entry) for entry in os.listdir(self.directory)
+            )
+            self._listing = (mtime, paths)
+        return paths
 
     def close(self):
         sock, self._socket = self._socket, None
@@ -196,7 +206,7 @@ class LocalListener:
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return True
-            if self.failed:
+            if self.failed or not _make_private(self.directory):  # (again: a tmp cleaner)
                 return False
             path = os.path.join(self.directory, f"{os.getpid()}-{secrets.token_hex(4)}")
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -232,6 +242,10 @@ class LocalListener:
                 try:
                     payload = sock.recv(MAX_DATAGRAM)
                 except TimeoutError:
+                    if not os.path.exists(path):
+                        # Removed under us (a cleaner of old temporary files): end, so
+                        # that the next waiter binds a socket again.
+                        break
                     continue
                 if not payload:  # a probe (see LocalNotifier.prune): no wake-up
                     continue
