@@ -237,6 +237,35 @@ def test_a_run_delivered_again_tries_again_when_the_cleanup_freed_its_lock(alias
     slot.release()
 
 
+def test_a_run_delivered_again_tries_again_when_the_cleanup_frees_its_lock_as_it_looks(
+    alias, name, monkeypatch
+):
+    """The worker's cleanup may also free the dead run's record between the new run's
+    look and its own fencing-checked delete, which then finds nothing: the lock is
+    free all the same, and the run tries again (a race seen in CI)."""
+    import subprocess
+
+    from django_setnx import dead_owners
+    from django_setnx.contrib.celery import _free_own_dead_run
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # a pid that has exited, as the dead pool child's
+    dead_run = lock(name, ttl=30, backend=alias)
+    dead_run.owner_extra.update({"celery_task_id": "this task", "pid": child.pid})
+    assert dead_run.acquire()
+    real_free = dead_owners.free
+
+    def freed_by_the_cleanup_first(alias_, info, reason):
+        locks[alias_].delete(info.name)  # the pool watch's cleanup, a moment earlier
+        return real_free(alias_, info, reason)
+
+    monkeypatch.setattr(dead_owners, "free", freed_by_the_cleanup_first)
+    run = lock(name, ttl=30, backend=alias)
+    assert _free_own_dead_run(run, "this task") is True
+    assert run.acquire()
+    run.release()
+
+
 def test_bad_lock_limits_fail_at_definition():
     for limit, message in ((0, "from 1 to 1000, got 0"), ("2", "not str")):
         with pytest.raises(ImproperlyConfigured, match=message):

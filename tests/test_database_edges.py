@@ -21,6 +21,7 @@ import socket
 import tempfile
 import threading
 import time
+import types
 import weakref
 
 import django
@@ -785,6 +786,21 @@ def test_sqlite_lock_connection_commits_without_an_fsync_unless_told(
         cursor.execute("PRAGMA synchronous")
         assert cursor.fetchone()[0] == 2
     assert backend.release(name, "tok")
+
+
+@pytest.mark.no_db
+@pytest.mark.parametrize(
+    "choice, init_command, expected",
+    [
+        (None, "", "NORMAL"),
+        (None, "PRAGMA synchronous=EXTRA", None),  # the project chose: kept
+        (None, "PRAGMA foreign_keys=ON; pragma SYNCHRONOUS = full", None),
+        ("FULL", "PRAGMA synchronous=EXTRA", "FULL"),  # ours, asked for explicitly
+    ],
+)
+def test_a_synchronous_set_by_the_databases_init_command_is_kept(choice, init_command, expected):
+    wrapper = types.SimpleNamespace(settings_dict={"OPTIONS": {"init_command": init_command}})
+    assert database._sqlite_synchronous(choice, wrapper) == expected
 
 
 def test_a_deeply_nested_owner_is_unreadable_not_a_crash(db_alias, name):

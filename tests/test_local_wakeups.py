@@ -22,7 +22,7 @@ from django_setnx.backends.db_local_wakeups import (
     channel_directory,
     encode,
 )
-from django_setnx.backends.db_wakeups import Wakeups, deliver
+from django_setnx.backends.db_wakeups import PLAIN_MARK, Wakeups, deliver
 
 
 @pytest.fixture
@@ -42,33 +42,50 @@ def listening(directory):
     return listener, got
 
 
-def test_the_directory_is_private_to_the_user(tempdir):
+def test_the_directory_is_made_private_by_the_first_listener(tempdir):
     directory = channel_directory("sqlite:/srv/app.db/django_setnx_lock", str(tempdir))
-    assert directory is not None
     assert directory == channel_directory("sqlite:/srv/app.db/django_setnx_lock", str(tempdir))
     assert directory != channel_directory("sqlite:/srv/other.db/django_setnx_lock", str(tempdir))
+    assert not os.path.exists(os.path.dirname(directory)), "made before anyone waits"
+    listener, _ = listening(directory)
     for path in (directory, os.path.dirname(directory)):
         info = os.lstat(path)
         assert stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
         assert stat.S_IMODE(info.st_mode) == 0o700
+    listener.close()
+    assert not os.path.exists(directory), "the last listener out leaves no directory"
 
 
 @pytest.mark.parametrize("planted", ["open to others", "a symlink", "a file"])
 def test_a_directory_others_could_enter_or_plant_is_refused(tempdir, planted, caplog):
-    """Nobody else may list, plant or remove our sockets: a parent that is not a
-    private directory of ours turns the wake-ups off (the waiters poll)."""
+    """Nobody else may list, plant or remove our sockets, nor read the lock names
+    we send: a parent that is not a private directory of ours turns the wake-ups
+    off (the waiters poll), once per RETRY_AFTER, and nothing is sent there."""
     parent = tempdir / f"django-setnx-{os.geteuid()}"
     if planted == "open to others":
         parent.mkdir(mode=0o755)
         parent.chmod(0o755)
+        (parent / "0123456789abcdef").mkdir(mode=0o700)
     elif planted == "a symlink":
         (tempdir / "elsewhere").mkdir(mode=0o700)
         parent.symlink_to(tempdir / "elsewhere")
+        (tempdir / "elsewhere" / "0123456789abcdef").mkdir(mode=0o700)
     else:
         parent.write_text("")
+    directory = str(parent / "0123456789abcdef")
+    listener = LocalListener("test", directory, lambda payload: None)
     with caplog.at_level(logging.WARNING, logger="django_setnx"):
-        assert channel_directory("sqlite:/srv/app.db/django_setnx_lock", str(tempdir)) is None
-    assert str(parent) in caplog.text
+        for _ in range(3):
+            assert listener.ensure_running() is False
+    assert caplog.text.count(str(parent)) == 1, "warned more than once"
+    if planted != "a file":  # a socket planted there never gets a lock name
+        planted_socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        planted_socket.bind(os.path.join(directory, "1-planted"))
+        planted_socket.setblocking(False)
+        LocalNotifier(directory).send(encode("secret:name"))
+        with pytest.raises(BlockingIOError):
+            planted_socket.recv(100)
+        planted_socket.close()
 
 
 def test_a_wakeup_reaches_every_other_socket_of_the_directory(tempdir):
@@ -79,8 +96,8 @@ def test_a_wakeup_reaches_every_other_socket_of_the_directory(tempdir):
         LocalNotifier(directory).send(encode("job:1", "tok"), own=first.path)
         assert second_got.get(timeout=5) == "\x1etok\x1ejob:1"
         LocalNotifier(directory).send(encode("job:2"))
-        assert first_got.get(timeout=5) == "job:2"
-        assert second_got.get(timeout=5) == "job:2"
+        assert first_got.get(timeout=5) == PLAIN_MARK + "job:2"
+        assert second_got.get(timeout=5) == PLAIN_MARK + "job:2"
         assert first_got.empty(), "a sender must skip its own process' socket"
     finally:
         first.close()
@@ -89,7 +106,7 @@ def test_a_wakeup_reaches_every_other_socket_of_the_directory(tempdir):
 
 def test_the_sockets_of_ended_processes_are_removed_and_probes_wake_nobody(tempdir):
     directory = channel_directory("k", str(tempdir))
-    live, got = listening(directory)
+    live, got = listening(directory)  # makes the directory
     dead = os.path.join(directory, "99999999-dead")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(dead)
@@ -183,5 +200,36 @@ def test_a_directory_removed_by_a_temporary_files_cleaner_comes_back(tempdir, mo
     assert listener.ensure_running()
     assert os.path.exists(listener.path)
     LocalNotifier(directory).send(encode("back"))
-    assert got.get(timeout=5) == "back"
+    assert got.get(timeout=5) == PLAIN_MARK + "back"
     listener.close()
+
+
+def test_a_socket_bound_just_after_a_listing_is_sent_to(tempdir):
+    """A directory's mtime may not change when a socket is bound in the same tick
+    as the sender's last listing (coarse timestamps): a listing that recent is
+    taken again at the next send."""
+    directory = channel_directory("k", str(tempdir))
+    first, first_got = listening(directory)
+    notifier = LocalNotifier(directory)
+    notifier.send(encode("one"))
+    assert first_got.get(timeout=5) == PLAIN_MARK + "one"
+    second, second_got = listening(directory)
+    mtime = os.stat(directory).st_mtime_ns
+    os.utime(directory, ns=(mtime, notifier._listing[0] or mtime))  # as if in one tick
+    notifier.send(encode("two"))
+    assert second_got.get(timeout=5) == PLAIN_MARK + "two"
+    first.close()
+    second.close()
+
+
+def test_a_wakeup_for_any_waiter_goes_to_one_process(tempdir):
+    """A plain name (the waiters may compete for the place next in line) goes to one
+    other process, not all: each woken one sends statements."""
+    directory = channel_directory("k", str(tempdir))
+    listeners = [listening(directory) for _ in range(4)]
+    LocalNotifier(directory).send(encode("n"), own=listeners[0][0].path, one=True)
+    time.sleep(0.3)
+    received = [got.qsize() for _, got in listeners]
+    assert received[0] == 0 and sum(received) == 1, received
+    for listener, _ in listeners:
+        listener.close()

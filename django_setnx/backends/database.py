@@ -81,15 +81,16 @@ SQLite has a single writer. The backend switches an SQLite database to WAL mode
 so that a caller's open read transaction does not block our writes. In WAL mode our
 own connection commits with ``PRAGMA synchronous=NORMAL``
 (``OPTIONS["SQLITE_SYNCHRONOUS"]``): no ``fsync`` per commit, which is most of what
-an SQLite write costs. WAL with NORMAL never corrupts the database; it may lose the
-last commits to a power loss or an OS crash, and since every process that uses an
-SQLite file runs on its host, such a crash also ended every process that held or
-waited for those locks (fencing tokens keep increasing: a token is never below the
-clock in µs). The caller's own connections keep their setting. A lock
-acquired or released while the caller's own connection holds an open *write*
-transaction still waits for it, and fails with ``LockBackendError`` after
-``OPERATION_TIMEOUT``, with a message that says so: take the lock before writing,
-or release it after the commit.
+an SQLite write costs. WAL with NORMAL never corrupts the database; a power loss or
+an OS crash may undo the last commits, and since every process that uses an SQLite
+file runs on its host, that crash also ended every process that held or waited for
+those locks (what it can leave behind, a lock held by a dead process until its ttl,
+is what a holder killed while holding leaves; see the how-to for the rest). A
+database whose ``init_command`` sets ``synchronous`` keeps it; the caller's own
+connections keep their setting. A lock acquired or released while the caller's own
+connection holds an open *write* transaction still waits for it, and fails with
+``LockBackendError`` after ``OPERATION_TIMEOUT``, with a message that says so: take
+the lock before writing, or release it after the commit.
 """
 
 import contextlib
@@ -244,7 +245,9 @@ class DatabaseBackend(BaseLockBackend):
         self._channel = None  # the NOTIFY channel: both known at the first connection
         self.database = self.options.get("DATABASE", "default")
         self.sqlite_wal = bool(self.options.get("SQLITE_WAL", True))
-        self.sqlite_synchronous = str(self.options.get("SQLITE_SYNCHRONOUS", "NORMAL")).upper()
+        # None: NORMAL, unless the database's own init_command sets it (see _connect).
+        synchronous = self.options.get("SQLITE_SYNCHRONOUS")
+        self.sqlite_synchronous = None if synchronous is None else str(synchronous).upper()
         self.operation_timeout = float(
             self.options.get("OPERATION_TIMEOUT", DEFAULT_OPERATION_TIMEOUT)
         )
@@ -403,11 +406,12 @@ class DatabaseBackend(BaseLockBackend):
                 elif wrapper.vendor == "sqlite" and self.sqlite_wal:
                     cursor.execute("PRAGMA journal_mode=WAL")
                     (mode,) = cursor.fetchone()
-                    if str(mode).lower() == "wal":
+                    synchronous = _sqlite_synchronous(self.sqlite_synchronous, wrapper)
+                    if str(mode).lower() == "wal" and synchronous is not None:
                         # Our connection only (see SQLITE_SYNCHRONOUS): in WAL mode,
                         # NORMAL never corrupts, and loses commits only to a crash of
                         # the host, which also ends every process that held a lock.
-                        cursor.execute(f"PRAGMA synchronous={self.sqlite_synchronous}")
+                        cursor.execute(f"PRAGMA synchronous={synchronous}")
             finally:
                 cursor.close()
         except Exception as exc:  # the driver's errors, wrapped by Django or not
@@ -807,7 +811,14 @@ class DatabaseBackend(BaseLockBackend):
 
     def _listen_locally(self):
         """Start this process' listener for wake-ups from the other processes of this
-        host (SQLite, MySQL; see db_local_wakeups), unless it runs."""
+        host (SQLite, MySQL; see db_local_wakeups), unless it runs. Never raises:
+        without it the waiters poll."""
+        try:
+            self._start_local_listener()
+        except Exception:  # an optimisation must never fail a lock
+            logger.debug("Could not listen for lock wake-ups", exc_info=True)
+
+    def _start_local_listener(self):
         notifier = self._local_notifier
         if notifier is None:
             return
@@ -826,6 +837,9 @@ class DatabaseBackend(BaseLockBackend):
                         notifier.directory,
                         lambda payload: deliver(wakeups, payload, stand_in=False),
                     )
+                    # Stopped with this backend if it is dropped unclosed (a
+                    # settings change that makes a new one closes the old).
+                    weakref.finalize(self, listener.close)
                     # Once per process: the sockets of processes that ended
                     # without removing theirs (SIGKILL, os._exit) go.
                     notifier.prune()
@@ -838,7 +852,14 @@ class DatabaseBackend(BaseLockBackend):
         notifier = self._local_notifier
         if notifier is not None:
             listener = self._local_listener
-            notifier.send(encode_wakeup(name, token, head), own=listener and listener.path)
+            # A plain name asks the waiters to compete for the place next in line:
+            # one process is enough (each woken one sends statements), and over the
+            # handoffs each gets its turn.
+            notifier.send(
+                encode_wakeup(name, token, head),
+                own=listener and listener.path,
+                one=token is None and not head,
+            )
 
     # -- token-checked single statements -------------------------------------------
 
@@ -1234,7 +1255,9 @@ def _option_problems(alias, options):
             f"{where}['STALE_RETENTION'] must be a positive number of seconds, got {retention!r}."
         )
     synchronous = options.get("SQLITE_SYNCHRONOUS", "NORMAL")
-    if not isinstance(synchronous, str) or synchronous.upper() not in SQLITE_SYNCHRONOUS:
+    if synchronous is not None and (
+        not isinstance(synchronous, str) or synchronous.upper() not in SQLITE_SYNCHRONOUS
+    ):
         problems.append(
             f"{where}['SQLITE_SYNCHRONOUS'] must be one of "
             f"{', '.join(map(repr, SQLITE_SYNCHRONOUS))}, got {synchronous!r}."
@@ -1243,6 +1266,16 @@ def _option_problems(alias, options):
     if not isinstance(local_wakeups, bool):
         problems.append(f"{where}['LOCAL_WAKEUPS'] must be True or False, got {local_wakeups!r}.")
     return problems
+
+
+def _sqlite_synchronous(choice, wrapper):
+    """The ``PRAGMA synchronous`` our SQLite connection sets in WAL mode: ``choice``
+    (OPTIONS["SQLITE_SYNCHRONOUS"]) if given; else NORMAL, unless the database's
+    ``init_command`` sets one already (the project chose: keep it), then None."""
+    if choice is not None:
+        return choice
+    init_command = str((wrapper.settings_dict.get("OPTIONS") or {}).get("init_command") or "")
+    return None if "synchronous" in init_command.lower() else "NORMAL"
 
 
 def _local_notifier(wrapper):

@@ -32,14 +32,16 @@ import errno
 import hashlib
 import logging
 import os
+import random
 import secrets
 import socket
 import stat
 import tempfile
 import threading
+import time
 import weakref
 
-from .db_wakeups import HEAD_MARK, TOKEN_MARK
+from .db_wakeups import HEAD_MARK, PLAIN_MARK, TOKEN_MARK
 
 logger = logging.getLogger("django_setnx")
 
@@ -52,17 +54,23 @@ MAX_DATAGRAM = 65536
 #: The longest temporary directory used as is: a socket's path, ``<base>/django-
 #: setnx-<uid>/<16 hex>/<pid>-<8 hex>``, must fit in 104 bytes (macOS; Linux: 108).
 MAX_BASE = 50
+#: A directory listing taken this soon (seconds) after the directory changed is taken
+#: again at the next send (see LocalNotifier._paths).
+RELIST_WINDOW = 2.0
+#: After the directory could not be made private, a listener tries again this much
+#: later (seconds), not at every wait.
+RETRY_AFTER = 60.0
 #: Whether this platform has Unix datagram sockets (not Windows).
 AVAILABLE = hasattr(socket, "AF_UNIX")
 
 
 def channel_directory(key, base=None):
-    """The directory of the sockets of one lock table (``key``: what names it, for
-    example the database file's real path and the table), for the current user,
-    or None if it cannot be used safely: it must be a real directory owned by this
-    user that nobody else can enter (0700), under a parent with the same guarantees,
-    so that no other user can list, plant or remove our sockets. ``base``: the
-    temporary directory to use (default: ``tempfile.gettempdir()``)."""
+    """The path of the directory of the sockets of one lock table (``key``: what
+    names it, for example the database file's real path and the table), for the
+    current user; None without Unix sockets. Nothing is made here: the first
+    listener makes it (see _make_private), and senders use it only while it is
+    private (see _is_private). ``base``: the temporary directory to use (default:
+    ``tempfile.gettempdir()``)."""
     if not AVAILABLE:
         return None
     base = base or tempfile.gettempdir()
@@ -70,18 +78,18 @@ def channel_directory(key, base=None):
         base = "/tmp"  # a long TMPDIR (macOS): the socket paths would not fit
     parent = os.path.join(base, f"django-setnx-{os.geteuid()}")
     digest = hashlib.sha1(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-    directory = os.path.join(parent, digest)
-    return directory if _make_private(directory) else None
+    return os.path.join(parent, digest)
 
 
 def _make_private(directory):
     """Make ``directory`` and its parent (0700) unless they exist; returns whether
-    both are directories of this user that nobody else can enter (else logs why)."""
+    both are directories of this user that nobody else can enter (else logs why),
+    so that no other user can list, plant or remove our sockets, nor read the lock
+    names we send."""
     for path in (os.path.dirname(directory), directory):
         try:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(path, 0o700)
-            info = os.lstat(path)
         except OSError as exc:
             logger.warning(
                 "Lock wake-ups between processes are off: cannot make %s (%s); waiters "
@@ -90,13 +98,26 @@ def _make_private(directory):
                 exc,
             )
             return False
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        if not _is_private(path, warn=True):
+            return False
+    return True
+
+
+def _is_private(path, warn=False):
+    """Whether ``path`` is a directory of this user that nobody else can enter (a
+    symlink is not). False if it does not exist."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        if warn:
             logger.warning(
                 "Lock wake-ups between processes are off: %s is not a directory private "
                 "to this user (waiters poll instead)",
                 path,
             )
-            return False
+        return False
     return True
 
 
@@ -109,7 +130,7 @@ def encode(name, token=None, head=False):
     elif head:
         payload = f"{HEAD_MARK}{name}"
     else:
-        payload = name
+        payload = f"{PLAIN_MARK}{name}"  # marked: a name may start with a mark
     return payload.encode("utf-8", "surrogatepass")
 
 
@@ -125,14 +146,18 @@ class LocalNotifier:
         self._listing = (None, ())
         self._lock = threading.Lock()
 
-    def send(self, payload, own=None):
+    def send(self, payload, own=None, one=False):
         """Send ``payload`` to every socket in the directory but ``own`` (this
-        process' listener's path). Best effort: never raises."""
+        process' listener's path); with ``one``, to one of them, chosen at random.
+        Best effort: never raises."""
         try:
+            paths = [path for path in self._paths() if path != own]
+            if one and len(paths) > 1:
+                paths = [random.choice(paths)]
+            if not paths:
+                return
             sock = self._sender()
-            for path in self._paths():
-                if path == own:
-                    continue
+            for path in paths:
                 try:
                     sock.sendto(payload, path)
                 except (ConnectionRefusedError, FileNotFoundError):
@@ -143,7 +168,7 @@ class LocalNotifier:
                     if exc.errno not in (errno.EAGAIN, errno.ENOBUFS):
                         raise
                     # Its buffer is full: that process is busy waking up already.
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - a hint that failed: the waiters poll
             logger.debug("Could not send a lock wake-up in %s: %s", self.directory, exc)
 
     def prune(self):
@@ -156,20 +181,34 @@ class LocalNotifier:
         if self._socket is None or self._pid != pid:
             with self._lock:
                 if self._socket is None or self._pid != pid:
+                    if self._socket is not None:  # the parent's, inherited by a fork
+                        with contextlib.suppress(OSError):
+                            self._socket.close()
                     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
                     sock.setblocking(False)
                     self._socket, self._pid = sock, pid
         return self._socket
 
     def _paths(self):
-        """The sockets of the directory, listed again only when it changed."""
-        mtime = os.stat(self.directory).st_mtime_ns
+        """The sockets of the directory, listed again when it changed. A listing
+        taken within RELIST_WINDOW of the directory's last change is not trusted
+        (git's "racy" rule): a directory's mtime has a granularity of up to a few
+        milliseconds (a second on some filesystems), so a socket bound in the same
+        tick would leave it as it was, and never be sent to. No sockets while the
+        directory does not exist or is not private (a lock name is not sent where
+        another user could read it)."""
+        directory = self.directory
+        try:
+            mtime = os.stat(directory).st_mtime_ns
+        except FileNotFoundError:
+            return ()
         listed_at, paths = self._listing
         if mtime != listed_at:
-            paths = tuple(
-                os.path.join(self.directory, entry) for entry in os.listdir(self.directory)
-            )
-            self._listing = (mtime, paths)
+            if not (_is_private(os.path.dirname(directory)) and _is_private(directory)):
+                return ()
+            paths = tuple(os.path.join(directory, entry) for entry in os.listdir(directory))
+            racy = time.time_ns() - mtime < RELIST_WINDOW * 1e9
+            self._listing = (None if racy else mtime, paths)
         return paths
 
     def close(self):
@@ -192,26 +231,81 @@ class LocalListener:
         self.pid = os.getpid()
         self.path = None
         self.failed = False
+        self._retry_at = 0.0  # the directory could not be made private: not before this
         self._socket = None
         self._thread = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
 
     def ensure_running(self):
-        """Bind and start unless running; returns whether it runs. A failure to bind
-        (a path too long for a Unix socket, a directory removed under us) is logged
-        once and not retried: the waiters poll."""
+        """Make the directory, bind and start unless running; returns whether it
+        runs. A directory that cannot be made private is tried again RETRY_AFTER
+        later (logged each time); a socket that cannot be bound (a path too long for
+        a Unix socket) is logged once and not tried again: the waiters poll."""
         if self._thread is not None and self._thread.is_alive():
             return True
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return True
-            if self.failed or not _make_private(self.directory):  # (again: a tmp cleaner)
+            if self.failed or time.monotonic() < self._retry_at:
                 return False
+            try:
+                sock = self._bind()
+            except Exception as exc:  # noqa: BLE001 - out of descriptors, say: poll
+                self._give_up_for_now(exc)
+                return False
+            if sock is None:
+                return False
+            path = sock.getsockname()
+            sock.settimeout(READ_BLOCK)
+            self._socket, self.path = sock, path
+            self._stop.clear()
+            thread = threading.Thread(
+                target=self._run,
+                args=(sock, path),
+                name=f"django-setnx wake-ups {self.alias}",
+                daemon=True,
+            )
+            try:
+                thread.start()
+            except Exception as exc:  # noqa: BLE001 - no thread to be had: poll
+                self._socket = self.path = None
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                sock.close()
+                self._give_up_for_now(exc)
+                return False
+            self._thread = thread
+            _RUNNING.add(self)
+        return True
+
+    def _give_up_for_now(self, exc):
+        """The listener cannot start (no file descriptor, no thread): say so once,
+        and try again RETRY_AFTER later; the waiters poll meanwhile."""
+        if not self._retry_at:
+            logger.warning(
+                "Lock backend %r: no wake-ups from other processes for now (%s: %s); "
+                "waiters poll instead",
+                self.alias,
+                type(exc).__name__,
+                exc,
+            )
+        self._retry_at = time.monotonic() + RETRY_AFTER
+
+    def _bind(self):
+        """A socket bound in the directory (made if need be: again after a cleaner
+        of /tmp removed it), or None."""
+        for _ in range(2):
+            if not _make_private(self.directory):
+                self._retry_at = time.monotonic() + RETRY_AFTER
+                return None
             path = os.path.join(self.directory, f"{os.getpid()}-{secrets.token_hex(4)}")
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # may raise: the caller
             try:
                 sock.bind(path)
+            except FileNotFoundError:
+                sock.close()  # the last listener out removed the directory: again
+                continue
             except OSError as exc:
                 sock.close()
                 self.failed = True
@@ -222,19 +316,10 @@ class LocalListener:
                     type(exc).__name__,
                     exc,
                 )
-                return False
-            sock.settimeout(READ_BLOCK)
-            self._socket, self.path = sock, path
-            self._stop.clear()
-            self._thread = threading.Thread(
-                target=self._run,
-                args=(sock, path),
-                name=f"django-setnx wake-ups {self.alias}",
-                daemon=True,
-            )
-            self._thread.start()
-            _RUNNING.add(self)
-        return True
+                return None
+            return sock
+        self._retry_at = time.monotonic() + RETRY_AFTER
+        return None
 
     def _run(self, sock, path):
         try:
@@ -265,13 +350,19 @@ class LocalListener:
 
     def close(self):
         """Stop reading: the socket is removed at once (nobody sends to it any
-        more) and closed by the reader within READ_BLOCK."""
+        more) and closed by the reader within READ_BLOCK. Only in the process that
+        bound it: a forked child's copy of this object (a finalizer, atexit) never
+        removes its parent's socket."""
+        if self.pid != os.getpid():
+            return
         self._stop.set()
         with self._lock:
             path, self.path = self.path, None
         if path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.directory)  # the last one out (fails while others are in)
 
     def abandon(self):
         """In a forked child: close the inherited socket, leaving the parent's path

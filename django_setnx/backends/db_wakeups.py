@@ -262,6 +262,8 @@ TOKEN_MARK = "\x1e"
 #: Starts a local wake-up (db_local_wakeups) for the waiter next in line, whichever
 #: it is: ``GS name`` (a MySQL release cannot tell its token).
 HEAD_MARK = "\x1d"
+#: Starts a local wake-up for one waiter of the process, whichever: ``US name``.
+PLAIN_MARK = "\x1f"
 
 
 def deliver(wakeups, payload, stand_in=True):
@@ -275,6 +277,8 @@ def deliver(wakeups, payload, stand_in=True):
         wakeups.wake_token(name, token, stand_in)
     elif payload.startswith(HEAD_MARK):
         wakeups.wake_head(payload[1:])
+    elif payload.startswith(PLAIN_MARK):
+        wakeups.wake_one(payload[1:])
     else:
         wakeups.wake_one(payload)
 

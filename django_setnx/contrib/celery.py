@@ -1102,8 +1102,12 @@ def _free_own_dead_run(lk: Lock, task_id: str) -> bool:
     lock still held by its own earlier run, if the cleanup has not run yet: free the
     records of that run (same task id, this host and PID namespace, a pid that has
     exited; fencing-checked) so that the new run can take the lock. Returns True if
-    it freed one, or if the lock is free by now (the cleanup in the worker's main
-    process may free it between the new run's refused acquire and this look)."""
+    the new run should try again: the lock is free by now (the cleanup in the worker's
+    main process may free it between the new run's refused acquire and this look), or
+    a record of the dead run was found and is gone now, whoever removed it (that
+    cleanup may also free it between this look and our fencing-checked delete, which
+    then finds nothing: the lock is free all the same). The attempt itself tells
+    whether the lock is ours."""
     infos: Sequence[LockInfo | None]
     try:
         if isinstance(lk, Semaphore):
@@ -1114,7 +1118,7 @@ def _free_own_dead_run(lk: Lock, task_id: str) -> bool:
             infos, free_now = [info], info is None or not info.is_held
         if free_now:
             return True
-        freed = False
+        found = False
         for info in infos:
             if info is None or info.owner.get("celery_task_id") != task_id:
                 continue
@@ -1123,8 +1127,11 @@ def _free_own_dead_run(lk: Lock, task_id: str) -> bool:
                 dead_owners.has_exited(pid)
             ):
                 reason = f"task {task_id} delivered again: its earlier run's process {pid} died"
-                freed = dead_owners.free(lk.backend_alias, info, reason) is not None or freed
-        return freed
+                # None: no longer that record (freed by the pool watch's cleanup since
+                # we looked, or taken by another run): try again either way.
+                dead_owners.free(lk.backend_alias, info, reason)
+                found = True
+        return found
     except LockBackendError:
         return False
 
