@@ -4,18 +4,22 @@ costing a claim, a listener the server dropped, and async waits without threads.
 Real servers and real processes (spawn, SIGKILL)."""
 
 import asyncio
+import errno
+import logging
 import multiprocessing
 import os
 import signal
+import socket
 import threading
 import time
+import types
 
 import pytest
 from django.conf import settings
 from django.db import connections
 
 from django_setnx import lock, locks
-from django_setnx.backends import database
+from django_setnx.backends import database, db_local_wakeups
 from tests import workers
 from tests.backend_sql import run_sql
 
@@ -304,6 +308,43 @@ def _wait_in_forked_child(backend_alias, name, result):
     lk = child_lock(name, ttl=30, backend=backend_alias)
     result.put(lk.acquire(timeout=20))
     lk.release()
+
+
+class _NoThreads(threading.Thread):
+    def start(self):
+        raise RuntimeError("can't start new thread")
+
+
+@pytest.mark.parametrize("backend_alias", LOCAL)
+@pytest.mark.parametrize("shortage", ["file descriptors", "threads"])
+def test_a_wakeup_channel_that_cannot_start_never_fails_a_lock(
+    backend_alias, name, monkeypatch, shortage, caplog
+):
+    """Out of file descriptors or threads, the listener cannot start: the waiters
+    poll, the acquire works as ever, and the shortage is logged once."""
+    if shortage == "file descriptors":
+
+        def no_descriptor(*args, **kwargs):
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        fake = types.SimpleNamespace(**{**vars(socket), "socket": no_descriptor})
+        monkeypatch.setattr(db_local_wakeups, "socket", fake)
+    else:
+        fake = types.SimpleNamespace(**{**vars(threading), "Thread": _NoThreads})
+        monkeypatch.setattr(db_local_wakeups, "threading", fake)
+    backend = locks[backend_alias]
+    backend.close()  # its listener starts again, under the shortage
+    holder = lock(name, ttl=30, backend=backend_alias)
+    assert holder.acquire(blocking=False)
+    with caplog.at_level(logging.WARNING, logger="django_setnx"):
+        for _ in range(2):
+            assert lock(name, ttl=30, backend=backend_alias).acquire(timeout=0.3) is False
+    assert caplog.text.count("no wake-ups from other processes for now") == 1, caplog.text
+    holder.release()
+    waiter = lock(name, ttl=30, backend=backend_alias)
+    assert waiter.acquire(timeout=5)
+    waiter.release()
+    backend.close()
 
 
 def _wait_in_forked_child_and_time_it(backend_alias, name, result):
