@@ -17,6 +17,7 @@ import pytest
 
 from django_setnx.backends import db_local_wakeups
 from django_setnx.backends.db_local_wakeups import (
+    PASS_ON,
     LocalListener,
     LocalNotifier,
     channel_directory,
@@ -96,8 +97,8 @@ def test_a_wakeup_reaches_every_other_socket_of_the_directory(tempdir):
         LocalNotifier(directory).send(encode("job:1", "tok"), own=first.path)
         assert second_got.get(timeout=5) == "\x1etok\x1ejob:1"
         LocalNotifier(directory).send(encode("job:2"))
-        assert first_got.get(timeout=5) == PLAIN_MARK + "job:2"
-        assert second_got.get(timeout=5) == PLAIN_MARK + "job:2"
+        assert first_got.get(timeout=5) == PLAIN_MARK + "3job:2"
+        assert second_got.get(timeout=5) == PLAIN_MARK + "3job:2"
         assert first_got.empty(), "a sender must skip its own process' socket"
     finally:
         first.close()
@@ -200,7 +201,7 @@ def test_a_directory_removed_by_a_temporary_files_cleaner_comes_back(tempdir, mo
     assert listener.ensure_running()
     assert os.path.exists(listener.path)
     LocalNotifier(directory).send(encode("back"))
-    assert got.get(timeout=5) == PLAIN_MARK + "back"
+    assert got.get(timeout=5) == PLAIN_MARK + "3back"
     listener.close()
 
 
@@ -212,12 +213,12 @@ def test_a_socket_bound_just_after_a_listing_is_sent_to(tempdir):
     first, first_got = listening(directory)
     notifier = LocalNotifier(directory)
     notifier.send(encode("one"))
-    assert first_got.get(timeout=5) == PLAIN_MARK + "one"
+    assert first_got.get(timeout=5) == PLAIN_MARK + "3one"
     second, second_got = listening(directory)
     mtime = os.stat(directory).st_mtime_ns
     os.utime(directory, ns=(mtime, notifier._listing[0] or mtime))  # as if in one tick
     notifier.send(encode("two"))
-    assert second_got.get(timeout=5) == PLAIN_MARK + "two"
+    assert second_got.get(timeout=5) == PLAIN_MARK + "3two"
     first.close()
     second.close()
 
@@ -233,3 +234,25 @@ def test_a_wakeup_for_any_waiter_goes_to_one_process(tempdir):
     assert received[0] == 0 and sum(received) == 1, received
     for listener, _ in listeners:
         listener.close()
+
+
+def test_a_wakeup_for_any_waiter_that_finds_none_is_passed_on(tempdir):
+    """The one process a wake-up for any waiter went to has no waiter for that name
+    (it waited for another lock once): it passes the wake-up on to another process,
+    PASS_ON times at most."""
+    directory = channel_directory("k", str(tempdir))
+    notifier = LocalNotifier(directory)
+    idle_got, waiting_got = queue.Queue(), queue.Queue()
+
+    def idle(payload):
+        idle_got.put(payload)
+        return False  # no waiter here
+
+    idle_listener = LocalListener("idle", directory, idle, notifier)
+    assert idle_listener.ensure_running()
+    waiting_listener, waiting_got = listening(directory)
+    LocalNotifier(directory).send(encode("n"), own=waiting_listener.path, one=True)
+    assert idle_got.get(timeout=5) == PLAIN_MARK + f"{PASS_ON}n"
+    assert waiting_got.get(timeout=5) == PLAIN_MARK + f"{PASS_ON - 1}n"
+    idle_listener.close()
+    waiting_listener.close()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -569,29 +570,42 @@ def test_a_waiter_cancelled_twice_as_it_is_handed_the_lock_leaves_no_lock(name):
     """A queued waiter is handed the lock by a release and cancelled; a second
     cancellation arrives k loop steps later, while it withdraws (stop_waiting
     confirms the claim it was handed) and releases. The undo runs to its end: the
-    lock is free once the claim would have lapsed, not held for the waiter's ttl."""
+    lock is free once the claim would have lapsed, not held for the waiter's ttl.
+
+    Strict from Python 3.11. On 3.10 redis.asyncio's ``wait_for`` can drop a
+    cancellation in a command of its own (a reconnect's handshake: see backends/aio),
+    which nothing can tell there: the waiter then wins, and is accepted only if it
+    really holds the lock (its caller releases it), rarely."""
     backend = locks["redis"]
 
     async def main():
+        dropped = 0
         for k in range(12):
             for attempt in range(2):
                 record = f"{name}:{k}:{attempt}"
                 holder = lock(record, ttl=30, backend="redis")
                 assert await holder.aacquire()
-                waiter = asyncio.ensure_future(
-                    lock(record, ttl=30, backend="redis").aacquire(timeout=10)
-                )
+                contender = lock(record, ttl=30, backend="redis")
+                waiter = asyncio.ensure_future(contender.aacquire(timeout=10))
                 await asyncio.sleep(0.05)  # queued on its inbox
                 await holder.arelease()  # hands it to the waiter (a claim)
                 waiter.cancel()
                 for _ in range(k):
                     await asyncio.sleep(0)
                 waiter.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await waiter
+                try:
+                    won = await waiter
+                except asyncio.CancelledError:
+                    pass
+                else:
+                    assert sys.version_info < (3, 11), "a cancellation was lost"
+                    assert won is True and await contender.aowned(), (k, attempt)
+                    await contender.arelease()
+                    dropped += 1
                 await asyncio.sleep(0.6)  # past the claim (CLAIM_MS), and the undo ran
                 info = await backend.aget(record)
                 assert info is None or not info.is_held, (k, attempt, info)
+        assert dropped <= 2, dropped  # a rare loss on Python 3.10, not the rule
         await backend.aclose()
 
     run(main())

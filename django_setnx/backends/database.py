@@ -238,6 +238,7 @@ class DatabaseBackend(BaseLockBackend):
         self.local_wakeups = self.options.get("LOCAL_WAKEUPS", True)
         self._local_notifier = None
         self._local_listener = None
+        self._local_finalizer = None
         # The names whose last release here left the lock to a waiter: the next
         # release of each goes straight to the statement that handles both cases.
         self._handed_over = set()
@@ -542,6 +543,9 @@ class DatabaseBackend(BaseLockBackend):
         local_listener, self._local_listener = self._local_listener, None
         if local_listener is not None and local_listener.pid == os.getpid():
             local_listener.close()
+        finalizer, self._local_finalizer = self._local_finalizer, None
+        if finalizer is not None:
+            finalizer.detach()
         with self._wrappers_lock:
             wrappers = list(self._wrappers)
         for wrapper in wrappers:
@@ -836,10 +840,14 @@ class DatabaseBackend(BaseLockBackend):
                         self.alias,
                         notifier.directory,
                         lambda payload: deliver(wakeups, payload, stand_in=False),
+                        notifier,
                     )
                     # Stopped with this backend if it is dropped unclosed (a
-                    # settings change that makes a new one closes the old).
-                    weakref.finalize(self, listener.close)
+                    # settings change that makes a new one closes the old); one
+                    # finalizer at a time (close() detaches it).
+                    if self._local_finalizer is not None:
+                        self._local_finalizer.detach()
+                    self._local_finalizer = weakref.finalize(self, listener.close)
                     # Once per process: the sockets of processes that ended
                     # without removing theirs (SIGKILL, os._exit) go.
                     notifier.prune()

@@ -60,6 +60,9 @@ RELIST_WINDOW = 2.0
 #: After the directory could not be made private, a listener tries again this much
 #: later (seconds), not at every wait.
 RETRY_AFTER = 60.0
+#: A wake-up for any waiter goes to one process (see LocalNotifier.send); one that
+#: has no waiter for the name passes it on to another, at most this many times.
+PASS_ON = 3
 #: Whether this platform has Unix datagram sockets (not Windows).
 AVAILABLE = hasattr(socket, "AF_UNIX")
 
@@ -130,7 +133,8 @@ def encode(name, token=None, head=False):
     elif head:
         payload = f"{HEAD_MARK}{name}"
     else:
-        payload = f"{PLAIN_MARK}{name}"  # marked: a name may start with a mark
+        # Marked (a name may start with a mark), with how often it may be passed on.
+        payload = f"{PLAIN_MARK}{PASS_ON}{name}"
     return payload.encode("utf-8", "surrogatepass")
 
 
@@ -171,6 +175,14 @@ class LocalNotifier:
         except Exception as exc:  # noqa: BLE001 - a hint that failed: the waiters poll
             logger.debug("Could not send a lock wake-up in %s: %s", self.directory, exc)
 
+    def pass_on(self, payload, own):
+        """A wake-up for any waiter (PLAIN_MARK) that found none here: to one other
+        process, unless it was passed on PASS_ON times already."""
+        hops = payload[1:2]
+        if hops.isdigit() and int(hops) > 0:
+            text = f"{PLAIN_MARK}{int(hops) - 1}{payload[2:]}"
+            self.send(text.encode("utf-8", "surrogatepass"), own=own, one=True)
+
     def prune(self):
         """Remove the sockets of processes that ended without removing theirs (they
         refuse an empty datagram, which the live ones ignore)."""
@@ -206,8 +218,8 @@ class LocalNotifier:
         if mtime != listed_at:
             if not (_is_private(os.path.dirname(directory)) and _is_private(directory)):
                 return ()
-            paths = tuple(os.path.join(directory, entry) for entry in os.listdir(directory))
             racy = time.time_ns() - mtime < RELIST_WINDOW * 1e9
+            paths = tuple(os.path.join(directory, entry) for entry in os.listdir(directory))
             self._listing = (None if racy else mtime, paths)
         return paths
 
@@ -224,14 +236,16 @@ class LocalListener:
     :meth:`ensure_running` binds the socket and starts the thread; ``path`` is the
     socket's path while it runs (else None)."""
 
-    def __init__(self, alias, directory, deliver):
+    def __init__(self, alias, directory, deliver, notifier=None):
         self.alias = alias
         self.directory = directory
         self.deliver = deliver
+        self.notifier = notifier  # passes on what found no waiter here (see pass_on)
         self.pid = os.getpid()
         self.path = None
         self.failed = False
         self._retry_at = 0.0  # the directory could not be made private: not before this
+        self._warned = False  # about a shortage of descriptors or threads
         self._socket = None
         self._thread = None
         self._stop = threading.Event()
@@ -282,7 +296,8 @@ class LocalListener:
     def _give_up_for_now(self, exc):
         """The listener cannot start (no file descriptor, no thread): say so once,
         and try again RETRY_AFTER later; the waiters poll meanwhile."""
-        if not self._retry_at:
+        if not self._warned:
+            self._warned = True
             logger.warning(
                 "Lock backend %r: no wake-ups from other processes for now (%s: %s); "
                 "waiters poll instead",
@@ -318,8 +333,7 @@ class LocalListener:
                 )
                 return None
             return sock
-        self._retry_at = time.monotonic() + RETRY_AFTER
-        return None
+        return None  # removed under us twice: the next wait tries again
 
     def _run(self, sock, path):
         try:
@@ -335,7 +349,9 @@ class LocalListener:
                 if not payload:  # a probe (see LocalNotifier.prune): no wake-up
                     continue
                 try:
-                    self.deliver(payload.decode("utf-8", "surrogatepass"))
+                    text = payload.decode("utf-8", "surrogatepass")
+                    if self.deliver(text) is False and self.notifier is not None:
+                        self.notifier.pass_on(text, own=path)
                 except Exception:
                     logger.debug("Ignored a malformed lock wake-up", exc_info=True)
         except OSError:

@@ -160,7 +160,8 @@ class Wakeups:
         woken waiter sends a statement, and waking them all on every release made a
         handoff cost a statement per waiter. A waiter that does not take the lock
         when woken (it gave up, or lost it to another process) wakes the next one
-        when it leaves, or the others' polls catch up."""
+        when it leaves, or the others' polls catch up. Returns whether a waiter
+        was woken (False: none waits here now; the wake-up is kept)."""
         now = time.monotonic()
         with self._lock:
             self._released[name] = now
@@ -168,10 +169,11 @@ class Wakeups:
             candidates = [w for w in self._waiters.get(name, ()) if not w.woken]
             if not candidates:
                 self._unclaimed[name] = now
-                return
+                return False
             waiter = min(candidates, key=lambda w: w.rank)
             waiter.woken = True  # before releasing the lock: no second wake_one picks it
         waiter.wake()
+        return True
 
     def wake_token(self, name, token, stand_in=True):
         """Wake the waiter of ``name`` whose token is ``token`` (the one a release
@@ -262,7 +264,8 @@ TOKEN_MARK = "\x1e"
 #: Starts a local wake-up (db_local_wakeups) for the waiter next in line, whichever
 #: it is: ``GS name`` (a MySQL release cannot tell its token).
 HEAD_MARK = "\x1d"
-#: Starts a local wake-up for one waiter of the process, whichever: ``US name``.
+#: Starts a local wake-up for one waiter of the process, whichever: ``US h name``,
+#: ``h`` the number of times a process without a waiter may still pass it on.
 PLAIN_MARK = "\x1f"
 
 
@@ -271,14 +274,15 @@ def deliver(wakeups, payload, stand_in=True):
     db_local_wakeups): the waiter a release left the lock to, if it is ours; else,
     with ``stand_in``, one waiter of ours (see :meth:`Wakeups.wake_token`). A plain
     name wakes one waiter per process (the lock goes to one); ``HEAD_MARK`` and a
-    name, the waiter next in line only."""
+    name, the waiter next in line only. Returns False for a ``PLAIN_MARK`` wake-up
+    that found no waiter here (see db_local_wakeups: it is passed on)."""
     if payload.startswith(TOKEN_MARK):
         token, _, name = payload[1:].partition(TOKEN_MARK)
         wakeups.wake_token(name, token, stand_in)
     elif payload.startswith(HEAD_MARK):
         wakeups.wake_head(payload[1:])
     elif payload.startswith(PLAIN_MARK):
-        wakeups.wake_one(payload[1:])
+        return wakeups.wake_one(payload[2:])
     else:
         wakeups.wake_one(payload)
 
