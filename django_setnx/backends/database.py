@@ -546,6 +546,8 @@ class DatabaseBackend(BaseLockBackend):
         finalizer, self._local_finalizer = self._local_finalizer, None
         if finalizer is not None:
             finalizer.detach()
+        if self._local_notifier is not None:
+            self._local_notifier.close()
         with self._wrappers_lock:
             wrappers = list(self._wrappers)
         for wrapper in wrappers:
@@ -843,8 +845,9 @@ class DatabaseBackend(BaseLockBackend):
                         notifier,
                     )
                     # Stopped with this backend if it is dropped unclosed (a
-                    # settings change that makes a new one closes the old); one
-                    # finalizer at a time (close() detaches it).
+                    # settings change that makes a new one closes the old), and at
+                    # interpreter exit (finalize's atexit); one finalizer at a time
+                    # (close() detaches it).
                     if self._local_finalizer is not None:
                         self._local_finalizer.detach()
                     self._local_finalizer = weakref.finalize(self, listener.close)

@@ -26,7 +26,6 @@ is removed by the first sender that finds it so. After a fork the child never re
 or removes its parent's socket; it binds its own when one of its callers waits.
 """
 
-import atexit
 import contextlib
 import errno
 import hashlib
@@ -39,7 +38,6 @@ import stat
 import tempfile
 import threading
 import time
-import weakref
 
 from .db_wakeups import HEAD_MARK, PLAIN_MARK, TOKEN_MARK
 
@@ -224,6 +222,7 @@ class LocalNotifier:
         return paths
 
     def close(self):
+        """Close the sending socket (made again by the next send)."""
         sock, self._socket = self._socket, None
         if sock is not None and self._pid == os.getpid():
             sock.close()
@@ -290,7 +289,6 @@ class LocalListener:
                 self._give_up_for_now(exc)
                 return False
             self._thread = thread
-            _RUNNING.add(self)
         return True
 
     def _give_up_for_now(self, exc):
@@ -388,15 +386,3 @@ class LocalListener:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.close()
-
-
-#: The listeners started in this process, closed (their sockets removed) when it
-#: exits normally; one that ends otherwise leaves its socket to LocalNotifier.prune.
-_RUNNING: "weakref.WeakSet[LocalListener]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_at_exit():
-    for listener in list(_RUNNING):
-        if listener.pid == os.getpid():
-            listener.close()
