@@ -843,6 +843,48 @@ def test_an_implausible_row_never_blocks_an_acquire(db_alias, name, acquired_at,
     assert backend.release(name, token)
 
 
+def _wal_flushed(backend):
+    """Whether the server's WAL is on disk up to its end, read just after a
+    statement of ``backend``: whether that statement's commit waited for the flush
+    (an asynchronous one leaves it to the WAL writer, within 200 ms)."""
+    return _sql(backend, "SELECT pg_current_wal_flush_lsn() >= pg_current_wal_insert_lsn()")[0]
+
+
+@needs(POSTGRES)
+def test_postgres_flushes_only_the_commits_that_give_or_keep_a_lock(name, make_backend):
+    """A winning acquire and an extend must survive a database crash (else the lock,
+    or its fencing token, could go to a second client); a release, a refused attempt
+    (it locks the row, so it commits) and a place in line cost only liveness if
+    lost, and do not wait for an fsync. Each is observed five times: the WAL writer
+    (or another session) may flush in between, so one observation proves nothing,
+    and a statement that commits the wrong way shows it in every one."""
+    backend, other = make_backend("postgres"), make_backend("postgres")
+    seen = {key: [] for key in ("won", "extended", "refused", "queued", "released", "taken over")}
+    for attempt in range(5):
+        token = _token()
+        assert backend.acquire(f"{name}-{attempt}", token, 30, OWNER).acquired
+        seen["won"].append(_wal_flushed(backend))
+        assert not other.acquire(f"{name}-{attempt}", _token(), 30, OWNER).acquired
+        seen["refused"].append(_wal_flushed(other))
+        assert backend.extend(f"{name}-{attempt}", token, 30)
+        seen["extended"].append(_wal_flushed(backend))
+        waiter = _token()
+        assert not other.acquire(f"{name}-{attempt}", waiter, 30, OWNER, wait=None).acquired
+        seen["queued"].append(_wal_flushed(other))
+        assert backend.release(f"{name}-{attempt}", token)
+        seen["released"].append(_wal_flushed(backend))
+        # The waiter takes the row over (an update: the refused path's statement).
+        assert other.acquire(f"{name}-{attempt}", waiter, 30, OWNER, wait=None).acquired
+        seen["taken over"].append(_wal_flushed(other))
+    assert any(seen["won"]) and any(seen["taken over"]) and any(seen["extended"]), seen
+    assert not all(seen["refused"]), seen
+    assert not all(seen["queued"]), seen
+    assert not all(seen["released"]), seen
+    # The choice ends with each statement's transaction: the sessions still flush.
+    assert _sql(backend, "SHOW synchronous_commit") == ("on",)
+    assert _sql(other, "SHOW synchronous_commit") == ("on",)
+
+
 @needs(POSTGRES)
 def test_a_postgres_row_lock_held_elsewhere_fails_within_the_timeout(name, make_backend):
     """libpq has no read timeout: the wait is bounded client-side, the statement
