@@ -472,6 +472,17 @@ def db_variants(cfg, engine):
             cur.close()
 
     variants["floor: raw INSERT + DELETE (autocommit, same driver)"] = floor
+
+    # The floor again, with the durability the backend chose (see the docs' "PostgreSQL
+    # flushes only what gives or keeps a lock" and SQLite's synchronous=NORMAL):
+    # the ratio to it is what our SQL and Python cost, the fsyncs left out.
+    same_wrapper = None
+    if wrapper.vendor in SAME_DURABILITY_FLOOR:
+        same_wrapper = base.__class__(copy.deepcopy(base.settings_dict), alias=engine)
+        same_wrapper.ensure_connection()
+        variants[SAME_DURABILITY_FLOOR[wrapper.vendor]] = same_durability_floor(
+            same_wrapper, insert, delete, f_row
+        )
     variants["**ours**: lock() + acquire(blocking=False) + release()"] = ours
 
     backend = locks[engine]
@@ -494,15 +505,45 @@ def db_variants(cfg, engine):
                 pass
 
         variants["peer: django-db-mutex `with db_mutex(name)`"] = dbmutex
-    return variants, wrapper
+    return variants, [w for w in (wrapper, same_wrapper) if w is not None]
+
+
+#: The label of the floor row with our durability choices, per vendor.
+SAME_DURABILITY_FLOOR = {
+    "sqlite": "floor, same durability: raw INSERT + DELETE, synchronous=NORMAL",
+    "postgresql": "floor, same durability: raw INSERT + DELETE, the DELETE unflushed",
+}
+
+
+def same_durability_floor(wrapper, insert, delete, row):
+    """The floor's pair on ``wrapper``'s connection (its own) with the durability
+    the backend gives its statements."""
+    if wrapper.vendor == "sqlite":
+        wrapper.connection.execute("PRAGMA synchronous=NORMAL")  # this connection's own
+    else:
+        delete += " AND set_config('synchronous_commit', 'off', true) IS NOT NULL"
+    raw = wrapper.connection
+    row = (row[0] + ":same",) + row[1:]
+
+    def floor_same():
+        cur = raw.cursor()
+        try:
+            cur.execute(insert, row)
+            cur.execute(delete, (row[0], row[1]))
+            check(cur.rowcount == 1, "DELETE")
+        finally:
+            cur.close()
+
+    return floor_same
 
 
 def db_uncontended_child(cfg, engine, params, conn):
     try:
         _setup.configure(cfg, default=engine)
-        variants, wrapper = db_variants(cfg, engine)
+        variants, wrappers = db_variants(cfg, engine)
         samples, cpu = interleaved(variants, **params)
-        wrapper.close()
+        for wrapper in wrappers:
+            wrapper.close()
         conn.send(("ok", (samples, cpu)))
     except BaseException:  # noqa: BLE001 - report, never hang the parent
         conn.send(("error", traceback.format_exc()))
@@ -744,6 +785,15 @@ def section_uncontended(cfg, p, results):
                 f"ratio:{engine}",
                 results,
             )
+            same = next((s for s in samples if s.startswith("floor, same durability")), None)
+            if same is not None:
+                ours = median(samples["**ours**: lock() + acquire(blocking=False) + release()"])
+                out(
+                    f"{title}: ours ÷ the same-durability floor = "
+                    f"{ours / median(samples[same]):.2f}× (what our SQL and Python add, "
+                    f"the fsyncs we leave out not counted as a gain)"
+                )
+                out()
         except Exception as exc:  # noqa: BLE001
             out(f"{engine}: error\n```\n{exc}\n```\n")
 
