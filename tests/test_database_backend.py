@@ -273,6 +273,7 @@ def test_a_row_is_taken_whole_or_left_alone_in_every_assignment_mode(db_alias, n
             assert backend.release(name, holder)
             left = row()
             assert left[0] == "" and left[5] == waiter, "left to the waiter next in line"
+            assert left[3] == left[2] and left[6] == queued[6], "expired, the claim kept"
             assert not backend.acquire(name, other, 30, {"host": "x", "pid": 2}).acquired
             assert row() == left, "a refused attempt changed the row left to a waiter"
             taken = backend.acquire(name, waiter, 45, OWNER)
@@ -281,6 +282,13 @@ def test_a_row_is_taken_whole_or_left_alone_in_every_assignment_mode(db_alias, n
             assert (token, fencing, next_in_line) == (waiter, taken.fencing_token, ["", 0, 0])
             assert expires_at - acquired_at == 45_000 and acquired_at >= left[2]
             assert backend.release(name, waiter)
+            token, owner, acquired_at, expires_at, fencing, *next_in_line = row()
+            assert (token, expires_at, fencing, next_in_line) == (
+                "",
+                0,
+                taken.fencing_token,
+                ["", 0, 0],
+            ), "a tombstone, nobody next in line"
             backend._waiting.clear()
             backend._handed_over.clear()
         finally:

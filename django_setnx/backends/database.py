@@ -882,7 +882,7 @@ class DatabaseBackend(BaseLockBackend):
             return False
 
         def work(cursor, sql, raw, retried=False):
-            if sql.release_any is not None and name in self._handed_over:
+            if name in self._handed_over:
                 # A waiter took over at the last release here: likely another is next
                 # in line now. One statement for either case, not two.
                 if self._release_any(cursor, sql, name, token):
@@ -894,14 +894,8 @@ class DatabaseBackend(BaseLockBackend):
                         self._wakeups.wake_one(name)
                     return True
                 # Not ours, or a waiter is (or was, on PostgreSQL) next in line.
-                if sql.release_any is not None:  # on PostgreSQL it NOTIFYs every process
-                    if self._release_any(cursor, sql, name, token):
-                        return True
-                else:
-                    self._execute(cursor, sql.release_to_next, (name, token))
-                    if cursor.rowcount == 1:
-                        self._left_to(name, None)
-                        return True
+                if self._release_any(cursor, sql, name, token):
+                    return True
             # Nothing of ours is left. On a retry that is no proof the lock was lost:
             # the first attempt may have deleted the row and lost only its answer
             # with the connection. Reporting "lost" then would tell a caller whose
@@ -915,11 +909,17 @@ class DatabaseBackend(BaseLockBackend):
         """Release with ``release_any`` (see release). Returns True if released."""
         params = (name, token, self._channel) if sql.vendor == "postgresql" else (name, token)
         self._execute(cursor, sql.release_any, params)
-        row = cursor.fetchone()
-        if row is None:
-            return False
-        if row[0]:
-            self._left_to(name, row[0])
+        if sql.vendor == "mysql":  # no RETURNING: the insert id says (see the statement)
+            if cursor.rowcount != 1:
+                return False
+            left_to = None if cursor.lastrowid else ""
+        else:
+            row = cursor.fetchone()
+            if row is None:
+                return False
+            left_to = row[0]
+        if left_to != "":  # a waiter's token, or None: one whose token we do not know
+            self._left_to(name, left_to)
         else:
             self._handed_over.discard(name)
             if self._waiting:
@@ -929,10 +929,9 @@ class DatabaseBackend(BaseLockBackend):
     def _left_to(self, name, waiter):
         """A release left ``name`` to the waiter next in line (``waiter``: its token,
         when known): wake it if it waits here, and remember the name (see release)."""
-        if self._dialect.release_any is not None:
-            if len(self._handed_over) >= HANDED_OVER_KEEP:
-                self._handed_over.clear()  # many contended names: start over, not grow
-            self._handed_over.add(name)
+        if len(self._handed_over) >= HANDED_OVER_KEEP:
+            self._handed_over.clear()  # many contended names: start over, not grow
+        self._handed_over.add(name)
         if self._dialect.vendor != "postgresql":  # there the statement sent NOTIFY
             self._wake_locally(name, waiter, head=True)
         if waiter is None:

@@ -118,32 +118,35 @@ class Dialect:
             f"expires_at = 0, next_token = '', next_since = 0, next_seen = 0 "
             f"WHERE name = %s AND token = %s AND {no_waiter}{no_flush}"
         )
-        # A waiter is next in line: leave it the lock (expired, empty token) instead
-        # of deleting the row, so nobody else can take it before that waiter does,
-        # for CLAIM_MS at most (its place then lapses, see CLAIM_MS). MySQL/MariaDB
-        # only, whose UPDATE cannot return the waiter's token; elsewhere
-        # ``release_any`` does this.
         claim_end = f"{now} - {lapse} + {CLAIM_MS}"
-        self.release_to_next = None
-        if vendor == "mysql":
-            self.release_to_next = (
-                f"UPDATE {lock} SET token = '', owner = '{{}}', acquired_at = {now}, "
-                f"expires_at = {now}, next_seen = CASE WHEN next_seen < {claim_end} "
-                f"THEN next_seen ELSE {claim_end} END "
-                f"WHERE name = %s AND token = %s"
-            )
         # Both releases in one statement, for a lock that was just left to a waiter
         # (the backend then expects another waiter next in line; otherwise it sends
         # the shorter ``release`` first), and for one that ``release`` refused: to a
-        # live waiter next in line with a claim (as MySQL's ``release_to_next``), else
-        # a tombstone as ``release``. (Longer to parse than ``release``, so not the
-        # first choice for a lock nobody waits for.) Returns one row if released, with
-        # the token of the waiter the lock was left to ('' for none). PostgreSQL and
-        # SQLite, which can return it; None elsewhere. Params: name, token (and
-        # channel, on PostgreSQL).
-        self.release_any = None
-        if vendor in ("postgresql", "sqlite"):
-            live_next = f"(next_token <> '' AND next_seen > {now} - {lapse})"
+        # live waiter next in line, leaving it the lock (expired, empty token) instead
+        # of a tombstone, so nobody else can take it before that waiter does, for
+        # CLAIM_MS at most (its place then lapses, see CLAIM_MS); else a tombstone as
+        # ``release``. (Longer to parse than ``release``, so not the first choice for
+        # a lock nobody waits for.) PostgreSQL and SQLite return one row if released,
+        # with the token of the waiter the lock was left to ('' for none); MySQL
+        # matches one row if released, and its insert id says whether it was left to
+        # a waiter (1) or not (0). Params: name, token (and channel, on PostgreSQL).
+        live_next = f"(next_token <> '' AND next_seen > {now} - {lapse})"
+        claimed = f"CASE WHEN next_seen < {claim_end} THEN next_seen ELSE {claim_end} END"
+        if vendor == "mysql":
+            # The decision is made once, in the first assignment, and read back with
+            # LAST_INSERT_ID() by the others, as in ``acquire`` below (see there): it
+            # holds whether MySQL applies the assignments one after another or all at
+            # once (MariaDB's SIMULTANEOUS_ASSIGNMENT).
+            self.release_any = (
+                f"UPDATE {lock} SET "
+                f"next_seen = IF(LAST_INSERT_ID({live_next}), {claimed}, 0), "
+                f"expires_at = IF(LAST_INSERT_ID(), {now}, 0), "
+                f"next_since = IF(LAST_INSERT_ID(), next_since, 0), "
+                f"next_token = IF(LAST_INSERT_ID(), next_token, ''), "
+                f"token = '', owner = '{{}}', acquired_at = {now} "
+                f"WHERE name = %s AND token = %s"
+            )
+        else:
             # On PostgreSQL a lapsed waiter's token stays in the tombstone (its place
             # is free to anyone: ``next_seen`` is 0), so that the statement returns it
             # and NOTIFYs: the waiters behind the dead one wake now, not at their
@@ -157,14 +160,12 @@ class Dialect:
                 f"UPDATE {lock} SET token = '', owner = '{{}}', acquired_at = {now}, "
                 f"expires_at = CASE WHEN {live_next} THEN {now} ELSE 0 END, "
                 f"next_since = CASE WHEN {live_next} THEN next_since ELSE 0 END, "
-                f"next_seen = CASE WHEN {live_next} THEN "
-                f"(CASE WHEN next_seen < {claim_end} THEN next_seen ELSE {claim_end} END) "
-                f"ELSE 0 END, "
+                f"next_seen = CASE WHEN {live_next} THEN {claimed} ELSE 0 END, "
                 f"next_token = {kept_token} "
                 f"WHERE name = %s AND token = %s{no_flush}"
             )
             if vendor == "postgresql":
-                # ... waking the waiters of every process as ``release_to_next`` does
+                # ... waking the waiters of every process (NOTIFY naming the waiter)
                 # when it leaves the lock to one.
                 self.release_any = (
                     f"WITH released AS ({release_any} RETURNING name, next_token) "
