@@ -156,27 +156,32 @@ def test_unix_sockets_are_available_here():
     assert db_local_wakeups.AVAILABLE
 
 
-def test_a_wakeup_for_the_waiter_next_in_line_wakes_only_that_one():
-    """MySQL's release cannot tell the token of the waiter it left the lock to: its
-    datagram names the waiter next in line, which alone is woken (the others would
-    only be refused)."""
-    wakeups = Wakeups()
+def _waiting(wakeups, ranks):
+    """Threads waiting on ``wakeups`` for "n", one per role of ``ranks`` (role: rank),
+    each with its role as token; returned once all wait, with the dict into which
+    each puts what its wait returned."""
     since = time.monotonic()
     woken = {}
 
     def wait(role, rank):
         woken[role] = wakeups.wait("n", 10, since, rank=rank, token=role)
 
-    threads = [
-        threading.Thread(target=wait, args=("behind", (1, 1))),
-        threading.Thread(target=wait, args=("next", (0, 2))),
-    ]
+    threads = [threading.Thread(target=wait, args=item) for item in ranks.items()]
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 5
-    while len(wakeups._waiters.get("n", ())) < 2:
+    while len(wakeups._waiters.get("n", ())) < len(ranks):
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    return threads, woken
+
+
+def test_a_wakeup_for_the_waiter_next_in_line_wakes_only_that_one():
+    """MySQL's release cannot tell the token of the waiter it left the lock to: its
+    datagram names the waiter next in line, which alone is woken (the others would
+    only be refused)."""
+    wakeups = Wakeups()
+    threads, woken = _waiting(wakeups, {"behind": (1, 1), "next": (0, 2)})
     deliver(wakeups, encode("n", head=True).decode(), stand_in=False)
     threads[1].join(5)
     assert woken == {"next": True}
@@ -185,6 +190,26 @@ def test_a_wakeup_for_the_waiter_next_in_line_wakes_only_that_one():
     wakeups.wake_one("n")
     threads[0].join(5)
     assert woken == {"next": True, "behind": True}
+
+
+def test_a_wakeup_naming_when_the_waiter_began_passes_over_an_out_of_date_one():
+    """A waiter that believes it is next in line may have lost the place to one that
+    waited longer (it learns that at its next attempt): a MySQL release names the
+    waiter it left the lock to by when it began waiting (the row's ``next_since``,
+    which its insert id returns), so only that one is woken, whatever it believes."""
+    wakeups = Wakeups()
+    threads, woken = _waiting(
+        wakeups, {"out of date": (0, 1_700_000_000_200), "next": (1, 1_700_000_000_100)}
+    )
+    deliver(wakeups, encode("n", head=True, since=1_700_000_000_100).decode(), stand_in=False)
+    threads[1].join(5)
+    assert woken == {"next": True}
+    time.sleep(0.2)
+    assert "out of date" not in woken
+    # An earlier version's datagram (no time) wakes the one that believes it is next.
+    deliver(wakeups, encode("n", head=True).decode(), stand_in=False)
+    threads[0].join(5)
+    assert woken == {"next": True, "out of date": True}
 
 
 def test_a_directory_removed_by_a_temporary_files_cleaner_comes_back(tempdir, monkeypatch):

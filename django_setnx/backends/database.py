@@ -159,6 +159,10 @@ WAITER_MAX_BACKOFF = 0.25
 #: safety net: about one statement a second per waiter behind a long hold.
 PG_SAFETY_POLL = 3.5
 
+#: psycopg 3's own default ``prepare_threshold``, set on a PostgreSQL lock connection
+#: that prepares its statements when Django left it at None (see _connect).
+PREPARE_THRESHOLD = 5
+
 #: Default of ``OPTIONS["OPERATION_TIMEOUT"]`` (seconds): how long the lock
 #: connection waits to connect, for a row or table lock, and for a silent network,
 #: before the operation fails with LockBackendError.
@@ -394,6 +398,12 @@ class DatabaseBackend(BaseLockBackend):
                     self._local_notifier = _local_notifier(wrapper)
             if wrapper.vendor == "postgresql":
                 _bound_waits(wrapper.connection, self.operation_timeout)
+                if self._prepared and wrapper.connection.prepare_threshold is None:
+                    # Django opens psycopg 3 connections with prepare_threshold=None,
+                    # which makes psycopg ignore execute(prepare=True): without this,
+                    # PREPARED_STATEMENTS would prepare nothing. (Our statements ask
+                    # with prepare=True; this threshold only lets them.)
+                    wrapper.connection.prepare_threshold = PREPARE_THRESHOLD
             cursor = wrapper.connection.cursor()
             try:
                 if wrapper.vendor == "mysql":
@@ -856,10 +866,10 @@ class DatabaseBackend(BaseLockBackend):
                     notifier.prune()
         listener.ensure_running()
 
-    def _wake_locally(self, name, token=None, head=False):
+    def _wake_locally(self, name, token=None, head=False, since=None):
         """Wake the waiter of ``name`` that ``token`` names (else, with ``head``, the
-        one next in line; else one waiter per process) in the other processes of
-        this host (SQLite, MySQL)."""
+        one next in line: the one that began waiting at ``since``, if given; else one
+        waiter per process) in the other processes of this host (SQLite, MySQL)."""
         notifier = self._local_notifier
         if notifier is not None:
             listener = self._local_listener
@@ -867,7 +877,7 @@ class DatabaseBackend(BaseLockBackend):
             # one process is enough (each woken one sends statements), and over the
             # handoffs each gets its turn.
             notifier.send(
-                encode_wakeup(name, token, head),
+                encode_wakeup(name, token, head, since),
                 own=listener and listener.path,
                 one=token is None and not head,
             )
@@ -909,33 +919,36 @@ class DatabaseBackend(BaseLockBackend):
         """Release with ``release_any`` (see release). Returns True if released."""
         params = (name, token, self._channel) if sql.vendor == "postgresql" else (name, token)
         self._execute(cursor, sql.release_any, params)
+        since = None
         if sql.vendor == "mysql":  # no RETURNING: the insert id says (see the statement)
             if cursor.rowcount != 1:
                 return False
-            left_to = None if cursor.lastrowid else ""
+            since = cursor.lastrowid
+            left_to = None if since else ""
         else:
             row = cursor.fetchone()
             if row is None:
                 return False
             left_to = row[0]
-        if left_to != "":  # a waiter's token, or None: one whose token we do not know
-            self._left_to(name, left_to)
+        if left_to != "":  # a waiter's token, or None: its since (MySQL)
+            self._left_to(name, left_to, since)
         else:
             self._handed_over.discard(name)
             if self._waiting:
                 self._wakeups.wake_one(name)
         return True
 
-    def _left_to(self, name, waiter):
-        """A release left ``name`` to the waiter next in line (``waiter``: its token,
-        when known): wake it if it waits here, and remember the name (see release)."""
+    def _left_to(self, name, waiter, since=None):
+        """A release left ``name`` to the waiter next in line (``waiter``: its token;
+        else, on MySQL, ``since``: when it began waiting, see ``release_any``): wake
+        it wherever it waits on this host, and remember the name (see release)."""
         if len(self._handed_over) >= HANDED_OVER_KEEP:
             self._handed_over.clear()  # many contended names: start over, not grow
         self._handed_over.add(name)
         if self._dialect.vendor != "postgresql":  # there the statement sent NOTIFY
-            self._wake_locally(name, waiter, head=True)
+            self._wake_locally(name, waiter, head=True, since=since)
         if waiter is None:
-            self._wakeups.wake_one(name)  # the waiter next in line, if ours
+            self._wakeups.wake_head(name, since)  # that waiter, if ours
         else:
             self._wakeups.wake_token(name, waiter)
 

@@ -122,14 +122,15 @@ def _is_private(path, warn=False):
     return True
 
 
-def encode(name, token=None, head=False):
+def encode(name, token=None, head=False, since=None):
     """The datagram of a wake-up (``NOTIFY``'s payload, see db_wakeups.deliver): for
     the waiter whose token is ``token``; else, with ``head``, for the waiter next in
-    line; else for one waiter per process."""
+    line (the one that began waiting at ``since``, when given); else for one waiter
+    per process."""
     if token is not None:
         payload = f"{TOKEN_MARK}{token}{TOKEN_MARK}{name}"
     elif head:
-        payload = f"{HEAD_MARK}{name}"
+        payload = f"{HEAD_MARK}{name}" if since is None else f"{HEAD_MARK}{since}{HEAD_MARK}{name}"
     else:
         # Marked (a name may start with a mark), with how often it may be passed on.
         payload = f"{PLAIN_MARK}{PASS_ON}{name}"

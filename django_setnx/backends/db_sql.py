@@ -127,9 +127,11 @@ class Dialect:
         # CLAIM_MS at most (its place then lapses, see CLAIM_MS); else a tombstone as
         # ``release``. (Longer to parse than ``release``, so not the first choice for
         # a lock nobody waits for.) PostgreSQL and SQLite return one row if released,
-        # with the token of the waiter the lock was left to ('' for none); MySQL
-        # matches one row if released, and its insert id says whether it was left to
-        # a waiter (1) or not (0). Params: name, token (and channel, on PostgreSQL).
+        # with the token of the waiter the lock was left to ('' for none); MySQL,
+        # whose UPDATE returns no row, matches one row if released, and its insert id
+        # is the ``next_since`` of the waiter it was left to (when that waiter began
+        # waiting, by its own clock: what names it to the processes that wake it), or
+        # 0 for none. Params: name, token (and channel, on PostgreSQL).
         live_next = f"(next_token <> '' AND next_seen > {now} - {lapse})"
         claimed = f"CASE WHEN next_seen < {claim_end} THEN next_seen ELSE {claim_end} END"
         if vendor == "mysql":
@@ -139,7 +141,8 @@ class Dialect:
             # once (MariaDB's SIMULTANEOUS_ASSIGNMENT).
             self.release_any = (
                 f"UPDATE {lock} SET "
-                f"next_seen = IF(LAST_INSERT_ID({live_next}), {claimed}, 0), "
+                f"next_seen = IF(LAST_INSERT_ID(CASE WHEN {live_next} "
+                f"THEN GREATEST(next_since, 1) ELSE 0 END), {claimed}, 0), "
                 f"expires_at = IF(LAST_INSERT_ID(), {now}, 0), "
                 f"next_since = IF(LAST_INSERT_ID(), next_since, 0), "
                 f"next_token = IF(LAST_INSERT_ID(), next_token, ''), "
@@ -245,8 +248,13 @@ class Dialect:
             # One statement: insert, or take over an expired row, with the next
             # fencing token, which it returns; a refused attempt returns no row and
             # does not wait for a flush (it locked the row, so it commits: see
-            # PG_NO_FLUSH). CASE, not OR: it fixes the order, so a winning attempt
-            # never reaches the set_config.
+            # PG_NO_FLUSH), except one that finds the row carrying its own token: an
+            # earlier attempt of this acquire took it and lost its answer with the
+            # connection, maybe before that commit was flushed (or confirmed by a
+            # synchronous standby), and this attempt reports it won (see
+            # DatabaseBackend.acquire): its own flush, which covers the earlier
+            # commit, must come first. CASE, not OR: it fixes the order, so a
+            # winning attempt never reaches the set_config.
             us = NOW_US[vendor]
             self.acquire = f"""
                 INSERT INTO {lock} AS l (name, token, owner, acquired_at, expires_at,
@@ -258,6 +266,7 @@ class Dialect:
                     fencing = GREATEST(l.fencing + 1, EXCLUDED.fencing),
                     next_token = '', next_since = 0, next_seen = 0
                 WHERE CASE WHEN {self.may_take.format(t="l", x="EXCLUDED")} THEN TRUE
+                           WHEN l.token = EXCLUDED.token THEN FALSE
                            ELSE NOT ({PG_NO_FLUSH}) END
                 RETURNING l.fencing
             """

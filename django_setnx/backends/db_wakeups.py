@@ -201,16 +201,23 @@ class Wakeups:
         for waiter in waiters:
             waiter.wake()
 
-    def wake_head(self, name):
+    def wake_head(self, name, since=None):
         """Wake the waiter of ``name`` next in line, if it waits in this process (a
-        release left it the lock without knowing its token: MySQL); if it is on its
-        way to wait, it sees the release and does not (see ``_released``). Nobody
-        else is woken."""
+        release left it the lock without knowing its token: MySQL): the one that
+        began waiting at ``since`` (ms, its ``rank[1]``) when given, which is exact
+        where a waiter's belief that it is next in line may be out of date (a
+        waiter that waited longer took the place over); else the one that believes
+        it is. If it is on its way to wait, it sees the release and does not (see
+        ``_released``). Nobody else is woken."""
         now = time.monotonic()
         with self._lock:
             self._released[name] = now
             self._prune_unclaimed(now)
-            heads = [w for w in self._waiters.get(name, ()) if not w.woken and w.rank[0] == 0]
+            heads = [
+                w
+                for w in self._waiters.get(name, ())
+                if not w.woken and (w.rank[0] == 0 if since is None else w.rank[1] == since)
+            ]
             if not heads:
                 return
             waiter = min(heads, key=lambda w: w.rank)
@@ -261,8 +268,10 @@ class Wakeups:
 #: ``RS token RS name`` (lock names cannot start with it in practice; a plain name is
 #: a payload of an earlier version).
 TOKEN_MARK = "\x1e"
-#: Starts a local wake-up (db_local_wakeups) for the waiter next in line, whichever
-#: it is: ``GS name`` (a MySQL release cannot tell its token).
+#: Starts a local wake-up (db_local_wakeups) for the waiter next in line: ``GS since
+#: GS name``, ``since`` (decimal ms) when it began waiting, which a MySQL release can
+#: tell where it cannot tell its token; ``GS name`` (an earlier version): whichever
+#: believes it is next in line.
 HEAD_MARK = "\x1d"
 #: Starts a local wake-up for one waiter of the process, whichever: ``US h name``,
 #: ``h`` the number of times a process without a waiter may still pass it on.
@@ -273,14 +282,18 @@ def deliver(wakeups, payload, stand_in=True):
     """Wake this process' waiter(s) for one NOTIFY (or local wake-up, see
     db_local_wakeups): the waiter a release left the lock to, if it is ours; else,
     with ``stand_in``, one waiter of ours (see :meth:`Wakeups.wake_token`). A plain
-    name wakes one waiter per process (the lock goes to one); ``HEAD_MARK`` and a
-    name, the waiter next in line only. Returns False for a ``PLAIN_MARK`` wake-up
+    name wakes one waiter per process (the lock goes to one); ``HEAD_MARK``, the
+    waiter next in line only (see HEAD_MARK). Returns False for a ``PLAIN_MARK`` wake-up
     that found no waiter here (see db_local_wakeups: it is passed on)."""
     if payload.startswith(TOKEN_MARK):
         token, _, name = payload[1:].partition(TOKEN_MARK)
         wakeups.wake_token(name, token, stand_in)
     elif payload.startswith(HEAD_MARK):
-        wakeups.wake_head(payload[1:])
+        since, mark, name = payload[1:].partition(HEAD_MARK)
+        if mark and since.isdigit():
+            wakeups.wake_head(name, int(since))
+        else:
+            wakeups.wake_head(payload[1:])
     elif payload.startswith(PLAIN_MARK):
         return wakeups.wake_one(payload[2:])
     else:
