@@ -919,6 +919,26 @@ def test_prepared_statements_are_prepared_when_asked(choice, prepared, name, mak
     assert (count >= 3) is prepared, count
 
 
+MYSQL_ALIASES = _aliases("mysql")
+
+
+@needs(MYSQL_ALIASES)
+@pytest.mark.parametrize("mysql_alias", MYSQL_ALIASES)
+def test_a_client_flag_of_the_project_keeps_rowcount_counting_matched_rows(
+    mysql_alias, name, make_backend, temporary_database
+):
+    """A ``client_flag`` in DATABASES replaces the FOUND_ROWS flag Django sets: the
+    lock connection adds it back. Without it, an extend that writes the expiry the
+    row already has (the same ttl within one ms) changed no row and read as a lost
+    lock."""
+    with temporary_database(mysql_alias, "flagged", OPTIONS={"client_flag": 0}):
+        backend = make_backend("flagged")
+        token = _token()
+        assert backend.acquire(name, token, 30, OWNER).acquired
+        assert all([backend.extend(name, token, 30) for _ in range(200)])
+        assert backend.release(name, token)
+
+
 @needs(POSTGRES)
 def test_a_postgres_row_lock_held_elsewhere_fails_within_the_timeout(name, make_backend):
     """libpq has no read timeout: the wait is bounded client-side, the statement

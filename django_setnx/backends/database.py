@@ -355,6 +355,13 @@ class DatabaseBackend(BaseLockBackend):
         options = settings_dict["OPTIONS"] = dict(settings_dict.get("OPTIONS") or {})
         options.pop("pool", None)
         options.update(_timeout_options(base, self.operation_timeout))
+        if base.vendor == "mysql" and "client_flag" in options:
+            # Django sets CLIENT.FOUND_ROWS, but a client_flag of the project replaces
+            # it: rowcount would count changed rows, not matched ones, and an extend
+            # that sets the same expiry (same ms, same ttl) would read as a lost lock.
+            from django.db.backends.mysql.base import CLIENT
+
+            options["client_flag"] = options["client_flag"] | CLIENT.FOUND_ROWS
         wrapper = base.__class__(settings_dict, alias=self.database)
         with self._wrappers_lock:
             self._wrappers.add(wrapper)
@@ -401,8 +408,9 @@ class DatabaseBackend(BaseLockBackend):
                 if self._prepared and wrapper.connection.prepare_threshold is None:
                     # Django opens psycopg 3 connections with prepare_threshold=None,
                     # which makes psycopg ignore execute(prepare=True): without this,
-                    # PREPARED_STATEMENTS would prepare nothing. (Our statements ask
-                    # with prepare=True; this threshold only lets them.)
+                    # PREPARED_STATEMENTS would prepare nothing. (The hot statements
+                    # are prepared at once; with this threshold the others of this
+                    # connection are too, after 5 runs, as psycopg does by default.)
                     wrapper.connection.prepare_threshold = PREPARE_THRESHOLD
             cursor = wrapper.connection.cursor()
             try:

@@ -290,7 +290,7 @@ def deliver(wakeups, payload, stand_in=True):
         wakeups.wake_token(name, token, stand_in)
     elif payload.startswith(HEAD_MARK):
         since, mark, name = payload[1:].partition(HEAD_MARK)
-        if mark and since.isdigit():
+        if mark and since.isascii() and since.isdigit():
             wakeups.wake_head(name, int(since))
         else:
             wakeups.wake_head(payload[1:])
