@@ -313,6 +313,10 @@ def have_db_mutex():
     return True
 
 
+#: The lock alias of PostgreSQL with OPTIONS["PREPARED_STATEMENTS"] on.
+PG_PREPARED = "postgresql-prepared"
+
+
 def configure(config, default="sqlite"):
     """settings.configure() + django.setup(), with ``default`` as Django's default
     database (django-db-mutex only uses the default one)."""
@@ -334,6 +338,12 @@ def configure(config, default="sqlite"):
         "BACKEND": "django_setnx.backends.database.DatabaseBackend",
         "OPTIONS": {"DATABASE": "default"},
     }
+    if "postgresql" in config["engines"]:
+        # The opt-in that prepares the lock statements (off by default: PgBouncer).
+        locks[PG_PREPARED] = {
+            "BACKEND": "django_setnx.backends.database.DatabaseBackend",
+            "OPTIONS": {"DATABASE": "postgresql", "PREPARED_STATEMENTS": True},
+        }
     caches = {}
     if config.get("redis_url"):
         locks["redis"] = {

@@ -484,6 +484,16 @@ def db_variants(cfg, engine):
             same_wrapper, insert, delete, f_row
         )
     variants["**ours**: lock() + acquire(blocking=False) + release()"] = ours
+    if engine == "postgresql":
+        name_prepared = f"{np}:u:prepared"
+
+        def ours_prepared():
+            lk = lock(name_prepared, ttl=TTL, backend=_setup.PG_PREPARED)
+            check(lk.acquire(blocking=False), "acquire")
+            lk.release()
+
+        ours_prepared()  # connects, and prepares the statements on that connection
+        variants["ours, OPTIONS['PREPARED_STATEMENTS'] (opt-in)"] = ours_prepared
 
     backend = locks[engine]
     owner = current_owner()
@@ -918,7 +928,17 @@ def section_handoff(cfg, p, results):
         if have("redis_lock"):
             plan.append(("peer: python-redis-lock (BLPOP signal)", "prl", None, False))
     for engine in cfg["engines"]:
-        plan.append((f"ours: {engine} (polling; for information)", "ours", engine, False))
+        how = "NOTIFY" if engine == "postgresql" else "polling, and wake-ups on this host"
+        plan.append((f"ours: {engine} ({how}; for information)", "ours", engine, False))
+        if engine == "postgresql":
+            plan.append(
+                (
+                    "ours: postgresql, PREPARED_STATEMENTS (opt-in; for information)",
+                    "ours",
+                    _setup.PG_PREPARED,
+                    False,
+                )
+            )
     for label, kind, alias, targeted in plan:
         try:
             lat, failures = run_handoff(cfg, kind, alias, n)
@@ -1123,6 +1143,9 @@ def section_throughput(cfg, p, results):
             plan.append(("peer: python-redis-lock", "prl", None, 0.1, False))
     for engine in cfg["engines"]:
         plan.append((f"**ours: {engine}**", "ours", engine, 0.1, True))
+        if engine == "postgresql":
+            label = "ours: postgresql, PREPARED_STATEMENTS (opt-in)"
+            plan.append((label, "ours", _setup.PG_PREPARED, 0.1, False))
     rows = []
     for label, kind, alias, sleep, targeted in plan:
         try:

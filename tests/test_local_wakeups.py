@@ -212,6 +212,40 @@ def test_a_wakeup_naming_when_the_waiter_began_passes_over_an_out_of_date_one():
     assert woken == {"next": True, "out of date": True}
 
 
+def test_a_stand_in_is_woken_only_if_the_other_waiter_never_takes_the_lock():
+    """A PostgreSQL release that leaves the lock to another process' waiter makes one
+    of ours its stand-in (in case it died): woken when its claim has lapsed, not at
+    once (it would only be refused), and not at all if that waiter takes the lock
+    (its NOTIFY, the plain name, comes first). Without a listener to wake it later,
+    at once."""
+    wakeups = Wakeups()
+    wakeups.stand_in_after = 0.3
+    threads, woken = _waiting(wakeups, {"ours": (1, 1)})
+    deliver(wakeups, encode("n", token="theirs").decode())  # left to another process
+    assert wakeups.wake_due_stand_ins() == pytest.approx(0.3, abs=0.1)
+    time.sleep(0.15)
+    assert woken == {}
+    assert 0 < wakeups.wake_due_stand_ins() < 0.3
+    time.sleep(0.2)
+    assert wakeups.wake_due_stand_ins() is None  # due: woken
+    threads[0].join(5)
+    assert woken == {"ours": True}
+
+    # The other waiter takes the lock (the plain name): nobody stands in for it.
+    threads, woken = _waiting(wakeups, {"ours": (1, 1)})
+    deliver(wakeups, encode("n", token="theirs").decode())
+    deliver(wakeups, "n")  # its NOTIFY: ours competes for the place next in line
+    threads[0].join(5)
+    assert woken == {"ours": True}
+    assert wakeups.wake_due_stand_ins() is None
+
+    wakeups.stand_in_after = None  # no listener: at once
+    threads, woken = _waiting(wakeups, {"ours": (1, 1)})
+    deliver(wakeups, encode("n", token="theirs").decode())
+    threads[0].join(5)
+    assert woken == {"ours": True}
+
+
 def test_a_directory_removed_by_a_temporary_files_cleaner_comes_back(tempdir, monkeypatch):
     """systemd-tmpfiles and tmpreaper remove old entries of /tmp: a listener whose
     socket went ends, and the next wait makes the directory and binds again."""

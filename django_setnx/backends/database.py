@@ -123,7 +123,7 @@ from .base import (
 )
 from .db_local_wakeups import LocalListener, LocalNotifier, channel_directory
 from .db_local_wakeups import encode as encode_wakeup
-from .db_sql import LOCK_TABLE, Dialect
+from .db_sql import CLAIM_MS, LOCK_TABLE, Dialect
 from .db_wakeups import PostgresListener, Wakeups, channel_name, deliver
 from .paging import LockPage, check_ordering, check_window, complete_ordering
 
@@ -158,6 +158,10 @@ WAITER_MAX_BACKOFF = 0.25
 #: holder's expiry, or after this many seconds (jittered down by up to a sixth), a
 #: safety net: about one statement a second per waiter behind a long hold.
 PG_SAFETY_POLL = 3.5
+#: PostgreSQL: how long after a release left the lock to a waiter of another process
+#: one waiter of this process stands in for it, in case it died (see
+#: Wakeups.wake_token): when its claim (CLAIM_MS) has lapsed, with a margin.
+STAND_IN_AFTER = CLAIM_MS / 1000 + 0.05
 
 #: psycopg 3's own default ``prepare_threshold``, set on a PostgreSQL lock connection
 #: that prepares its statements when Django left it at None (see _connect).
@@ -799,7 +803,11 @@ class DatabaseBackend(BaseLockBackend):
             with self._wrappers_lock:
                 if self._listener is None or self._listener.pid != os.getpid():
                     self._listener = PostgresListener(
-                        self.alias, self._channel, self._wakeups, self._listen_connection
+                        self.alias,
+                        self._channel,
+                        self._wakeups,
+                        self._listen_connection,
+                        stand_in_after=STAND_IN_AFTER,
                     )
                 listener = self._listener
         if start and listener.ready_at is None:

@@ -114,6 +114,12 @@ class Wakeups:
         #: refused attempt began, even if that wake-up went to another waiter (it
         #: took that place after the release, between its attempt and its wait).
         self._released = {}
+        #: None: a stand-in (see wake_token) is woken at once. Else the seconds
+        #: after which it is, unless a wake-up for that name comes first: set while
+        #: a PostgresListener runs, whose thread wakes the stand-ins when due
+        #: (:meth:`wake_due_stand_ins`).
+        self.stand_in_after = None
+        self._stand_ins = {}  # name -> monotonic time its stand-in is due
 
     def wait(self, name, timeout, since, rank=(0,), token=None):
         """Block up to ``timeout`` seconds for a wake-up of ``name``; returns at once
@@ -179,13 +185,26 @@ class Wakeups:
         """Wake the waiter of ``name`` whose token is ``token`` (the one a release
         left the lock to), if it waits in this process; if it is on its way to wait,
         the wake-up is kept for it (see :meth:`wake_one`). If it is not ours, and
-        ``stand_in``, wake one of ours instead: that waiter is refused while the
-        other one's claim lasts, and then takes the lock if the other one died (and
-        nobody else would look until the next safety poll; waiters that poll
-        anyway need no stand-in)."""
+        ``stand_in``, one of ours stands in for it: it takes the lock if the other
+        one died, which nobody else would notice before the next safety poll
+        (waiters that poll anyway need no stand-in). It is woken once that waiter's
+        claim has lapsed (``stand_in_after``), unless a wake-up for the name comes
+        first: the other waiter taking the lock sends one (its NOTIFY, see
+        ``acquire_queued``), so a live waiter costs the other processes nothing.
+        Woken at once, it would only be refused, at two statements a process per
+        handoff."""
         now = time.monotonic()
         with self._lock:
+            self._stand_ins.pop(name, None)  # news of the name: the last claim was taken
             waiters = [w for w in self._waiters.get(name, ()) if w.token == token]
+            if not waiters and stand_in and self.stand_in_after is not None:
+                if not self.is_ours(token):
+                    if len(self._stand_ins) > WOKEN_KEEP:  # bounded, whatever happens
+                        self._stand_ins = {
+                            n: t for n, t in self._stand_ins.items() if t > now - WOKEN_TTL
+                        }
+                    self._stand_ins[name] = now + self.stand_in_after
+                    return
             if waiters or self.is_ours(token):
                 self._released[name] = now
                 self._prune_unclaimed(now)
@@ -200,6 +219,27 @@ class Wakeups:
             return
         for waiter in waiters:
             waiter.wake()
+
+    def cancel_stand_in(self, name):
+        """A wake-up for ``name`` came: a stand-in due for it is not needed."""
+        if self._stand_ins:
+            with self._lock:
+                self._stand_ins.pop(name, None)
+
+    def wake_due_stand_ins(self):
+        """Wake the stand-ins that are due (see wake_token). Returns the seconds
+        until the next one is, or None if none waits to be."""
+        if not self._stand_ins:
+            return None
+        now = time.monotonic()
+        with self._lock:
+            due = [name for name, at in self._stand_ins.items() if at <= now]
+            for name in due:
+                del self._stand_ins[name]
+            upcoming = min(self._stand_ins.values(), default=None)
+        for name in due:
+            self.wake_one(name)
+        return None if upcoming is None else max(upcoming - now, 0.0)
 
     def wake_head(self, name, since=None):
         """Wake the waiter of ``name`` next in line, if it waits in this process (a
@@ -247,6 +287,7 @@ class Wakeups:
         """Wake every waiter (the listener failed: they must look, then poll)."""
         with self._lock:
             self._all_woken = time.monotonic()
+            self._stand_ins.clear()  # every waiter looks now
             waiters = [w for group in self._waiters.values() for w in group]
         for waiter in waiters:
             waiter.wake()
@@ -297,6 +338,7 @@ def deliver(wakeups, payload, stand_in=True):
     elif payload.startswith(PLAIN_MARK):
         return wakeups.wake_one(payload[2:])
     else:
+        wakeups.cancel_stand_in(payload)  # the waiter the lock was left to took it
         wakeups.wake_one(payload)
 
 
@@ -311,11 +353,12 @@ class PostgresListener:
     notification.
     """
 
-    def __init__(self, alias, channel, wakeups, connect):
+    def __init__(self, alias, channel, wakeups, connect, stand_in_after=None):
         self.alias = alias
         self.channel = channel
         self.wakeups = wakeups
         self.connect = connect
+        self.stand_in_after = stand_in_after  # see Wakeups.stand_in_after
         self.pid = os.getpid()
         self.ready_at = None
         self.failed_at = None
@@ -370,9 +413,14 @@ class PostgresListener:
             connection = self._connection = self.connect()
             connection.execute(f"LISTEN {self.channel}")
             self.ready_at = time.monotonic()
+            self.wakeups.stand_in_after = self.stand_in_after  # this thread wakes them
             self._ready.set()
             while not self._stop.is_set():
-                for notify in connection.notifies(timeout=LISTEN_BLOCK):
+                # One notification at a time, so that the stand-ins (see
+                # Wakeups.wake_token) are woken when due, not a LISTEN_BLOCK later.
+                due = self.wakeups.wake_due_stand_ins()
+                timeout = LISTEN_BLOCK if due is None else min(due, LISTEN_BLOCK)
+                for notify in connection.notifies(timeout=timeout, stop_after=1):
                     deliver(self.wakeups, notify.payload)
         except Exception as exc:  # noqa: BLE001 - any failure: the waiters poll
             if not self._stop.is_set():
@@ -386,6 +434,7 @@ class PostgresListener:
                 )
         finally:
             self.ready_at = None
+            self.wakeups.stand_in_after = None  # nobody would wake them: at once again
             self._ready.set()  # nobody waits for a start that failed
             if self._connection is connection:
                 self._connection = None
