@@ -154,6 +154,32 @@ def test_the_longest_waiting_caller_takes_the_place(db_alias, name):
     backend.release(name, late)
 
 
+def test_a_waiter_woken_for_a_freed_place_asks_for_it(db_alias, name):
+    """A waiter that was next in line lost the place to one that waited longer, which
+    then gave up (its place is free, and the others are woken to take it). The
+    woken waiter still believes the place is its own and renewed it lately, so it
+    would skip asking: after a wake-up it asks all the same, and takes it. (Without
+    that, a freed place stayed empty until a renewal was due, and a releaser that
+    looped back took the lock again, ahead of the waiters.)"""
+    backend = locks[db_alias]
+    holder, waiter, early = _token(), _token(), _token()
+    assert backend.acquire(name, holder, 30, OWNER).acquired
+    assert not backend.acquire(name, waiter, 30, OWNER, wait=10).acquired
+    backend._waiting[early] = database._Waiter()
+    backend._waiting[early].since_ms = backend._waiting[waiter].since_ms - 1000
+    assert not backend.acquire(name, early, 30, OWNER, wait=10).acquired
+    assert _row(db_alias, name).next_token == early
+    assert backend._waiting[waiter].head, "it has not asked since: it believes so"
+    backend.stop_waiting(name, early)  # frees the place, and wakes the others
+    assert _row(db_alias, name).next_token == ""
+    backend.wait(name, token=waiter, attempt=1, max_wait=5, retry_after=None)  # woken
+    assert not backend.acquire(name, waiter, 30, OWNER, wait=10).acquired
+    assert _row(db_alias, name).next_token == waiter
+    backend.release(name, holder)
+    assert backend.acquire(name, waiter, 30, OWNER, wait=10).acquired
+    backend.release(name, waiter)
+
+
 def test_a_lapsed_place_holds_nothing_back(db_alias, name):
     backend = locks[db_alias]
     holder, ghost, newcomer = _token(), _token(), _token()

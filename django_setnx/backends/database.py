@@ -673,8 +673,11 @@ class DatabaseBackend(BaseLockBackend):
         """Ask for (or renew) the place next in line; remember whether we have it.
         Returns True if the statement gave (or renewed) it."""
         waiter = self._waiter(token, attempted_at)
-        if waiter.head and time.monotonic() - waiter.renewed < sql.next_renew:
-            return False  # ours, and renewed recently enough not to lapse
+        if waiter.head and not waiter.woken and time.monotonic() - waiter.renewed < sql.next_renew:
+            # Ours, and renewed recently enough not to lapse. (Not after a wake-up:
+            # one that did not bring the lock says the place next in line changed
+            # hands, maybe away from us, or is free: ask, so that it is taken now.)
+            return False
         cursor.execute(sql.queue, self._queue_params(name, token, waiter))
         return self._queued(waiter, cursor.rowcount == 1)
 
@@ -752,7 +755,8 @@ class DatabaseBackend(BaseLockBackend):
         )
         if delay > 0:
             self._listen_locally()
-            self._wakeups.wait(name, delay, since, self._rank(token), token)
+            woken = self._wakeups.wait(name, delay, since, self._rank(token), token)
+            self._woken(token, woken)
         return None
 
     async def await_release(self, name, *, token, attempt, max_wait, retry_after):
@@ -764,8 +768,15 @@ class DatabaseBackend(BaseLockBackend):
         since, delay = self._wait_plan(token, attempt, max_wait, retry_after, ready)
         if delay > 0:
             self._listen_locally()  # a bind and a thread start, once per process
-            await self._wakeups.await_wakeup(name, delay, since, self._rank(token), token)
+            woken = await self._wakeups.await_wakeup(name, delay, since, self._rank(token), token)
+            self._woken(token, woken)
         return None
+
+    def _woken(self, token, woken):
+        """Note whether the wait of the caller with ``token`` ended by a wake-up."""
+        waiter = self._waiting.get(token)
+        if waiter is not None:
+            waiter.woken = woken
 
     def _rank(self, token):
         """The order in which a release wakes this process' waiters (see
@@ -1231,7 +1242,7 @@ class DatabaseBackend(BaseLockBackend):
 class _Waiter:
     """A refused caller of this process that will retry."""
 
-    __slots__ = ("since_ms", "head", "renewed", "polls", "attempted_at")
+    __slots__ = ("since_ms", "head", "renewed", "polls", "attempted_at", "woken")
 
     def __init__(self):
         # When it started waiting, by this app server's clock: only compared with
@@ -1241,6 +1252,7 @@ class _Waiter:
         self.renewed = 0.0  # monotonic time of its last queue statement
         self.polls = 0  # retries since it became next in line
         self.attempted_at = time.monotonic()  # when its last refused attempt began
+        self.woken = False  # its last wait ended by a wake-up, not a timeout
 
 
 def _can_listen(connection_class):
