@@ -944,7 +944,9 @@ class DatabaseBackend(BaseLockBackend):
 
     def _release_any(self, cursor, sql, name, token):
         """Release with ``release_any`` (see release). Returns True if released."""
-        params = (name, token, self._channel) if sql.vendor == "postgresql" else (name, token)
+        params = (name, token)
+        if sql.vendor == "postgresql":
+            params += (self._channel, self._channel)
         self._execute(cursor, sql.release_any, params)
         since = None
         if sql.vendor == "mysql":  # no RETURNING: the insert id says (see the statement)

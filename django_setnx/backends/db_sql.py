@@ -151,7 +151,7 @@ class Dialect:
             )
         else:
             # On PostgreSQL a lapsed waiter's token stays in the tombstone (its place
-            # is free to anyone: ``next_seen`` is 0), so that the statement returns it
+            # is free to anyone: ``next_seen`` is 0), so that the statement sees it
             # and NOTIFYs: the waiters behind the dead one wake now, not at their
             # safety poll.
             kept_token = (
@@ -168,12 +168,19 @@ class Dialect:
                 f"WHERE name = %s AND token = %s{no_flush}"
             )
             if vendor == "postgresql":
-                # ... waking the waiters of every process (NOTIFY naming the waiter)
-                # when it leaves the lock to one.
+                # ... waking the waiters of every process: when it leaves the lock
+                # to a live waiter (a claim: ``next_seen`` > 0), NOTIFY names that
+                # waiter (the others wake only if its claim lapses unused, see
+                # Wakeups.wake_token), and the statement returns its token; when the
+                # place had lapsed, the lock is free to anyone at once: NOTIFY is the
+                # plain name (one waiter of each process looks now) and the
+                # statement returns '' as for no waiter.
                 self.release_any = (
-                    f"WITH released AS ({release_any} RETURNING name, next_token) "
-                    f"SELECT next_token, CASE WHEN next_token <> '' THEN "
-                    f"pg_notify(%s, chr(30) || next_token || chr(30) || name) END "
+                    f"WITH released AS ({release_any} RETURNING name, next_token, next_seen) "
+                    f"SELECT CASE WHEN next_seen > 0 THEN next_token ELSE '' END, "
+                    f"CASE WHEN next_seen > 0 THEN "
+                    f"pg_notify(%s, chr(30) || next_token || chr(30) || name) "
+                    f"WHEN next_token <> '' THEN pg_notify(%s, name) END "
                     f"FROM released"
                 )
             else:
