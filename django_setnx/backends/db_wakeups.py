@@ -119,7 +119,10 @@ class Wakeups:
         #: a PostgresListener runs, whose thread wakes the stand-ins when due
         #: (:meth:`wake_due_stand_ins`).
         self.stand_in_after = None
-        self._stand_ins = {}  # name -> monotonic time its stand-in is due
+        # name -> monotonic time its stand-in is due, in that order (each is
+        # now + stand_in_after, and a name is popped before it is added again): the
+        # first is the next due, so waking them is O(1) each however many wait.
+        self._stand_ins = {}
 
     def wait(self, name, timeout, since, rank=(0,), token=None):
         """Block up to ``timeout`` seconds for a wake-up of ``name``; returns at once
@@ -199,10 +202,7 @@ class Wakeups:
             waiters = [w for w in self._waiters.get(name, ()) if w.token == token]
             if not waiters and stand_in and self.stand_in_after is not None:
                 if not self.is_ours(token):
-                    if len(self._stand_ins) > WOKEN_KEEP:  # bounded, whatever happens
-                        self._stand_ins = {
-                            n: t for n, t in self._stand_ins.items() if t > now - WOKEN_TTL
-                        }
+                    # Bounded: each goes stand_in_after later (the listener wakes it).
                     self._stand_ins[name] = now + self.stand_in_after
                     return
             if waiters or self.is_ours(token):
@@ -232,11 +232,15 @@ class Wakeups:
         if not self._stand_ins:
             return None
         now = time.monotonic()
+        due = []
         with self._lock:
-            due = [name for name, at in self._stand_ins.items() if at <= now]
+            for name, at in self._stand_ins.items():  # in due order (see __init__)
+                if at > now:
+                    break
+                due.append(name)
             for name in due:
                 del self._stand_ins[name]
-            upcoming = min(self._stand_ins.values(), default=None)
+            upcoming = next(iter(self._stand_ins.values()), None)
         for name in due:
             self.wake_one(name)
         return None if upcoming is None else max(upcoming - now, 0.0)
