@@ -17,6 +17,7 @@ import pytest
 
 from django_setnx import lock, locks
 from django_setnx.exceptions import LockError
+from tests import workers
 
 pytestmark = pytest.mark.slow
 
@@ -151,14 +152,6 @@ def test_a_forked_child_never_releases_the_parents_streaming_lock(shared_alias, 
     assert not lock(name + "/parent/", backend=shared_alias).locked()
 
 
-def _fork_without_hooks():
-    """fork(2) through libc, as uWSGI forks its workers by default: the
-    ``os.register_at_fork`` hooks do not run in the child."""
-    import ctypes
-
-    return ctypes.CDLL(None, use_errno=True).fork()
-
-
 def _session_of(backend):
     """The server session of this thread's lock connection (SQLite: the connection
     object, which SQLite says never to use across a fork)."""
@@ -176,7 +169,9 @@ def _session_of(backend):
         cursor.close()
 
 
-@pytest.mark.parametrize("fork", [os.fork, _fork_without_hooks], ids=["os.fork", "no-fork-hooks"])
+@pytest.mark.parametrize(
+    "fork", [os.fork, workers.fork_without_hooks], ids=["os.fork", "no-fork-hooks"]
+)
 def test_a_database_backends_child_opens_its_own_connection(db_alias, name, fork):
     """After a fork, with or without fork hooks (uWSGI's default runs none), the
     child's lock operations run on a connection of its own, never on the session

@@ -47,6 +47,7 @@ from django_setnx.backends.redis_scripts import (
     STOP_WAITING,
 )
 from django_setnx.exceptions import LockBackendError
+from tests import workers
 from tests.servers import RedisServer, ReplyDroppingProxy
 
 BACKEND = "django_setnx.backends.redis.RedisBackend"
@@ -797,15 +798,9 @@ def test_a_connection_whose_server_the_pool_moved_is_replaced():
             backend.close()
 
 
-def fork_without_hooks():
-    """fork(2) through libc, as uWSGI forks its workers by default: the
-    ``os.register_at_fork`` hooks do not run in the child."""
-    import ctypes
-
-    return ctypes.CDLL(None, use_errno=True).fork()
-
-
-@pytest.mark.parametrize("fork", [os.fork, fork_without_hooks], ids=["os.fork", "no-fork-hooks"])
+@pytest.mark.parametrize(
+    "fork", [os.fork, workers.fork_without_hooks], ids=["os.fork", "no-fork-hooks"]
+)
 def test_a_forked_child_never_sends_on_the_parents_connection(fork):
     """The child of a fork inherits our idle connection; it must open its own. The
     parent is blocked on that connection (a waiter's BLPOP) while the child locks:

@@ -283,3 +283,14 @@ def crash_holder_as(env, alias, name, ttl, owner_extra, acquired):
     acquired.set()
     while True:
         time.sleep(60)
+
+
+def fork_without_hooks():
+    """fork(2) through libc, as uWSGI forks its workers by default: the
+    ``os.register_at_fork`` hooks do not run in the child. Called through PyDLL,
+    which keeps the GIL: through CDLL, which releases it for the call, another
+    thread of this process (a listener) could take it at the instant of the fork,
+    and the child would wait for it forever."""
+    import ctypes
+
+    return ctypes.PyDLL(None, use_errno=True).fork()
