@@ -774,6 +774,38 @@ def test_the_lock_commands_of_our_own_client_use_one_connection_beside_its_pool(
         )
 
 
+def test_the_lock_commands_through_a_django_redis_cache_use_one_connection_beside_its_pool():
+    """Through OPTIONS["CACHE"] too, lock commands skip the pool's checkout: they run
+    on one connection made from the cache pool's settings, never on the cache's own
+    connections, which keep working; close() disconnects ours and leaves the
+    cache's pool to django-redis."""
+    from django.core.cache import caches
+
+    with RedisServer() as server, cache_settings(server.url):
+        client = redis.Redis(port=server.port)
+        assert_cache_works()  # the cache's pool has one connection now
+        backend = locks["viacache"]
+        pool = backend.connection.client.connection_pool
+        assert pool is caches["shared"].client.get_client().connection_pool
+        cache_connections = list(pool._available_connections)
+        try:
+            for i in range(20):
+                every_lock_command(backend, f"tok{i}")
+                assert_cache_works()
+            assert list(pool._available_connections) == cache_connections
+            assert not pool._in_use_connections
+            # the cache's, ours, and this one
+            assert client.info("clients")["connected_clients"] == 3
+        finally:
+            backend.close()
+        wait_until(
+            lambda: client.info("clients")["connected_clients"] == 2,
+            "close() to disconnect our connection, and only ours",
+        )
+        assert_cache_works()
+        assert list(pool._available_connections) == cache_connections
+
+
 def test_a_connection_whose_server_the_pool_moved_is_replaced():
     """redis-py applies a maintenance MOVING notice (Redis Enterprise) by changing
     the pool's host and its own connections: ours follow the pool's host too."""

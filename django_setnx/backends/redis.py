@@ -8,7 +8,7 @@ Settings::
         "KEY_PREFIX": "setnx",
         "TTL": 60,
         "OPTIONS": {
-            "CACHE": None,              # alias of a django-redis cache to share its connection
+            "CACHE": None,              # alias of a django-redis cache whose connection to share
             "CONNECTION_KWARGS": {},    # passed to the client factory with LOCATION
             "CLIENT_CLASS": "redis.Redis.from_url",  # dotted path: (location, **kw) -> client;
                 # django_setnx.backends.clients.sentinel / .cluster for Sentinel / Cluster
@@ -405,20 +405,23 @@ class _Connection:
         self.client = client
         self.owned = owned
         self.watch = watch
-        self.links = _OwnConnections.of(client) if owned else None
+        self.links = _OwnConnections.of(client)
         _bind_scripts(self, client, SCRIPTS, self.links)
         self.max_block = _max_block(socket_timeout)
 
     def close(self):
-        """Disconnect our own client: its pool, and the connections kept beside it."""
+        """Disconnect the connections kept beside the pool, and the pool itself if
+        it is ours (a shared django-redis pool is django-redis' to close)."""
         if self.links is not None:
             self.links.close()
-        self.client.close()
+        if self.owned:
+            self.client.close()
 
 
 class _OwnConnections:
-    """The idle connections the lock commands of our own client use, kept beside its
-    pool rather than checked out of it for every command.
+    """The idle connections the lock commands use, kept beside the client's pool
+    (ours, or a django-redis cache's with ``OPTIONS["CACHE"]``) rather than checked
+    out of it for every command.
 
     redis-py's ``get_connection`` and ``release`` take the pool's lock, check its
     pid and update its metrics on every command: about 12 µs of CPU per command
@@ -437,9 +440,15 @@ class _OwnConnections:
     copy of the socket (redis-py shuts a socket down only in the process that opened
     it), so a parent and its child never read each other's replies.
 
+    A django-redis cache's pool thus lends the lock commands its settings (server,
+    credentials, TLS, timeouts, its connect hook), not its connections: they would
+    cost the same checkout, which took our Redis acquire + release from 1.07× the
+    floor to 1.14–1.29× in benchmarks/bench_core.py. The price is up to one more
+    connection per thread that locks; the cache's own stay the cache's.
+
     Only for a plain ``redis.ConnectionPool`` without a client-side cache (see
-    :meth:`of`): a Sentinel pool (which finds the master), a blocking pool and a
-    shared django-redis pool keep the pool's checkout.
+    :meth:`of`): a Sentinel pool (which finds the master) and a blocking pool keep
+    the pool's checkout.
     """
 
     __slots__ = ("_closed", "_created", "_creating", "_idle", "_max", "_pid", "_pool")
@@ -1107,12 +1116,13 @@ class RedisBackend(BaseLockBackend):
             raise _EvictionRisk(refusal)
 
     def close(self):
-        """Disconnect our connection pool (a django-redis one is left to django-redis),
-        and forget the asyncio clients (see :meth:`aclose`)."""
+        """Disconnect our connection pool (a django-redis one is left to django-redis)
+        and the connections our lock commands keep beside it, and forget the asyncio
+        clients (see :meth:`aclose`)."""
         with self._conn_lock:
             conn, self._conn = self._conn, None
             entries, self._async_conns = self._async_conns, {}
-        if conn is not None and conn.owned:
+        if conn is not None:
             conn.close()
         for loop, pid, async_conn in entries.values():
             # An open loop's sockets are that loop's to close (aclose); a closed
