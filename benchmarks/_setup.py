@@ -270,6 +270,7 @@ def _delete_rows(config, notes):
                 for table, column in (
                     ("django_setnx_lock", "name"),
                     ("db_mutex_dbmutex", "lock_id"),
+                    ("setnx_bench_floor_lock", "name"),  # bench_core's PostgreSQL floor
                 ):
                     try:
                         cur.execute(f"DELETE FROM {table} WHERE {column} LIKE %s", [like])
