@@ -22,6 +22,7 @@ import contextlib
 import copy
 import gc
 import hashlib
+import itertools
 import json
 import math
 import multiprocessing
@@ -381,23 +382,38 @@ def run_notify_handoff(cfg, n):
         f"RETURNING name) SELECT pg_notify(%s, name) FROM moved"
     )
     channel = pg_channel(row)
+    rounds = itertools.count()
+
+    def hold():
+        return lambda: pg.execute(hand_over, (str(next(rounds)), row, channel))
+
+    try:
+        return _time_handoffs(notify_waiter, (_setup.child_config(cfg), n), n, hold)
+    finally:
+        pg.close()
+
+
+def _time_handoffs(waiter, args, n, hold):
+    """Time ``n`` handoffs to ``waiter(*args, pipe_end)``, a spawned process: per
+    round, ``hold()`` (it returns the hand-over), tell the waiter to wait, let it get
+    into its wait (BLPOP, poll sleep, LISTEN: 5–25 ms, random), stamp, hand over,
+    and read the waiter's stamp. Returns (latencies in ns, failures)."""
     ctx = spawn_ctx()
     parent_end, child_end = ctx.Pipe()
-    proc = ctx.Process(
-        target=notify_waiter, args=(_setup.child_config(cfg), n, child_end), daemon=True
-    )
+    proc = ctx.Process(target=waiter, args=(*args, child_end), daemon=True)
     proc.start()
     child_end.close()
     rng = random.Random(1)
     latencies, failures = [], 0
     try:
         _recv(parent_end, 120)  # ready
-        for i in range(n):
+        for _ in range(n):
+            hand_over = hold()
             parent_end.send("go")
-            _recv(parent_end, 30)  # the waiter is about to block
+            _recv(parent_end, 30)  # the waiter is about to wait
             time.sleep(rng.uniform(0.005, 0.025))
             t0 = pc()
-            pg.execute(hand_over, (str(i), row, channel))
+            hand_over()
             ok, t1 = _recv(parent_end, 30)
             if ok:
                 latencies.append(t1 - t0)
@@ -408,7 +424,6 @@ def run_notify_handoff(cfg, n):
         if proc.is_alive():
             proc.kill()
             proc.join()
-        pg.close()
     return latencies, failures
 
 
@@ -1001,42 +1016,18 @@ def run_handoff(cfg, kind, alias, n):
     """Parent holds, a spawned child waits; returns (latencies in ns, failures)."""
     name = f"{cfg['name_prefix']}:h:{kind}:{alias}"
     make = lock_factory(kind, cfg, alias, name)
-    ctx = spawn_ctx()
-    parent_end, child_end = ctx.Pipe()
-    proc = ctx.Process(
-        target=handoff_waiter,
-        args=(_setup.child_config(cfg), kind, alias, name, n, child_end),
-        daemon=True,
-    )
-    proc.start()
-    child_end.close()
-    rng = random.Random(1)
-    latencies, failures = [], 0
 
+    def hold():
+        acquire, release = make()
+        if not acquire(10):
+            raise RuntimeError("holder could not acquire the lock")
+        return release
+
+    args = (_setup.child_config(cfg), kind, alias, name, n)
     try:
-        _recv(parent_end, 120)  # ready
-        for _ in range(n):
-            acquire, release = make()
-            if not acquire(10):
-                raise RuntimeError("holder could not acquire the lock")
-            parent_end.send("go")
-            _recv(parent_end, 30)  # the waiter is about to call acquire()
-            # Let it get into its wait (BLPOP, poll sleep or backoff).
-            time.sleep(rng.uniform(0.005, 0.025))
-            t0 = pc()
-            release()
-            ok, t1 = _recv(parent_end, 30)
-            if ok:
-                latencies.append(t1 - t0)
-            else:
-                failures += 1
+        return _time_handoffs(handoff_waiter, args, n, hold)
     finally:
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
         getattr(make, "close", lambda: None)()
-    return latencies, failures
 
 
 def section_handoff(cfg, p, results):
