@@ -295,7 +295,16 @@ def pg_notify_lock(name):
     survive a crash), and on a conflict a wait for a NOTIFY, then again; release =
     a DELETE of our row that NOTIFYs in the same statement, unflushed (a lost
     release only costs liveness). No ttl, no fairness, no fencing: not a usable
-    lock. Each process LISTENs on its own connection before its first attempt."""
+    lock. Each process LISTENs on its own connection before its first attempt.
+
+    Needs psycopg >= 3.2.4: older versions drop a notification that arrives while
+    a statement runs on the listening connection, which would make it look slow."""
+    import psycopg
+
+    if tuple(int(p) for p in psycopg.__version__.split(".")[:3] if p.isdigit()) < (3, 2, 4):
+        raise RuntimeError(
+            f"the PostgreSQL floor needs psycopg >= 3.2.4, not {psycopg.__version__}"
+        )
     conn = pg_connect()
     conn.execute(
         f"CREATE TABLE IF NOT EXISTS {PG_FLOOR_TABLE} (name text PRIMARY KEY, token text NOT NULL)"
@@ -349,6 +358,10 @@ def notify_waiter(cfg, n, conn):
         for _ in range(n):
             if conn.recv() is None:
                 break
+            # A notification of an earlier round that came after its timeout is not
+            # this round's hand-over.
+            for _ in pg.notifies(timeout=0, stop_after=64):
+                pass
             conn.send("waiting")
             got = False
             for _ in pg.notifies(timeout=10, stop_after=1):
@@ -984,14 +997,23 @@ def section_uncontended(cfg, p, results):
 # -- 2. handoff latency ----------------------------------------------------------------
 
 
+def warm_up(kind, cfg, alias, name, sleep=0.1):
+    """One acquire + release on a name of our own before the clock starts: connects
+    (a backend's connection is per process and thread) and loads the scripts. The
+    PostgreSQL floor connects and LISTENs when its factory is made: there it only
+    runs the code once; its connection is closed again."""
+    make = lock_factory(kind, cfg, alias, name, sleep=sleep)
+    acquire, release = make()
+    acquire(10)
+    release()
+    getattr(make, "close", lambda: None)()
+
+
 def handoff_waiter(cfg, kind, alias, name, n, conn):
     try:
         _setup.configure(cfg)
         make = lock_factory(kind, cfg, alias, name)
-        # Connect once before the first round, on a name of our own.
-        acq, rel = lock_factory(kind, cfg, alias, name + ":warm")()
-        acq(10)
-        rel()
+        warm_up(kind, cfg, alias, name + ":warm")
         conn.send("ready")
         for _ in range(n):
             if conn.recv() is None:
@@ -1150,9 +1172,7 @@ def throughput_worker(cfg, kind, alias, name, n, sleep, barrier, results, idx):
     try:
         _setup.configure(cfg)
         make = lock_factory(kind, cfg, alias, name, sleep=sleep)
-        acq, rel = lock_factory(kind, cfg, alias, f"{name}:warm{idx}", sleep=sleep)()
-        acq(10)  # connect and load scripts before the start
-        rel()
+        warm_up(kind, cfg, alias, f"{name}:warm{idx}", sleep=sleep)
         records = []
         barrier.wait(timeout=120)
         t_start = pc()

@@ -276,6 +276,37 @@ def test_a_shared_pool_that_may_evict_refuses_locks_but_never_breaks_the_cache()
             assert locks["viacache"].acquire("n", "tok", 30, OWNER).acquired
 
 
+def test_the_first_operation_of_a_second_alias_on_a_shared_pool_is_checked_too():
+    """Two lock aliases share one cache; the first was used while the server could
+    not evict, so the pool was last seen safe. The server then may evict and drops
+    every connection (a restart with a new configuration): the second alias' very
+    first operation runs on a connection of its own, made for it, which refuses at
+    once. Nothing is written."""
+    with RedisServer(*MAY_EVICT, "noeviction") as server:
+        caches = {
+            "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+            "shared": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": server.url},
+        }
+        aliases = {
+            alias: {
+                "BACKEND": BACKEND,
+                "KEY_PREFIX": f"setnx-{alias}",
+                "OPTIONS": {"CACHE": "shared"},
+            }
+            for alias in ("first", "second")
+        }
+        with override_settings(CACHES=caches, SETNX_LOCKS={**settings.SETNX_LOCKS, **aliases}):
+            assert locks["first"].acquire("n", "tok", 30, OWNER).acquired
+            admin = redis.Redis(port=server.port)
+            admin.config_set("maxmemory-policy", "allkeys-lru")
+            admin.client_kill_filter(_type="normal", skipme=True)
+            assert_refused(
+                lambda: locks["second"].acquire("n", "tok", 30, OWNER), "second", "allkeys-lru"
+            )
+            assert not admin.exists(lock_keys("setnx-second", "n")[0])
+            assert_cache_works()
+
+
 @pytest.mark.parametrize("first_user", ["cache", "lock"])
 def test_a_shared_pool_refuses_after_the_policy_changed_and_connections_were_made(first_user):
     """After a change of policy, whichever reconnects first (the cache, or a lock
@@ -616,6 +647,40 @@ def test_a_release_whose_reply_was_lost_is_not_retried_into_not_ours(private_red
             locks.close_all()
 
 
+def test_a_django_redis_caches_retry_policy_never_retries_a_lock_script(private_redis):
+    """A cache whose pool retries on connection errors (a common django-redis
+    setting) lends its settings to the lock commands, but not that policy: the
+    release whose reply was lost is reported as unknown (LockBackendError), not
+    retried into a false "taken over by another owner". The cache keeps it."""
+    server, client = private_redis
+    with ReplyDroppingProxy(server.port) as proxy:
+        policy = {"retry": Retry(NoBackoff(), 2), "retry_on_error": [redis.ConnectionError]}
+        caches = {
+            "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+            "shared": {
+                "BACKEND": "django_redis.cache.RedisCache",
+                "LOCATION": proxy.url,
+                "OPTIONS": {"CONNECTION_POOL_KWARGS": policy},
+            },
+        }
+        viacache = {"BACKEND": BACKEND, "KEY_PREFIX": "setnx-edge", "OPTIONS": {"CACHE": "shared"}}
+        with override_settings(
+            CACHES=caches, SETNX_LOCKS={**settings.SETNX_LOCKS, "viacache": viacache}
+        ):
+            with lock("n", ttl=30, backend="viacache"):  # both scripts loaded
+                pass
+            held = lock("n", ttl=30, backend="viacache")
+            assert held.acquire(blocking=False)
+            proxy.drop_reply_to(RELEASE_SHA)
+            with pytest.raises(LockBackendError, match="'viacache'"):
+                held.release()
+            assert proxy.dropped == 1
+            assert client.exists(lock_keys("setnx-edge", "n")[0]) == 0  # it did run
+            pool = locks["viacache"].connection.client.connection_pool
+            assert retries(pool.connection_kwargs["retry"]) == 2  # the cache's own
+            locks.close_all()
+
+
 def test_a_retry_policy_the_user_chose_applies_to_the_lock_scripts(private_redis):
     """Lock scripts are sent on the pool's connections directly (not through
     ``execute_command``), and still under the connection's retry policy: with one
@@ -804,6 +869,23 @@ def test_the_lock_commands_through_a_django_redis_cache_use_one_connection_besid
         )
         assert_cache_works()
         assert list(pool._available_connections) == cache_connections
+
+
+def test_a_pool_with_a_credential_provider_keeps_its_checkout():
+    """redis-py re-authenticates the pool's own connections when a streaming
+    credential provider renews its token; connections kept beside the pool would
+    keep the old one. So such a pool's checkout is used for the lock commands."""
+    from redis.credentials import UsernamePasswordCredentialProvider
+
+    with RedisServer() as server:
+        redis.Redis(port=server.port).config_set("requirepass", "s3cret")
+        provider = UsernamePasswordCredentialProvider(password="s3cret")
+        backend = make_backend(server.url, CONNECTION_KWARGS={"credential_provider": provider})
+        try:
+            assert backend.connection.links is None
+            every_lock_command(backend, "tok")
+        finally:
+            backend.close()
 
 
 def test_a_connection_whose_server_the_pool_moved_is_replaced():

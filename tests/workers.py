@@ -202,7 +202,8 @@ def release_when_told(env, alias, name, token, ready, delay, released_at):
 
 def wait_and_report(env, alias, name, safety_poll, queued, answer):
     """Wait for ``name`` (polling only every ``safety_poll`` s on PostgreSQL); put
-    time.time() into ``answer`` as soon as it is ours, then release it."""
+    time.time() into ``answer`` as soon as it is ours (None if it never is), then
+    release it."""
     _setup(env)
     from django_setnx import lock, locks
     from django_setnx.backends import database
@@ -217,16 +218,16 @@ def wait_and_report(env, alias, name, safety_poll, queued, answer):
 
     backend.wait = wait
     lk = lock(name, ttl=30, backend=alias)
-    if not lk.acquire(timeout=60):
-        os._exit(2)
-    answer.put(time.time())
-    lk.release()
+    acquired = lk.acquire(timeout=60)
+    answer.put(time.time() if acquired else None)  # None: the parent sees exit code 2
+    if acquired:
+        lk.release()
     # os._exit skips the exit that waits for the queue's feeder thread: without
     # this, the answer can still be in this process' buffer when it ends (a test
     # then waited 40 s for it in CI).
     answer.close()
     answer.join_thread()
-    os._exit(0)
+    os._exit(0 if acquired else 2)
 
 
 def queue_and_hang(env, alias, name, ready):

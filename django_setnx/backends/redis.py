@@ -405,7 +405,9 @@ class _Connection:
         self.client = client
         self.owned = owned
         self.watch = watch
-        self.links = _OwnConnections.of(client)
+        # A shared pool's retry policy is the cache's (django-redis users often set
+        # retry_on_timeout): our lock commands never retry (see _no_retry).
+        self.links = _OwnConnections.of(client, None if owned else {"retry": _no_retry()})
         _bind_scripts(self, client, SCRIPTS, self.links)
         self.max_block = _max_block(socket_timeout)
 
@@ -451,10 +453,20 @@ class _OwnConnections:
     the pool's checkout.
     """
 
-    __slots__ = ("_closed", "_created", "_creating", "_idle", "_max", "_pid", "_pool")
+    __slots__ = (
+        "_closed",
+        "_created",
+        "_creating",
+        "_idle",
+        "_max",
+        "_overrides",
+        "_pid",
+        "_pool",
+    )
 
-    def __init__(self, pool):
+    def __init__(self, pool, overrides=None):
         self._pool = pool
+        self._overrides = overrides or {}
         self._max = pool.max_connections
         self._idle = []
         self._closed = False
@@ -463,13 +475,21 @@ class _OwnConnections:
         self._pid = os.getpid()
 
     @classmethod
-    def of(cls, client):
+    def of(cls, client, overrides=None):
         """The connections for ``client``'s lock commands, or None where its pool
-        must be used."""
+        must be used. ``overrides``: connection arguments that replace the pool's.
+
+        A pool with a credential provider keeps its checkout too: redis-py
+        re-authenticates the pool's own connections when a streaming provider
+        (Entra ID, say) renews its token, and ours would keep the old one."""
         pool = getattr(client, "connection_pool", None)
-        if type(pool) is not redis.ConnectionPool or getattr(pool, "cache", None) is not None:
+        if (
+            type(pool) is not redis.ConnectionPool
+            or getattr(pool, "cache", None) is not None
+            or pool.connection_kwargs.get("credential_provider") is not None
+        ):
             return None
-        return cls(pool)
+        return cls(pool, overrides)
 
     def take(self):
         """An idle connection of this process, ready to send, or a new one (which
@@ -512,7 +532,7 @@ class _OwnConnections:
         self._count(+1)
         try:
             pool = self._pool
-            return pool.connection_class(**pool.connection_kwargs)
+            return pool.connection_class(**{**pool.connection_kwargs, **self._overrides})
         except BaseException:
             self._count(-1)
             raise
@@ -543,9 +563,9 @@ class _OwnConnections:
         )
 
     def give_back(self, conn):
-        if self._closed:
-            conn.disconnect()  # close() ran while it was in use
         self._idle.append(conn)
+        if self._closed:  # close() ran while it was in use (or while we appended)
+            self.close()
 
     def close(self):
         self._closed = True
@@ -556,8 +576,8 @@ class _OwnConnections:
 
 def _bind_scripts(connection, client, scripts, links=None):
     """Register each script on ``client`` as an attribute of ``connection``: a
-    script object binds its client, so each connection has its own. ``links``: our
-    own client's connections for them (see _OwnConnections), or None."""
+    script object binds its client, so each connection has its own. ``links``: the
+    connections kept beside the pool for them (see _OwnConnections), or None."""
     for attribute, source in scripts.items():
         setattr(connection, attribute, _Script(client, source, links))
 
@@ -805,6 +825,10 @@ class _ReportedAs:
         self.action = action
         self.name = name
         # ``shared=False``: an operation on our own asyncio pool, never the shared one.
+        if shared and backend._watch is None and backend.watches_shared_pool:
+            # The watch is installed when the connection is built: before the first
+            # operation's own new connection is made (it must refuse at once).
+            backend._built_connection()
         watch = backend._watch if shared else None
         self.marker = watch.lock_operation if watch is not None else None
 
@@ -866,6 +890,8 @@ class RedisBackend(BaseLockBackend):
                 f"{where}['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] must be "
                 f"True or False, got {self.allow_eviction!r}."
             )
+        #: Whether the lock operations watch a shared pool's eviction policy.
+        self.watches_shared_pool = self.cache_alias is not None and not self.allow_eviction
         self.retention_ms = ttl_to_ms(self.options.get("STALE_RETENTION", DEFAULT_STALE_RETENTION))
         self.wake_ms = ttl_to_ms(self.options.get("WAKE_TTL", DEFAULT_WAKE_TTL))
         self.fence_ms = ttl_to_ms(self.options.get("FENCING_RETENTION", DEFAULT_FENCING_RETENTION))
