@@ -618,6 +618,20 @@ RELEASE_SHA = hashlib.sha1(RELEASE.encode()).hexdigest().encode()
 ACQUIRE_SHA = hashlib.sha1(ACQUIRE.encode()).hexdigest().encode()
 
 
+def assert_a_lost_release_reply_is_reported(proxy, client, alias):
+    """The release of lock "n" on ``alias`` runs, but its reply is lost: the Lock
+    reports LockBackendError (outcome unknown), never a takeover."""
+    with lock("n", ttl=30, backend=alias):  # both scripts are loaded: EVALSHA from now on
+        pass
+    held = lock("n", ttl=30, backend=alias)
+    assert held.acquire(blocking=False)
+    proxy.drop_reply_to(RELEASE_SHA)
+    with pytest.raises(LockBackendError, match=f"'{alias}'"):
+        held.release()
+    assert proxy.dropped == 1
+    assert client.exists(lock_keys("setnx-edge", "n")[0]) == 0  # it did run
+
+
 def test_a_release_whose_reply_was_lost_is_not_retried_into_not_ours(private_redis):
     """The release ran; the reply never came. A retry would find the record gone and
     report "not ours" (LockNotOwned: "taken over by another owner"), which is false.
@@ -626,16 +640,7 @@ def test_a_release_whose_reply_was_lost_is_not_retried_into_not_ours(private_red
     with ReplyDroppingProxy(server.port) as proxy:
         params = {"BACKEND": BACKEND, "LOCATION": proxy.url, "KEY_PREFIX": "setnx-edge"}
         with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "proxied": params}):
-            warm = lock("n", ttl=30, backend="proxied")
-            with warm:  # both scripts are loaded: EVALSHA from now on
-                pass
-            held = lock("n", ttl=30, backend="proxied")
-            assert held.acquire(blocking=False)
-            proxy.drop_reply_to(RELEASE_SHA)
-            with pytest.raises(LockBackendError, match="'proxied'"):
-                held.release()
-            assert proxy.dropped == 1
-            assert client.exists(lock_keys("setnx-edge", "n")[0]) == 0  # it did run
+            assert_a_lost_release_reply_is_reported(proxy, client, "proxied")
 
             # An acquire whose reply is lost is reported, and leaves no ghost lock.
             proxy.drop_reply_to(ACQUIRE_SHA)
@@ -667,15 +672,7 @@ def test_a_django_redis_caches_retry_policy_never_retries_a_lock_script(private_
         with override_settings(
             CACHES=caches, SETNX_LOCKS={**settings.SETNX_LOCKS, "viacache": viacache}
         ):
-            with lock("n", ttl=30, backend="viacache"):  # both scripts loaded
-                pass
-            held = lock("n", ttl=30, backend="viacache")
-            assert held.acquire(blocking=False)
-            proxy.drop_reply_to(RELEASE_SHA)
-            with pytest.raises(LockBackendError, match="'viacache'"):
-                held.release()
-            assert proxy.dropped == 1
-            assert client.exists(lock_keys("setnx-edge", "n")[0]) == 0  # it did run
+            assert_a_lost_release_reply_is_reported(proxy, client, "viacache")
             pool = locks["viacache"].connection.client.connection_pool
             assert retries(pool.connection_kwargs["retry"]) == 2  # the cache's own
             locks.close_all()
