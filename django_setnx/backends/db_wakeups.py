@@ -170,9 +170,14 @@ class Wakeups:
         handoff cost a statement per waiter. A waiter that does not take the lock
         when woken (it gave up, or lost it to another process) wakes the next one
         when it leaves, or the others' polls catch up. Returns whether a waiter
-        was woken (False: none waits here now; the wake-up is kept)."""
+        was woken (False: none waits here now; the wake-up is kept).
+
+        Any wake-up of a name also says that a claim on it was taken (the waiter it
+        was left to took the lock and sent its NOTIFY, or it was released here): a
+        stand-in due for it (see :meth:`wake_token`) is not needed any more."""
         now = time.monotonic()
         with self._lock:
+            self._stand_ins.pop(name, None)
             self._released[name] = now
             self._prune_unclaimed(now)
             candidates = [w for w in self._waiters.get(name, ()) if not w.woken]
@@ -219,12 +224,6 @@ class Wakeups:
             return
         for waiter in waiters:
             waiter.wake()
-
-    def cancel_stand_in(self, name):
-        """A wake-up for ``name`` came: a stand-in due for it is not needed."""
-        if self._stand_ins:
-            with self._lock:
-                self._stand_ins.pop(name, None)
 
     def wake_due_stand_ins(self):
         """Wake the stand-ins that are due (see wake_token). Returns the seconds
@@ -342,8 +341,7 @@ def deliver(wakeups, payload, stand_in=True):
     elif payload.startswith(PLAIN_MARK):
         return wakeups.wake_one(payload[2:])
     else:
-        wakeups.cancel_stand_in(payload)  # the waiter the lock was left to took it
-        wakeups.wake_one(payload)
+        wakeups.wake_one(payload)  # also cancels a stand-in: the claim was taken
 
 
 class PostgresListener:
