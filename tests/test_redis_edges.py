@@ -652,7 +652,13 @@ def test_a_release_whose_reply_was_lost_is_not_retried_into_not_ours(private_red
             locks.close_all()
 
 
-def test_a_django_redis_caches_retry_policy_never_retries_a_lock_script(private_redis):
+@pytest.mark.parametrize(
+    "pool_class",
+    # Connections kept beside the pool; the pool's checkout (a blocking pool lends
+    # none, see _OwnConnections.of).
+    ["redis.ConnectionPool", "redis.BlockingConnectionPool"],
+)
+def test_a_django_redis_caches_retry_policy_never_retries_a_lock_script(private_redis, pool_class):
     """A cache whose pool retries on connection errors (a common django-redis
     setting) lends its settings to the lock commands, but not that policy: the
     release whose reply was lost is reported as unknown (LockBackendError), not
@@ -665,7 +671,7 @@ def test_a_django_redis_caches_retry_policy_never_retries_a_lock_script(private_
             "shared": {
                 "BACKEND": "django_redis.cache.RedisCache",
                 "LOCATION": proxy.url,
-                "OPTIONS": {"CONNECTION_POOL_KWARGS": policy},
+                "OPTIONS": {"CONNECTION_POOL_KWARGS": policy, "CONNECTION_POOL_CLASS": pool_class},
             },
         }
         viacache = {"BACKEND": BACKEND, "KEY_PREFIX": "setnx-edge", "OPTIONS": {"CACHE": "shared"}}

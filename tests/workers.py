@@ -218,8 +218,12 @@ def wait_and_report(env, alias, name, safety_poll, queued, answer):
 
     backend.wait = wait
     lk = lock(name, ttl=30, backend=alias)
-    acquired = lk.acquire(timeout=60)
-    answer.put(time.time() if acquired else None)  # None: the parent sees exit code 2
+    acquired = False
+    try:
+        # Shorter than the parent's wait for the answer (40 s), longer than a poll.
+        acquired = lk.acquire(timeout=35)
+    finally:
+        answer.put(time.time() if acquired else None)  # None: the parent sees exit 2
     if acquired:
         lk.release()
     # os._exit skips the exit that waits for the queue's feeder thread: without

@@ -405,9 +405,14 @@ class _Connection:
         self.client = client
         self.owned = owned
         self.watch = watch
-        # A shared pool's retry policy is the cache's (django-redis users often set
-        # retry_on_timeout): our lock commands never retry (see _no_retry).
-        self.links = _OwnConnections.of(client, None if owned else {"retry": _no_retry()})
+        if owned:
+            self.links = _OwnConnections.of(client)
+        else:
+            # A shared pool's retry policy is the cache's (django-redis users often
+            # set retry_on_timeout): our lock commands never retry (see _no_retry).
+            self.links = _OwnConnections.of(client, {"retry": _no_retry()}) or _SharedCheckout.of(
+                client
+            )
         _bind_scripts(self, client, SCRIPTS, self.links)
         self.max_block = _max_block(socket_timeout)
 
@@ -433,7 +438,8 @@ class _OwnConnections:
     something to read while idle (the server closed it: a restart, its ``timeout``,
     ``CLIENT KILL``). Connections are made as the pool makes them, from its
     current ``connection_kwargs`` (the same server, timeouts, retry policy, health
-    checks and connect hook, so our eviction check runs on each), at most the
+    checks and connect hook, so our eviction check runs on each; on a shared
+    django-redis pool, with no retry instead of the cache's), at most the
     pool's ``max_connections`` of them per process. One made before the pool took
     a maintenance ``MOVING`` notice of Redis Enterprise (which redis-py applies to
     the pool and its own connections: a new host, or the notice's mark) is
@@ -452,6 +458,8 @@ class _OwnConnections:
     :meth:`of`): a Sentinel pool (which finds the master) and a blocking pool keep
     the pool's checkout.
     """
+
+    retries = True  # the connections' own policy (see _exchange_on_pool)
 
     __slots__ = (
         "_closed",
@@ -574,6 +582,34 @@ class _OwnConnections:
             conn.disconnect()
 
 
+class _SharedCheckout:
+    """The lock commands' way to a shared django-redis pool that cannot lend
+    connections to be kept beside it (see _OwnConnections.of: a blocking, Sentinel,
+    client-side-cache or credential-provider pool): its checkout, each command sent
+    once. The pool's retry policy is the cache's; a retried lock script could
+    report a release that ran as a takeover (see _no_retry)."""
+
+    __slots__ = ("_pool",)
+    retries = False
+
+    def __init__(self, pool):
+        self._pool = pool
+
+    @classmethod
+    def of(cls, client):
+        pool = getattr(client, "connection_pool", None)
+        return None if pool is None else cls(pool)
+
+    def take(self):
+        return self._pool.get_connection(*_GET_CONNECTION_ARGS)
+
+    def give_back(self, conn):
+        self._pool.release(conn)
+
+    def close(self):
+        """The pool is django-redis' to close."""
+
+
 def _bind_scripts(connection, client, scripts, links=None):
     """Register each script on ``client`` as an attribute of ``connection``: a
     script object binds its client, so each connection has its own. ``links``: the
@@ -675,11 +711,12 @@ def _pipeline_on_pool(client, commands, links=None):
 
 def _exchange_on_pool(client, exchange, links=None):
     """Run ``exchange(connection)`` on a connection of ``client``'s pool, or of
-    ``links`` (see _OwnConnections). Kept from redis-py: the connection's health
-    check before sending (in ``send_*``), its disconnect on any error while sending
-    or reading (a broken connection never goes back with a reply pending), and the
-    retry policy as that redis-py version applies it (none on our own client, see
-    _no_retry; a shared django-redis pool's own)."""
+    ``links`` (see _OwnConnections and _SharedCheckout). Kept from redis-py: the
+    connection's health check before sending (in ``send_*``), its disconnect on any
+    error while sending or reading (a broken connection never goes back with a
+    reply pending), and the retry policy as that redis-py version applies it (on
+    our own client, none unless CONNECTION_KWARGS gives one, see _no_retry; on a
+    shared django-redis pool, none: never the cache's)."""
     if links is not None:
         pool = None
         conn = links.take()
@@ -698,6 +735,8 @@ def _exchange_on_pool(client, exchange, links=None):
             conn.disconnect()
 
     try:
+        if links is not None and not links.retries:
+            return exchange(conn)  # once (see _SharedCheckout); errors handled below
         return conn.retry.call_with_retry(lambda: exchange(conn), failed)
     except redis.exceptions.ResponseError:
         raise  # an error reply (NOSCRIPT): read, so the connection is in step
