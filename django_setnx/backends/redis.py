@@ -410,9 +410,8 @@ class _Connection:
         else:
             # A shared pool's retry policy is the cache's (django-redis users often
             # set retry_on_timeout): our lock commands never retry (see _no_retry).
-            self.links = _OwnConnections.of(client, {"retry": _no_retry()}) or _SharedCheckout.of(
-                client
-            )
+            own = _OwnConnections.of(client, {"retry": _no_retry()})
+            self.links = own if own is not None else _SharedCheckout.of(client)
         _bind_scripts(self, client, SCRIPTS, self.links)
         self.max_block = _max_block(socket_timeout)
 
@@ -454,9 +453,10 @@ class _OwnConnections:
     floor to 1.14–1.29× in benchmarks/bench_core.py. The price is up to one more
     connection per thread that locks; the cache's own stay the cache's.
 
-    Only for a plain ``redis.ConnectionPool`` without a client-side cache (see
-    :meth:`of`): a Sentinel pool (which finds the master) and a blocking pool keep
-    the pool's checkout.
+    Only for a plain ``redis.ConnectionPool`` without a client-side cache or a
+    credential provider (see :meth:`of`): a Sentinel pool (which finds the master)
+    and a blocking pool keep the pool's checkout (on a shared pool, through
+    _SharedCheckout).
     """
 
     retries = True  # the connections' own policy (see _exchange_on_pool)
@@ -612,8 +612,8 @@ class _SharedCheckout:
 
 def _bind_scripts(connection, client, scripts, links=None):
     """Register each script on ``client`` as an attribute of ``connection``: a
-    script object binds its client, so each connection has its own. ``links``: the
-    connections kept beside the pool for them (see _OwnConnections), or None."""
+    script object binds its client, so each connection has its own. ``links``: where
+    they take a connection (_OwnConnections, _SharedCheckout), or None: the pool."""
     for attribute, source in scripts.items():
         setattr(connection, attribute, _Script(client, source, links))
 
