@@ -269,8 +269,6 @@ def raw_token_lock(client, url, name):
 
 #: The PostgreSQL floor's table: the least a lock row needs (no ttl, owner, fencing).
 PG_FLOOR_TABLE = "setnx_bench_floor_lock"
-#: Commit without waiting for the WAL flush, as our releases do (db_sql.PG_NO_FLUSH).
-PG_NO_FLUSH = "set_config('synchronous_commit', 'off', true) IS NOT NULL"
 
 
 def pg_connect():
@@ -282,6 +280,13 @@ def pg_connect():
     db = settings.DATABASES["postgresql"]
     return psycopg.connect(
         dbname=db["NAME"], user=db["USER"], host=db["HOST"], port=db["PORT"], autocommit=True
+    )
+
+
+def pg_floor_table(conn):
+    """Create the PostgreSQL floor's table on ``conn`` unless it exists."""
+    conn.execute(
+        f"CREATE TABLE IF NOT EXISTS {PG_FLOOR_TABLE} (name text PRIMARY KEY, token text NOT NULL)"
     )
 
 
@@ -305,10 +310,11 @@ def pg_notify_lock(name):
         raise RuntimeError(
             f"the PostgreSQL floor needs psycopg >= 3.2.4, not {psycopg.__version__}"
         )
+    # Commits without waiting for the WAL flush exactly as our releases do.
+    from django_setnx.backends.db_sql import PG_NO_FLUSH
+
     conn = pg_connect()
-    conn.execute(
-        f"CREATE TABLE IF NOT EXISTS {PG_FLOOR_TABLE} (name text PRIMARY KEY, token text NOT NULL)"
-    )
+    pg_floor_table(conn)
     channel = pg_channel(name)
     conn.execute(f"LISTEN {channel}")
     take = f"INSERT INTO {PG_FLOOR_TABLE} (name, token) VALUES (%s, %s) ON CONFLICT DO NOTHING"
@@ -382,9 +388,7 @@ def run_notify_handoff(cfg, n):
     at least. Same protocol and timing as run_handoff; returns (latencies in ns,
     failures)."""
     pg = pg_connect()
-    pg.execute(
-        f"CREATE TABLE IF NOT EXISTS {PG_FLOOR_TABLE} (name text PRIMARY KEY, token text NOT NULL)"
-    )
+    pg_floor_table(pg)
     row = cfg["name_prefix"] + ":machine"
     pg.execute(
         f"INSERT INTO {PG_FLOOR_TABLE} (name, token) VALUES (%s, '0') ON CONFLICT DO NOTHING",
