@@ -13,6 +13,7 @@ other test of the suite.
 import contextlib
 import copy
 import gc
+import logging
 import os
 import secrets
 import select
@@ -608,6 +609,8 @@ def test_a_silent_server_fails_the_connect_within_the_timeout(make_backend, temp
         ({"HEALTH_CHECK_AFTER": -1}, "HEALTH_CHECK_AFTER"),
         ({"HEALTH_CHECK_AFTER": True}, "HEALTH_CHECK_AFTER"),
         ({"LOCAL_WAKEUPS": "no"}, "LOCAL_WAKEUPS"),
+        ({"PREPARED_STATEMENTS": "yes"}, "PREPARED_STATEMENTS"),
+        ({"PREPARED_STATEMENTS": 1}, "PREPARED_STATEMENTS"),
         ({"SQLITE_SYNCHRONOUS": "OFF"}, "SQLITE_SYNCHRONOUS"),
         ({"SQLITE_SYNCHRONOUS": 1}, "SQLITE_SYNCHRONOUS"),
     ],
@@ -920,6 +923,121 @@ def test_prepared_statements_are_prepared_when_asked(choice, prepared, name, mak
 
 
 MYSQL_ALIASES = _aliases("mysql")
+
+
+def _executed_prepared(backend):
+    """How many statements the backend's MariaDB connection ran through EXECUTE."""
+    (_, count) = _sql(backend, "SHOW SESSION STATUS LIKE 'Com_execute_sql'")
+    return int(count)
+
+
+def _acquire_extend_release(backend, name, times=3):
+    """Lock, extend and release ``name`` ``times`` times; the fencing tokens given."""
+    tokens = []
+    for _ in range(times):
+        token = _token()
+        won = backend.acquire(name, token, 30, OWNER)
+        assert won.acquired
+        tokens.append(won.fencing_token)
+        assert backend.extend(name, token, 30)
+        assert backend.owns(name, token)
+        assert backend.release(name, token)
+    assert tokens == sorted(set(tokens)), tokens  # strictly increasing
+    return tokens
+
+
+@needs(MYSQL_ALIASES)
+@pytest.mark.parametrize("choice, prepared", [(None, True), (True, True), (False, False)])
+def test_mariadb_runs_the_lock_statements_prepared_unless_told_not_to(
+    choice, prepared, name, make_backend
+):
+    """MariaDB parses the acquire's upsert on every call unless it is prepared (its
+    parse costs about as much as the floor's INSERT): by default the lock connection
+    PREPAREs its hot statements once and EXECUTEs them; PREPARED_STATEMENTS=False
+    sends them as text."""
+    if not connections[MYSQL_ALIASES[0]].mysql_is_mariadb:
+        pytest.skip("MySQL's EXECUTE takes only user variables: never prepared there")
+    options = {} if choice is None else {"PREPARED_STATEMENTS": choice}
+    backend = make_backend(MYSQL_ALIASES[0], **options)
+    before = _executed_prepared(backend)
+    _acquire_extend_release(backend, name)
+    executed = _executed_prepared(backend) - before
+    # Each round: acquire, extend, owns, release.
+    assert executed == (12 if prepared else 0), executed
+
+
+@needs(MYSQL_ALIASES)
+def test_a_mariadb_session_that_lost_its_prepared_statements_prepares_them_again(
+    name, make_backend
+):
+    """A pooler or proxy that resets the session (COM_RESET_CONNECTION, a move to
+    another server connection) drops its prepared statements: EXECUTE then fails
+    before anything runs, and the statement is prepared and run again, not failed."""
+    if not connections[MYSQL_ALIASES[0]].mysql_is_mariadb:
+        pytest.skip("prepared statements are MariaDB's only")
+    backend = make_backend(MYSQL_ALIASES[0])
+    first = _acquire_extend_release(backend, name, times=1)
+    for statement_name in list(backend._local.prepared_session.names):
+        _sql(backend, f"DEALLOCATE PREPARE {statement_name}")
+    later = _acquire_extend_release(backend, name, times=2)
+    assert later[0] > first[-1]
+    assert not backend._local.prepared_session.plain
+    before = _executed_prepared(backend)
+    _acquire_extend_release(backend, name, times=1)
+    assert _executed_prepared(backend) - before == 4
+
+
+@needs(MYSQL_ALIASES)
+def test_a_mariadb_server_that_refuses_prepare_gets_plain_statements(name, make_backend, caplog):
+    """A server at its max_prepared_stmt_count refuses PREPARE: the connection goes
+    on with plain statements (a warning logged), every operation still right."""
+    if not connections[MYSQL_ALIASES[0]].mysql_is_mariadb:
+        pytest.skip("prepared statements are MariaDB's only")
+    admin = make_backend(MYSQL_ALIASES[0], PREPARED_STATEMENTS=False)
+    (_, limit) = _sql(admin, "SHOW GLOBAL VARIABLES LIKE 'max_prepared_stmt_count'")
+    _sql(admin, "SET GLOBAL max_prepared_stmt_count = 0")
+    try:
+        backend = make_backend(MYSQL_ALIASES[0])
+        with caplog.at_level(logging.WARNING, logger="django_setnx"):
+            first = _acquire_extend_release(backend, name, times=2)
+    finally:
+        _sql(admin, f"SET GLOBAL max_prepared_stmt_count = {int(limit)}")
+    assert backend._local.prepared_session.plain
+    assert "refused PREPARE" in caplog.text
+    before = _executed_prepared(backend)
+    assert _acquire_extend_release(backend, name, times=1)[0] > first[-1]
+    assert _executed_prepared(backend) == before  # plain for this connection's life
+
+
+@needs(MYSQL_ALIASES)
+def test_a_mariadb_proxy_that_never_keeps_prepared_statements_gets_plain_ones(name, make_backend):
+    """Behind a proxy that runs each statement on whichever server connection is
+    free, a statement prepared on one is unknown on the next: after one more try the
+    connection sends plain statements, and no operation fails. The proxy is
+    played by the lock connection's cursor deallocating each statement it prepared
+    (on the real server) before the EXECUTE reaches it."""
+    if not connections[MYSQL_ALIASES[0]].mysql_is_mariadb:
+        pytest.skip("prepared statements are MariaDB's only")
+    backend = make_backend(MYSQL_ALIASES[0])
+    plain_cursor = backend._cursor
+
+    def forgetful_cursor(raw):
+        cursor = plain_cursor(raw)
+        execute = cursor.execute
+
+        def run(statement, params=None):
+            result = execute(statement, params)
+            if statement.startswith("PREPARE "):
+                execute(f"DEALLOCATE {statement.split(' FROM ')[0]}")
+            return result
+
+        cursor.execute = run
+        return cursor
+
+    backend._cursor = forgetful_cursor
+    tokens = _acquire_extend_release(backend, name, times=3)
+    assert backend._local.prepared_session.plain
+    assert len(tokens) == 3
 
 
 @needs(MYSQL_ALIASES)

@@ -123,6 +123,7 @@ from .base import (
 )
 from .db_local_wakeups import LocalListener, LocalNotifier, channel_directory
 from .db_local_wakeups import encode as encode_wakeup
+from .db_prepared import MariaDBStatements, PreparedSession
 from .db_sql import CLAIM_MS, LOCK_TABLE, Dialect
 from .db_wakeups import PostgresListener, Wakeups, channel_name, deliver
 from .paging import LockPage, check_ordering, check_window, complete_ordering
@@ -250,8 +251,11 @@ class DatabaseBackend(BaseLockBackend):
         # The names whose last release here left the lock to a waiter: the next
         # release of each goes straight to the statement that handles both cases.
         self._handed_over = set()
-        self._wrapper_class = None  # the driver's connection class, and
-        self._channel = None  # the NOTIFY channel: both known at the first connection
+        # The driver's connection class, its base error and the NOTIFY channel: all
+        # known at the first connection.
+        self._wrapper_class = None
+        self._driver_error = None
+        self._channel = None
         self.database = self.options.get("DATABASE", "default")
         self.sqlite_wal = bool(self.options.get("SQLITE_WAL", True))
         # None: NORMAL, unless the database's own init_command sets it (see _connect).
@@ -263,8 +267,12 @@ class DatabaseBackend(BaseLockBackend):
         health_check_after = self.options.get("HEALTH_CHECK_AFTER", DEFAULT_HEALTH_CHECK_AFTER)
         self.health_check_after = None if health_check_after is None else float(health_check_after)
         self.stale_retention = float(self.options.get("STALE_RETENTION", DEFAULT_STALE_RETENTION))
-        # Prepared statements (PostgreSQL): decided when the first connection is made.
+        # Prepared statements: decided when the first connection is made. On
+        # PostgreSQL psycopg prepares them (_prepared); on MariaDB, _mariadb_prepared
+        # does (see db_prepared), with what each connection prepared in
+        # self._local.prepared_session.
         self._prepared = False
+        self._mariadb_prepared = None
         self._next_purge = 0.0  # monotonic time of the next purge of old stale rows
         self._local = threading.local()
         # The process the connections are of: a fork hook (_forget_connections_after_fork)
@@ -398,13 +406,20 @@ class DatabaseBackend(BaseLockBackend):
             wrapper.ensure_connection()
             if self._dialect is None:
                 self._wrapper_class = type(wrapper.connection)
+                self._driver_error = wrapper.Database.Error
                 self._channel = channel_name(wrapper.settings_dict.get("NAME"), LOCK_TABLE)
                 self._dialect = Dialect(
                     wrapper.vendor,
                     wrapper.ops.quote_name,
                     getattr(wrapper, "mysql_is_mariadb", False),
                 )
-                self._prepared = _uses_prepared_statements(wrapper, self.options)
+                prepared = _uses_prepared_statements(wrapper, self.options)
+                if wrapper.vendor == "postgresql":
+                    self._prepared = prepared
+                elif prepared:
+                    self._mariadb_prepared = MariaDBStatements(
+                        lambda exc: _classify(wrapper, None, exc) is _DISCONNECTED
+                    )
                 if self.local_wakeups:
                     self._local_notifier = _local_notifier(wrapper)
             if wrapper.vendor == "postgresql":
@@ -416,6 +431,7 @@ class DatabaseBackend(BaseLockBackend):
                     # are prepared at once; with this threshold the others of this
                     # connection are too, after 5 runs, as psycopg does by default.)
                     wrapper.connection.prepare_threshold = PREPARE_THRESHOLD
+            self._local.prepared_session = PreparedSession()  # a new connection: none yet
             cursor = wrapper.connection.cursor()
             try:
                 if wrapper.vendor == "mysql":
@@ -530,10 +546,19 @@ class DatabaseBackend(BaseLockBackend):
 
     def _execute(self, cursor, statement, params):
         """Run one of the hot statements (acquire, release, extend, ...): prepared once
-        per connection on PostgreSQL when ``PREPARED_STATEMENTS`` is on, so the server
-        parses and plans it once instead of on every call."""
+        per connection when ``PREPARED_STATEMENTS`` is on (PostgreSQL through psycopg,
+        MariaDB through db_prepared), so the server parses (and plans) it once
+        instead of on every call."""
         if self._prepared:
             cursor.execute(statement, params, prepare=True)
+        elif self._mariadb_prepared is not None:
+            self._mariadb_prepared.execute(
+                cursor,
+                self._local.prepared_session,
+                statement,
+                params,
+                self._driver_error,
+            )
         else:
             cursor.execute(statement, params)
 
@@ -594,7 +619,7 @@ class DatabaseBackend(BaseLockBackend):
 
         def work(cursor, sql, raw):
             if sql.vendor == "mysql":
-                cursor.execute(sql.acquire, (name, token, owner_json, ttl_ms))
+                self._execute(cursor, sql.acquire, (name, token, owner_json, ttl_ms))
                 fencing = cursor.lastrowid  # see the statement
             elif sql.vendor == "postgresql" and token in self._waiting:
                 self._execute(
@@ -1288,7 +1313,8 @@ def _holder_result(token, holder):
 
 def _option_problems(alias, options):
     """Messages for invalid ``OPERATION_TIMEOUT``, ``HEALTH_CHECK_AFTER``,
-    ``STALE_RETENTION``, ``SQLITE_SYNCHRONOUS`` and ``LOCAL_WAKEUPS`` values."""
+    ``STALE_RETENTION``, ``SQLITE_SYNCHRONOUS``, ``LOCAL_WAKEUPS`` and
+    ``PREPARED_STATEMENTS`` values."""
     problems = []
     where = f"SETNX_LOCKS[{alias!r}]['OPTIONS']"
     timeout = options.get("OPERATION_TIMEOUT", DEFAULT_OPERATION_TIMEOUT)
@@ -1318,6 +1344,12 @@ def _option_problems(alias, options):
     local_wakeups = options.get("LOCAL_WAKEUPS", True)
     if not isinstance(local_wakeups, bool):
         problems.append(f"{where}['LOCAL_WAKEUPS'] must be True or False, got {local_wakeups!r}.")
+    prepared = options.get("PREPARED_STATEMENTS")
+    if prepared is not None and not isinstance(prepared, bool):
+        problems.append(
+            f"{where}['PREPARED_STATEMENTS'] must be None (the default of the database), "
+            f"True or False, got {prepared!r}."
+        )
     return problems
 
 
@@ -1364,22 +1396,27 @@ def _local_channel_directory(wrapper):
 
 
 def _uses_prepared_statements(wrapper, options):
-    """Whether the lock connection prepares its statements (PostgreSQL with psycopg 3).
+    """Whether the lock connection prepares its statements: PostgreSQL with psycopg
+    3, or MariaDB (see db_prepared); never MySQL (its EXECUTE takes only user
+    variables: a second statement per call) nor SQLite (nothing to gain in-process).
 
-    ``OPTIONS["PREPARED_STATEMENTS"]`` decides when set. By default we follow what the
-    project told Django for that database: prepared statements are off unless its
-    ``DATABASES[...]["OPTIONS"]`` turns on ``server_side_binding`` or sets a
-    ``prepare_threshold``, as Django does, because a connection pooler in transaction
-    mode that does not track them (PgBouncer before 1.21) would run one client's
-    statement under another client's name.
+    ``OPTIONS["PREPARED_STATEMENTS"]`` decides when set. By default, MariaDB prepares
+    (a session that loses its statements is detected, see db_prepared); PostgreSQL
+    follows what the project told Django for that database: prepared statements are
+    off unless its ``DATABASES[...]["OPTIONS"]`` turns on ``server_side_binding`` or
+    sets a ``prepare_threshold``, as Django does, because a connection pooler in
+    transaction mode that does not track them (PgBouncer before 1.21) would run one
+    client's statement under another client's name.
     """
+    choice = options.get("PREPARED_STATEMENTS")
+    if wrapper.vendor == "mysql" and getattr(wrapper, "mysql_is_mariadb", False):
+        return choice is not False
     if wrapper.vendor != "postgresql":
         return False
     from django.db.backends.postgresql.psycopg_any import is_psycopg3
 
     if not is_psycopg3:
         return False
-    choice = options.get("PREPARED_STATEMENTS")
     if choice is not None:
         return bool(choice)
     django_options = wrapper.settings_dict.get("OPTIONS") or {}

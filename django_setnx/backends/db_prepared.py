@@ -1,0 +1,131 @@
+"""MariaDB's prepared statements for the database backend's hot statements.
+
+Neither MySQL driver Django supports (mysqlclient, PyMySQL) speaks the binary
+protocol's prepared statements, so every statement is parsed by the server on every
+call. For the acquire (an upsert with its takeover rule) that parse costs about as
+much as the whole plain ``INSERT`` of the floor it is measured against. MariaDB's
+SQL-level ``PREPARE`` works with any driver, and its ``EXECUTE ... USING`` takes
+literals (MySQL's takes only user variables, which would cost a second statement:
+not offered there). So the lock connection sends ``PREPARE <name> FROM '<text>'``
+once per connection and statement, then ``EXECUTE <name> USING <the parameters>``:
+a short statement the driver fills in exactly as it fills in the plain one.
+
+Safe wherever the plain statement is:
+
+- A statement's name is a hash of its text, so two sessions (or django-setnx
+  versions) never give one name to two texts: a proxy that moves a client's
+  statements between server connections can only run the same text or none.
+- ``EXECUTE`` of a name the session does not know (a proxy or pooler reset the
+  session, or moved it) fails with ``ER_UNKNOWN_STMT_HANDLER`` before anything ran:
+  the statement is prepared again and run once more. If that fails too, the
+  connection goes back to plain statements.
+- A server that refuses ``PREPARE`` (``max_prepared_stmt_count`` reached, say)
+  leaves the connection on plain statements, with a warning in the log.
+"""
+
+import hashlib
+import logging
+
+logger = logging.getLogger("django_setnx")
+
+#: ER_UNKNOWN_STMT_HANDLER: EXECUTE of a name this session has not prepared. The
+#: statement did not run.
+UNKNOWN_STATEMENT = 1243
+#: Error codes below this are the server's answers (the connection is fine); from
+#: 2000 on they are the client library's own (lost connection, ...).
+CLIENT_ERRORS_FROM = 2000
+
+
+class PreparedSession:
+    """What one connection has prepared: the names, or ``plain`` once the server
+    refused (then every statement of that connection is sent as text)."""
+
+    __slots__ = ("names", "plain")
+
+    def __init__(self):
+        self.names = set()
+        self.plain = False
+
+
+class MariaDBStatements:
+    """Runs the backend's hot statements on MariaDB through ``PREPARE``/``EXECUTE``
+    (see the module docstring). ``lost_connection(exc)`` tells a driver error that
+    means the connection is gone (raised as it is: the backend reconnects) from one
+    the server answered with."""
+
+    def __init__(self, lost_connection):
+        self._lost_connection = lost_connection
+        self._forms = {}  # statement text -> (name, PREPARE text, EXECUTE text)
+
+    def _form(self, statement):
+        form = self._forms.get(statement)
+        if form is None:
+            if "?" in statement or "%%" in statement:
+                # Once prepared, a ? would be read as a parameter, and a %% would stay
+                # doubled (the driver no longer formats the text).
+                raise ValueError(f"cannot prepare a statement with '?' or '%%': {statement}")
+            name = "setnx_" + hashlib.sha1(statement.encode()).hexdigest()[:20]
+            count = statement.count("%s")
+            using = f" USING {', '.join(['%s'] * count)}" if count else ""
+            form = self._forms[statement] = (
+                name,
+                f"PREPARE {name} FROM %s",
+                f"EXECUTE {name}{using}",
+            )
+        return form
+
+    def execute(self, cursor, session, statement, params, errors):
+        """Run ``statement`` (``%s`` placeholders) with ``params`` on ``cursor``, as
+        ``cursor.execute(statement, params)`` would: rowcount, lastrowid and rows are
+        the statement's. ``session`` is the connection's PreparedSession; ``errors``
+        the driver's exception class."""
+        if session.plain:
+            cursor.execute(statement, params)
+            return
+        name, prepare, execute = self._form(statement)
+        for _ in range(2):
+            if name not in session.names and not self._prepare(
+                cursor, session, name, prepare, statement, errors
+            ):
+                break  # refused by the server: the session is plain now
+            try:
+                cursor.execute(execute, params)
+                return
+            except errors as exc:
+                if _code(exc) != UNKNOWN_STATEMENT:
+                    raise
+            # The session lost it (a pooler's or a proxy's reset): nothing ran.
+            session.names.discard(name)
+        else:
+            # Prepared, and unknown again at once: something between us and the
+            # server does not keep a session's statements. Plain text from now on.
+            self._go_plain(session, "its prepared statements are not kept between statements")
+        cursor.execute(statement, params)
+
+    def _prepare(self, cursor, session, name, prepare, statement, errors):
+        """PREPARE ``name``; True if done. A refusal by the server leaves ``session``
+        plain (False); a lost connection is raised."""
+        try:
+            cursor.execute(prepare, (statement.replace("%s", "?"),))
+        except errors as exc:
+            code = _code(exc)
+            if (
+                self._lost_connection(exc)
+                or not isinstance(code, int)
+                or code >= CLIENT_ERRORS_FROM
+            ):
+                raise
+            self._go_plain(session, f"the server refused PREPARE: {exc}")
+            return False
+        session.names.add(name)
+        return True
+
+    @staticmethod
+    def _go_plain(session, why):
+        session.plain = True
+        logger.warning("MariaDB lock connection: plain statements from now on, because %s", why)
+
+
+def _code(exc):
+    """The server's (or client library's) error number of a MySQL driver error."""
+    return exc.args[0] if exc.args else None
