@@ -885,7 +885,9 @@ def test_a_pool_with_a_credential_provider_keeps_its_checkout():
         provider = UsernamePasswordCredentialProvider(password="s3cret")
         backend = make_backend(server.url, CONNECTION_KWARGS={"credential_provider": provider})
         try:
-            assert backend.connection.links is None
+            links = backend.connection.links
+            assert isinstance(links, redis_backend._PoolCheckout)
+            assert links.retries  # our own client: its connections' policy applies
             every_lock_command(backend, "tok")
         finally:
             backend.close()

@@ -406,20 +406,24 @@ class _Connection:
         self.owned = owned
         self.watch = watch
         if owned:
-            self.links = _OwnConnections.of(client)
+            # Our own client's retry policy is ours (see _no_retry): it applies.
+            own = _OwnConnections.of(client)
         else:
             # A shared pool's retry policy is the cache's (django-redis users often
             # set retry_on_timeout): our lock commands never retry (see _no_retry).
             own = _OwnConnections.of(client, {"retry": _no_retry()})
-            self.links = own if own is not None else _SharedCheckout.of(client)
+        if own is not None:
+            self.links = own
+        else:
+            pool = getattr(client, "connection_pool", None)
+            self.links = _PoolCheckout(pool, retries=owned)
         _bind_scripts(self, client, SCRIPTS, self.links)
         self.max_block = _max_block(socket_timeout)
 
     def close(self):
         """Disconnect the connections kept beside the pool, and the pool itself if
         it is ours (a shared django-redis pool is django-redis' to close)."""
-        if self.links is not None:
-            self.links.close()
+        self.links.close()
         if self.owned:
             self.client.close()
 
@@ -455,8 +459,7 @@ class _OwnConnections:
 
     Only for a plain ``redis.ConnectionPool`` without a client-side cache or a
     credential provider (see :meth:`of`): a Sentinel pool (which finds the master)
-    and a blocking pool keep the pool's checkout (on a shared pool, through
-    _SharedCheckout).
+    and a blocking pool keep the pool's checkout (through _PoolCheckout).
     """
 
     retries = True  # the connections' own policy (see _exchange_on_pool)
@@ -484,8 +487,9 @@ class _OwnConnections:
 
     @classmethod
     def of(cls, client, overrides=None):
-        """The connections for ``client``'s lock commands, or None where its pool
-        must be used. ``overrides``: connection arguments that replace the pool's.
+        """The connections for ``client``'s lock commands, or None where its pool's
+        checkout must be used (_PoolCheckout). ``overrides``: connection arguments
+        that replace the pool's.
 
         A pool with a credential provider keeps its checkout too: redis-py
         re-authenticates the pool's own connections when a streaming provider
@@ -582,23 +586,27 @@ class _OwnConnections:
             conn.disconnect()
 
 
-class _SharedCheckout:
-    """The lock commands' way to a shared django-redis pool that cannot lend
-    connections to be kept beside it (see _OwnConnections.of: a blocking, Sentinel,
-    client-side-cache or credential-provider pool): its checkout, each command sent
-    once. The pool's retry policy is the cache's; a retried lock script could
-    report a release that ran as a takeover (see _no_retry)."""
+class _PoolCheckout:
+    """The lock commands' way to a pool that cannot lend connections to be kept
+    beside it (see _OwnConnections.of: a blocking, Sentinel, client-side-cache or
+    credential-provider pool): its own checkout, ``get_connection`` and ``release``
+    for every command.
 
-    __slots__ = ("_pool",)
-    retries = False
+    ``retries``: whether a command is sent under its connection's retry policy.
+    True for our own client, whose policy is ours (none unless CONNECTION_KWARGS
+    gives one, see _no_retry). False for a shared django-redis pool, whose policy is
+    the cache's: each command is sent once, since a retried lock script could report
+    a release that ran as a takeover (see _no_retry).
 
-    def __init__(self, pool):
+    ``pool`` is None for a client without one (a RedisCluster): such a client sends
+    its own commands (see _sends_plainly), never through this.
+    """
+
+    __slots__ = ("_pool", "retries")
+
+    def __init__(self, pool, retries):
         self._pool = pool
-
-    @classmethod
-    def of(cls, client):
-        pool = getattr(client, "connection_pool", None)
-        return None if pool is None else cls(pool)
+        self.retries = retries
 
     def take(self):
         return self._pool.get_connection(*_GET_CONNECTION_ARGS)
@@ -607,13 +615,14 @@ class _SharedCheckout:
         self._pool.release(conn)
 
     def close(self):
-        """The pool is django-redis' to close."""
+        """Nothing: the pool is its client's, closed with it when the client is ours
+        (see _Connection.close), django-redis' to close when shared."""
 
 
-def _bind_scripts(connection, client, scripts, links=None):
+def _bind_scripts(connection, client, scripts, links):
     """Register each script on ``client`` as an attribute of ``connection``: a
     script object binds its client, so each connection has its own. ``links``: where
-    they take a connection (_OwnConnections, _SharedCheckout), or None: the pool."""
+    they take a connection (_OwnConnections or _PoolCheckout)."""
     for attribute, source in scripts.items():
         setattr(connection, attribute, _Script(client, source, links))
 
@@ -633,7 +642,7 @@ class _Script:
 
     __slots__ = ("client", "for_pipelines", "links", "sha", "source")
 
-    def __init__(self, client, source, links=None):
+    def __init__(self, client, source, links):
         self.client = client
         self.source = source
         self.links = links
@@ -674,12 +683,13 @@ def _sends_plainly(client):
     )
 
 
-def _send_on_pool(client, *command, links=None):
-    """Send ``command`` on a connection of ``client``'s pool (or of ``links``, see
-    _OwnConnections) and return its reply, as redis-py's ``execute_command`` does,
-    less its per-command bookkeeping (about 6 µs of CPU per command with redis-py 8:
-    observability hooks, its own closures). Everything that decides the outcome is
-    kept (see :func:`_exchange_on_pool`)."""
+def _send_on_pool(client, *command, links):
+    """Send ``command`` on a connection of ``links`` (``client``'s pool's checkout or
+    connections kept beside it, see _PoolCheckout and _OwnConnections) and return
+    its reply, as redis-py's ``execute_command`` does, less its per-command
+    bookkeeping (about 6 µs of CPU per command with redis-py 8: observability hooks,
+    its own closures). Everything that decides the outcome is kept (see
+    :func:`_exchange_on_pool`)."""
 
     def exchange(conn):
         conn.send_command(*command)
@@ -688,13 +698,14 @@ def _send_on_pool(client, *command, links=None):
     return _exchange_on_pool(client, exchange, links)
 
 
-def _pipeline_on_pool(client, commands, links=None):
-    """Send ``commands`` in one write on a connection of ``client``'s pool, as
-    redis-py's ``Pipeline.execute(raise_on_error=False)`` does, less its bookkeeping
-    (about 30 µs of CPU for a BLPOP and an EVALSHA). Returns their replies in order;
-    an error reply (``NOSCRIPT``) is returned in its place, not raised: reading it
-    leaves the connection in step. A connection error or timeout is raised, and the
-    connection with replies still pending is dropped (see _exchange_on_pool)."""
+def _pipeline_on_pool(client, commands, links):
+    """Send ``commands`` in one write on a connection of ``links`` (see
+    _send_on_pool), as redis-py's ``Pipeline.execute(raise_on_error=False)`` does,
+    less its bookkeeping (about 30 µs of CPU for a BLPOP and an EVALSHA). Returns
+    their replies in order; an error reply (``NOSCRIPT``) is returned in its place,
+    not raised: reading it leaves the connection in step. A connection error or
+    timeout is raised, and the connection with replies still pending is dropped (see
+    _exchange_on_pool)."""
 
     def exchange(conn):
         conn.send_packed_command(conn.pack_commands(commands))
@@ -709,20 +720,16 @@ def _pipeline_on_pool(client, commands, links=None):
     return _exchange_on_pool(client, exchange, links)
 
 
-def _exchange_on_pool(client, exchange, links=None):
-    """Run ``exchange(connection)`` on a connection of ``client``'s pool, or of
-    ``links`` (see _OwnConnections and _SharedCheckout). Kept from redis-py: the
-    connection's health check before sending (in ``send_*``), its disconnect on any
-    error while sending or reading (a broken connection never goes back with a
-    reply pending), and the retry policy as that redis-py version applies it (on
-    our own client, none unless CONNECTION_KWARGS gives one, see _no_retry; on a
-    shared django-redis pool, none: never the cache's)."""
-    if links is not None:
-        pool = None
-        conn = links.take()
-    else:
-        pool = client.connection_pool
-        conn = pool.get_connection(*_GET_CONNECTION_ARGS)
+def _exchange_on_pool(client, exchange, links):
+    """Run ``exchange(connection)`` on a connection of ``links`` (see _OwnConnections
+    and _PoolCheckout), a connection of ``client``'s pool or kept beside it. Kept
+    from redis-py: the connection's health check before sending (in ``send_*``), its
+    disconnect on any error while sending or reading (a broken connection never goes
+    back with a reply pending), and the retry policy as that redis-py version
+    applies it, when ``links.retries`` (on our own client, none unless
+    CONNECTION_KWARGS gives one, see _no_retry; on a shared django-redis pool, none:
+    never the cache's)."""
+    conn = links.take()
 
     if _RETRY_ONLY_ON_LISTED_ERRORS:
         # redis-py < 6 retries only the errors in the connection's retry_on_error
@@ -735,8 +742,8 @@ def _exchange_on_pool(client, exchange, links=None):
             conn.disconnect()
 
     try:
-        if links is not None and not links.retries:
-            return exchange(conn)  # once (see _SharedCheckout); errors handled below
+        if not links.retries:
+            return exchange(conn)  # once (see _PoolCheckout); errors handled below
         return conn.retry.call_with_retry(lambda: exchange(conn), failed)
     except redis.exceptions.ResponseError:
         raise  # an error reply (NOSCRIPT): read, so the connection is in step
@@ -749,10 +756,7 @@ def _exchange_on_pool(client, exchange, links=None):
     finally:
         if _should_reconnect(conn):  # a server maintenance notice (redis-py >= 7)
             conn.disconnect()
-        if pool is None:
-            links.give_back(conn)
-        else:
-            pool.release(conn)
+        links.give_back(conn)
 
 
 def _should_reconnect(conn):
