@@ -1010,6 +1010,44 @@ def test_a_mariadb_server_that_refuses_prepare_gets_plain_statements(name, make_
 
 
 @needs(MYSQL_ALIASES)
+def test_a_prepare_behind_a_migration_is_contention_not_a_refusal(name, make_backend):
+    """PREPARE opens the table: behind an ALTER TABLE that waits for a transaction
+    reading it (a migration), it waits for the metadata lock and times out. That is
+    contention, bounded by OPERATION_TIMEOUT as the plain statement's wait would be;
+    the connection keeps preparing once the migration is done."""
+    if not connections[MYSQL_ALIASES[0]].mysql_is_mariadb:
+        pytest.skip("prepared statements are MariaDB's only")
+    alias = MYSQL_ALIASES[0]
+    reader = make_backend(alias, PREPARED_STATEMENTS=False)
+    migrator = make_backend(alias, PREPARED_STATEMENTS=False)
+    backend = make_backend(alias, OPERATION_TIMEOUT=1)
+    _sql(backend, "SELECT 1")  # connected, nothing prepared yet
+    _sql(reader, "BEGIN")
+    _sql(reader, "SELECT COUNT(*) FROM {lock}")
+
+    def migrate():
+        _sql(migrator, "SET SESSION lock_wait_timeout = 30")
+        _sql(migrator, "ALTER TABLE {lock} COMMENT = 'test'")
+
+    alter = threading.Thread(target=migrate)
+    alter.start()
+    try:
+        time.sleep(0.5)  # the ALTER now waits, and so does anyone opening the table
+        started = time.monotonic()
+        with pytest.raises(LockBackendError, match="Lock wait timeout"):
+            backend.acquire(name, _token(), 30, OWNER)
+        assert time.monotonic() - started < 3  # one wait, not a second one in plain text
+    finally:
+        _sql(reader, "ROLLBACK")
+        alter.join(HANG)
+        _sql(migrator, "ALTER TABLE {lock} COMMENT = ''")
+    assert not backend._local.prepared_session.plain
+    before = _executed_prepared(backend)
+    _acquire_extend_release(backend, name, times=1)
+    assert _executed_prepared(backend) - before == 4
+
+
+@needs(MYSQL_ALIASES)
 def test_a_mariadb_proxy_that_never_keeps_prepared_statements_gets_plain_ones(name, make_backend):
     """Behind a proxy that runs each statement on whichever server connection is
     free, a statement prepared on one is unknown on the next: after one more try the

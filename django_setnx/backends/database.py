@@ -417,9 +417,7 @@ class DatabaseBackend(BaseLockBackend):
                 if wrapper.vendor == "postgresql":
                     self._prepared = prepared
                 elif prepared:
-                    self._mariadb_prepared = MariaDBStatements(
-                        lambda exc: _classify(wrapper, None, exc) is _DISCONNECTED
-                    )
+                    self._mariadb_prepared = MariaDBStatements()
                 if self.local_wakeups:
                     self._local_notifier = _local_notifier(wrapper)
             if wrapper.vendor == "postgresql":

@@ -31,9 +31,13 @@ logger = logging.getLogger("django_setnx")
 #: ER_UNKNOWN_STMT_HANDLER: EXECUTE of a name this session has not prepared. The
 #: statement did not run.
 UNKNOWN_STATEMENT = 1243
-#: Error codes below this are the server's answers (the connection is fine); from
-#: 2000 on they are the client library's own (lost connection, ...).
-CLIENT_ERRORS_FROM = 2000
+#: The server's refusals of a PREPARE that will not change on this connection: too
+#: many prepared statements on the server (max_prepared_stmt_count), a statement
+#: kind it cannot prepare, a text it cannot parse (a proxy that rewrites
+#: statements). Any other error (a lock-wait timeout behind a migration's ALTER, a
+#: killed query, a lost connection) is the operation's: raised as it is, so the
+#: backend retries or reports it, and the connection keeps preparing.
+REFUSALS = frozenset({1461, 1295, 1064, 1149})
 
 
 class PreparedSession:
@@ -49,12 +53,9 @@ class PreparedSession:
 
 class MariaDBStatements:
     """Runs the backend's hot statements on MariaDB through ``PREPARE``/``EXECUTE``
-    (see the module docstring). ``lost_connection(exc)`` tells a driver error that
-    means the connection is gone (raised as it is: the backend reconnects) from one
-    the server answered with."""
+    (see the module docstring)."""
 
-    def __init__(self, lost_connection):
-        self._lost_connection = lost_connection
+    def __init__(self):
         self._forms = {}  # statement text -> (name, PREPARE text, EXECUTE text)
 
     def _form(self, statement):
@@ -103,17 +104,12 @@ class MariaDBStatements:
         cursor.execute(statement, params)
 
     def _prepare(self, cursor, session, name, prepare, statement, errors):
-        """PREPARE ``name``; True if done. A refusal by the server leaves ``session``
-        plain (False); a lost connection is raised."""
+        """PREPARE ``name``; True if done. A refusal (REFUSALS) leaves ``session``
+        plain (False); any other error is raised."""
         try:
             cursor.execute(prepare, (statement.replace("%s", "?"),))
         except errors as exc:
-            code = _code(exc)
-            if (
-                self._lost_connection(exc)
-                or not isinstance(code, int)
-                or code >= CLIENT_ERRORS_FROM
-            ):
+            if _code(exc) not in REFUSALS:
                 raise
             self._go_plain(session, f"the server refused PREPARE: {exc}")
             return False
