@@ -987,23 +987,70 @@ def test_a_mariadb_session_that_lost_its_prepared_statements_prepares_them_again
     assert _executed_prepared(backend) - before == 4
 
 
+@pytest.mark.no_db
+def test_a_prepared_statement_is_named_after_its_database_and_text():
+    """MariaDB binds a prepared statement to the table of the database it was
+    prepared in: behind a proxy that hands server sessions from one project's
+    database to another's, the same text in another database must have another
+    name (else its EXECUTE would run on the first database's table)."""
+    from django_setnx.backends.db_prepared import MariaDBStatements
+
+    statement = "UPDATE t SET a = %s WHERE b = %s"
+    name_a, prepare, execute = MariaDBStatements("app_a")._form(statement)
+    name_b = MariaDBStatements("app_b")._form(statement)[0]
+    assert name_a != name_b
+    assert name_a == MariaDBStatements("app_a")._form(statement)[0]
+    assert MariaDBStatements("app_a")._form(statement + " ")[0] != name_a
+    assert (prepare, execute) == (f"PREPARE {name_a} FROM %s", f"EXECUTE {name_a} USING %s, %s")
+    with pytest.raises(ValueError, match="cannot prepare"):
+        MariaDBStatements("app_a")._form("SELECT '%%'")
+
+
+def _cursor_refusing_prepare_after(backend, allowed):
+    """Make the backend's cursors refuse every PREPARE after the first ``allowed``
+    with MariaDB's own error for a server at ``max_prepared_stmt_count`` (1461), as
+    the server would, without lowering that limit for every session of the shared
+    test server."""
+    plain_cursor = backend._cursor
+    prepared = []
+
+    def refusing_cursor(raw):
+        cursor = plain_cursor(raw)
+        execute = cursor.execute
+
+        def run(statement, params=None):
+            if statement.startswith("PREPARE "):
+                if len(prepared) >= allowed:
+                    raise raw.OperationalError(
+                        1461, "Can't create more than max_prepared_stmt_count statements"
+                    )
+                prepared.append(statement)
+            return execute(statement, params)
+
+        cursor.execute = run
+        return cursor
+
+    backend._cursor = refusing_cursor
+    return prepared
+
+
 @needs(MYSQL_ALIASES)
 def test_a_mariadb_server_that_refuses_prepare_gets_plain_statements(name, make_backend, caplog):
     """A server at its max_prepared_stmt_count refuses PREPARE: the connection goes
-    on with plain statements (a warning logged), every operation still right."""
+    on with plain statements (a warning logged), deallocates the statements it had
+    prepared (the server may need them back), and every operation is still right."""
     if not connections[MYSQL_ALIASES[0]].mysql_is_mariadb:
         pytest.skip("prepared statements are MariaDB's only")
-    admin = make_backend(MYSQL_ALIASES[0], PREPARED_STATEMENTS=False)
-    (_, limit) = _sql(admin, "SHOW GLOBAL VARIABLES LIKE 'max_prepared_stmt_count'")
-    _sql(admin, "SET GLOBAL max_prepared_stmt_count = 0")
-    try:
-        backend = make_backend(MYSQL_ALIASES[0])
-        with caplog.at_level(logging.WARNING, logger="django_setnx"):
-            first = _acquire_extend_release(backend, name, times=2)
-    finally:
-        _sql(admin, f"SET GLOBAL max_prepared_stmt_count = {int(limit)}")
+    backend = make_backend(MYSQL_ALIASES[0])
+    prepared = _cursor_refusing_prepare_after(backend, allowed=2)
+    with caplog.at_level(logging.WARNING, logger="django_setnx"):
+        first = _acquire_extend_release(backend, name, times=2)
     assert backend._local.prepared_session.plain
     assert "refused PREPARE" in caplog.text
+    assert len(prepared) == 2
+    for statement in prepared:  # deallocated already: unknown to the session
+        with pytest.raises(LockBackendError, match="nknown prepared statement"):
+            _sql(backend, f"DEALLOCATE {statement.split(' FROM ')[0]}")
     before = _executed_prepared(backend)
     assert _acquire_extend_release(backend, name, times=1)[0] > first[-1]
     assert _executed_prepared(backend) == before  # plain for this connection's life

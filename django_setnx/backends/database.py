@@ -417,7 +417,7 @@ class DatabaseBackend(BaseLockBackend):
                 if wrapper.vendor == "postgresql":
                     self._prepared = prepared
                 elif prepared:
-                    self._mariadb_prepared = MariaDBStatements()
+                    self._mariadb_prepared = MariaDBStatements(wrapper.settings_dict.get("NAME"))
                 if self.local_wakeups:
                     self._local_notifier = _local_notifier(wrapper)
             if wrapper.vendor == "postgresql":

@@ -12,9 +12,11 @@ a short statement the driver fills in exactly as it fills in the plain one.
 
 Safe wherever the plain statement is:
 
-- A statement's name is a hash of its text, so two sessions (or django-setnx
-  versions) never give one name to two texts: a proxy that moves a client's
-  statements between server connections can only run the same text or none.
+- A statement's name is a hash of its text and of the database it was prepared in
+  (MariaDB resolves the table then, not at EXECUTE), so two sessions (or
+  django-setnx versions, or projects on one server) never give one name to two
+  statements: a proxy that moves a client's statements between server connections
+  can only run the same statement on the same table, or none.
 - ``EXECUTE`` of a name the session does not know (a proxy or pooler reset the
   session, or moved it) fails with ``ER_UNKNOWN_STMT_HANDLER`` before anything ran:
   the statement is prepared again and run once more. If that fails too, the
@@ -55,7 +57,8 @@ class MariaDBStatements:
     """Runs the backend's hot statements on MariaDB through ``PREPARE``/``EXECUTE``
     (see the module docstring)."""
 
-    def __init__(self):
+    def __init__(self, database):
+        self._database = str(database)
         self._forms = {}  # statement text -> (name, PREPARE text, EXECUTE text)
 
     def _form(self, statement):
@@ -65,7 +68,8 @@ class MariaDBStatements:
                 # Once prepared, a ? would be read as a parameter, and a %% would stay
                 # doubled (the driver no longer formats the text).
                 raise ValueError(f"cannot prepare a statement with '?' or '%%': {statement}")
-            name = "setnx_" + hashlib.sha1(statement.encode()).hexdigest()[:20]
+            named = f"{self._database}\0{statement}".encode()
+            name = "setnx_" + hashlib.sha1(named).hexdigest()[:20]
             count = statement.count("%s")
             using = f" USING {', '.join(['%s'] * count)}" if count else ""
             form = self._forms[statement] = (
@@ -100,7 +104,9 @@ class MariaDBStatements:
         else:
             # Prepared, and unknown again at once: something between us and the
             # server does not keep a session's statements. Plain text from now on.
-            self._go_plain(session, "its prepared statements are not kept between statements")
+            self._go_plain(
+                cursor, session, errors, "its prepared statements are not kept between statements"
+            )
         cursor.execute(statement, params)
 
     def _prepare(self, cursor, session, name, prepare, statement, errors):
@@ -111,15 +117,24 @@ class MariaDBStatements:
         except errors as exc:
             if _code(exc) not in REFUSALS:
                 raise
-            self._go_plain(session, f"the server refused PREPARE: {exc}")
+            self._go_plain(cursor, session, errors, f"the server refused PREPARE: {exc}")
             return False
         session.names.add(name)
         return True
 
     @staticmethod
-    def _go_plain(session, why):
+    def _go_plain(cursor, session, errors, why):
+        """Plain statements for the rest of the connection; the statements it
+        prepared are deallocated (a server at max_prepared_stmt_count gets them
+        back), as far as the server lets us: a failure there changes nothing."""
         session.plain = True
         logger.warning("MariaDB lock connection: plain statements from now on, because %s", why)
+        names, session.names = session.names, set()
+        for name in names:
+            try:
+                cursor.execute(f"DEALLOCATE PREPARE {name}")
+            except errors:
+                break  # the plain statement that follows meets the same trouble, if any
 
 
 def _code(exc):
