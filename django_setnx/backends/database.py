@@ -701,7 +701,7 @@ class DatabaseBackend(BaseLockBackend):
             # one that did not bring the lock says the place next in line changed
             # hands, maybe away from us, or is free: ask, so that it is taken now.)
             return False
-        cursor.execute(sql.queue, self._queue_params(name, token, waiter))
+        self._execute(cursor, sql.queue, self._queue_params(name, token, waiter))
         return self._queued(waiter, cursor.rowcount == 1)
 
     def _waiter(self, token, attempted_at):
@@ -743,7 +743,7 @@ class DatabaseBackend(BaseLockBackend):
             return None
 
         def work(cursor, sql, raw):
-            cursor.execute(sql.unqueue, (name, token))
+            self._execute(cursor, sql.unqueue, (name, token))
             if cursor.rowcount:
                 # The place next in line is free (a row released to us is a tombstone
                 # now, free to take): the other waiters (who may wait for a wake-up,
