@@ -417,7 +417,7 @@ class DatabaseBackend(BaseLockBackend):
                 if wrapper.vendor == "postgresql":
                     self._prepared = prepared
                 elif prepared:
-                    self._mariadb_prepared = MariaDBStatements(wrapper.settings_dict.get("NAME"))
+                    self._mariadb_prepared = MariaDBStatements()
                 if self.local_wakeups:
                     self._local_notifier = _local_notifier(wrapper)
             if wrapper.vendor == "postgresql":
@@ -440,6 +440,11 @@ class DatabaseBackend(BaseLockBackend):
                         "SET SESSION innodb_lock_wait_timeout = %s, lock_wait_timeout = %s",
                         (wait, wait),
                     )
+                    if self._mariadb_prepared is not None:
+                        # The database the statements will be prepared in names them.
+                        cursor.execute("SELECT DATABASE()")
+                        (database,) = cursor.fetchone()
+                        self._local.prepared_session = PreparedSession(database)
                 elif wrapper.vendor == "sqlite" and self.sqlite_wal:
                     cursor.execute("PRAGMA journal_mode=WAL")
                     (mode,) = cursor.fetchone()

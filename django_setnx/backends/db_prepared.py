@@ -12,8 +12,9 @@ a short statement the driver fills in exactly as it fills in the plain one.
 
 Safe wherever the plain statement is:
 
-- A statement's name is a hash of its text and of the database it was prepared in
-  (MariaDB resolves the table then, not at EXECUTE), so two sessions (or
+- A statement's name is a hash of its text and of the database the connection uses
+  (``SELECT DATABASE()`` when it is made; MariaDB resolves the table at PREPARE,
+  not at EXECUTE), so two sessions (or
   django-setnx versions, or projects on one server) never give one name to two
   statements: a proxy that moves a client's statements between server connections
   can only run the same statement on the same table, or none.
@@ -44,11 +45,15 @@ REFUSALS = frozenset({1461, 1295, 1064, 1149})
 
 class PreparedSession:
     """What one connection has prepared: the names, or ``plain`` once the server
-    refused (then every statement of that connection is sent as text)."""
+    refused (then every statement of that connection is sent as text).
+    ``database``: the one the connection uses (``SELECT DATABASE()`` when it was
+    made: ``OPTIONS`` or an option file may name another than ``NAME``), part of
+    every statement's name."""
 
-    __slots__ = ("names", "plain")
+    __slots__ = ("database", "names", "plain")
 
-    def __init__(self):
+    def __init__(self, database=None):
+        self.database = database
         self.names = set()
         self.plain = False
 
@@ -57,22 +62,21 @@ class MariaDBStatements:
     """Runs the backend's hot statements on MariaDB through ``PREPARE``/``EXECUTE``
     (see the module docstring)."""
 
-    def __init__(self, database):
-        self._database = str(database)
-        self._forms = {}  # statement text -> (name, PREPARE text, EXECUTE text)
+    def __init__(self):
+        self._forms = {}  # (database, statement) -> (name, PREPARE text, EXECUTE text)
 
-    def _form(self, statement):
-        form = self._forms.get(statement)
+    def _form(self, statement, database):
+        form = self._forms.get((database, statement))
         if form is None:
             if "?" in statement or "%%" in statement:
                 # Once prepared, a ? would be read as a parameter, and a %% would stay
                 # doubled (the driver no longer formats the text).
                 raise ValueError(f"cannot prepare a statement with '?' or '%%': {statement}")
-            named = f"{self._database}\0{statement}".encode()
+            named = f"{database}\0{statement}".encode()
             name = "setnx_" + hashlib.sha1(named).hexdigest()[:20]
             count = statement.count("%s")
             using = f" USING {', '.join(['%s'] * count)}" if count else ""
-            form = self._forms[statement] = (
+            form = self._forms[database, statement] = (
                 name,
                 f"PREPARE {name} FROM %s",
                 f"EXECUTE {name}{using}",
@@ -87,7 +91,7 @@ class MariaDBStatements:
         if session.plain:
             cursor.execute(statement, params)
             return
-        name, prepare, execute = self._form(statement)
+        name, prepare, execute = self._form(statement, session.database)
         for _ in range(2):
             if name not in session.names and not self._prepare(
                 cursor, session, name, prepare, statement, errors
@@ -103,9 +107,15 @@ class MariaDBStatements:
             session.names.discard(name)
         else:
             # Prepared, and unknown again at once: something between us and the
-            # server does not keep a session's statements. Plain text from now on.
+            # server does not keep a session's statements. Plain text from now on;
+            # nothing to deallocate (where it went, other clients of this database
+            # may use the same names).
             self._go_plain(
-                cursor, session, errors, "its prepared statements are not kept between statements"
+                cursor,
+                session,
+                errors,
+                "its prepared statements are not kept between statements",
+                deallocate=False,
             )
         cursor.execute(statement, params)
 
@@ -123,18 +133,22 @@ class MariaDBStatements:
         return True
 
     @staticmethod
-    def _go_plain(cursor, session, errors, why):
-        """Plain statements for the rest of the connection; the statements it
-        prepared are deallocated (a server at max_prepared_stmt_count gets them
-        back), as far as the server lets us: a failure there changes nothing."""
+    def _go_plain(cursor, session, errors, why, deallocate=True):
+        """Plain statements for the rest of the connection. After a refusal the
+        statements it prepared are deallocated (a server at max_prepared_stmt_count
+        gets them back); one the session no longer has is skipped, any other error
+        raised."""
         session.plain = True
         logger.warning("MariaDB lock connection: plain statements from now on, because %s", why)
         names, session.names = session.names, set()
+        if not deallocate:
+            return
         for name in names:
             try:
                 cursor.execute(f"DEALLOCATE PREPARE {name}")
-            except errors:
-                break  # the plain statement that follows meets the same trouble, if any
+            except errors as exc:
+                if _code(exc) != UNKNOWN_STATEMENT:
+                    raise
 
 
 def _code(exc):
