@@ -408,7 +408,7 @@ class DatabaseBackend(BaseLockBackend):
                 self._wrapper_class = type(wrapper.connection)
                 self._driver_error = wrapper.Database.Error
                 self._channel = channel_name(wrapper.settings_dict.get("NAME"), LOCK_TABLE)
-                self._dialect = Dialect(
+                dialect = Dialect(
                     wrapper.vendor,
                     wrapper.ops.quote_name,
                     getattr(wrapper, "mysql_is_mariadb", False),
@@ -420,6 +420,9 @@ class DatabaseBackend(BaseLockBackend):
                     self._mariadb_prepared = MariaDBStatements()
                 if self.local_wakeups:
                     self._local_notifier = _local_notifier(wrapper)
+                # Last: another thread that finds the dialect set skips this block,
+                # so everything it decides must be in place by then.
+                self._dialect = dialect
             if wrapper.vendor == "postgresql":
                 _bound_waits(wrapper.connection, self.operation_timeout)
                 if self._prepared and wrapper.connection.prepare_threshold is None:

@@ -14,16 +14,18 @@ Safe wherever the plain statement is:
 
 - A statement's name is a hash of its text and of the database the connection uses
   (``SELECT DATABASE()`` when it is made; MariaDB resolves the table at PREPARE,
-  not at EXECUTE), so two sessions (or
-  django-setnx versions, or projects on one server) never give one name to two
-  statements: a proxy that moves a client's statements between server connections
-  can only run the same statement on the same table, or none.
+  not at EXECUTE), so two sessions (or django-setnx versions, or projects on one
+  server) never give one name to two statements: a proxy that moves a client's
+  statements between server connections can only run the same statement on the
+  same table, or none.
 - ``EXECUTE`` of a name the session does not know (a proxy or pooler reset the
   session, or moved it) fails with ``ER_UNKNOWN_STMT_HANDLER`` before anything ran:
-  the statement is prepared again and run once more. If that fails too, the
-  connection goes back to plain statements.
+  the statement is prepared again and run once more. If it is unknown again at
+  once, the connection goes back to plain statements.
 - A server that refuses ``PREPARE`` (``max_prepared_stmt_count`` reached, say)
-  leaves the connection on plain statements, with a warning in the log.
+  leaves the connection on plain statements, with a warning in the log, and gets
+  back the statements it had prepared. Any other error of a ``PREPARE`` is the
+  operation's (see REFUSALS).
 """
 
 import hashlib
