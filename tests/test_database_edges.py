@@ -1071,6 +1071,113 @@ def test_a_mariadb_server_that_refuses_prepare_gets_plain_statements(name, make_
 
 
 @needs(MYSQL_ALIASES)
+def test_mariadb_statements_are_named_after_the_database_the_connection_uses(
+    name, make_backend, temporary_database
+):
+    """Django passes OPTIONS after NAME, so OPTIONS['database'] (or an option file)
+    chooses the database: the statements are named after that one, as the server
+    reports it, not after NAME."""
+    if not connections[MYSQL_ALIASES[0]].mysql_is_mariadb:
+        pytest.skip("prepared statements are MariaDB's only")
+    primary = MYSQL_ALIASES[0]
+    real = connections[primary].settings_dict["NAME"]
+    reference = make_backend(primary)
+    _acquire_extend_release(reference, name, times=1)
+    with temporary_database(
+        primary, f"{primary}-optdb", NAME="setnx_not_this_one", OPTIONS={"database": real}
+    ) as alias:
+        backend = make_backend(alias)
+        _acquire_extend_release(backend, name, times=1)
+        assert backend._local.prepared_session.database == real
+        assert backend._local.prepared_session.names == reference._local.prepared_session.names
+
+
+@needs(MYSQL_ALIASES)
+def test_a_refused_prepare_is_not_tried_again_on_the_same_connection(name, make_backend, caplog):
+    """Once the server refused, the connection stays plain: no PREPARE (and no
+    warning) at every later statement."""
+    if not connections[MYSQL_ALIASES[0]].mysql_is_mariadb:
+        pytest.skip("prepared statements are MariaDB's only")
+    backend = make_backend(MYSQL_ALIASES[0])
+    _cursor_refusing_prepare_after(backend, allowed=2)
+    with caplog.at_level(logging.WARNING, logger="django_setnx"):
+        _acquire_extend_release(backend, name, times=3)
+    assert caplog.text.count("refused PREPARE") == 1
+
+
+@needs(MYSQL_ALIASES)
+def test_a_proxy_that_starts_moving_the_session_later_gets_nothing_deallocated(name, make_backend):
+    """Statements kept at first, then lost at every use (a proxy began moving the
+    session): the connection goes plain and deallocates none of the names it had,
+    which other clients of the database may be using where they went."""
+    if not connections[MYSQL_ALIASES[0]].mysql_is_mariadb:
+        pytest.skip("prepared statements are MariaDB's only")
+    backend = make_backend(MYSQL_ALIASES[0])
+    plain_cursor = backend._cursor
+    ours, kept = [], [0]
+
+    def moving_cursor(raw):
+        cursor = plain_cursor(raw)
+        execute = cursor.execute
+
+        def run(statement, params=None):
+            ours.append(statement)
+            result = execute(statement, params)
+            if statement.startswith("PREPARE "):
+                kept[0] += 1
+                if kept[0] > 2:  # the first two are kept, then the proxy moves us
+                    execute(f"DEALLOCATE {statement.split(' FROM ')[0]}")
+            return result
+
+        cursor.execute = run
+        return cursor
+
+    backend._cursor = moving_cursor
+    _acquire_extend_release(backend, name, times=2)
+    assert backend._local.prepared_session.plain
+    assert not [s for s in ours if s.startswith("DEALLOCATE")]
+
+
+@needs(MYSQL_ALIASES)
+def test_a_deallocate_error_after_a_refusal_fails_the_operation_not_the_next(name, make_backend):
+    """A DEALLOCATE that fails after a refusal (its query killed) fails that
+    operation with the server's error, not a later one with a confusing one; the
+    next operation runs on a new connection, which prepares again."""
+    if not connections[MYSQL_ALIASES[0]].mysql_is_mariadb:
+        pytest.skip("prepared statements are MariaDB's only")
+    backend = make_backend(MYSQL_ALIASES[0])
+    prepared = _cursor_refusing_prepare_after(backend, allowed=2)
+    refusing = backend._cursor
+    failed = []
+
+    def killing_cursor(raw):
+        cursor = refusing(raw)
+        execute = cursor.execute
+
+        def run(statement, params=None):
+            if statement.startswith("DEALLOCATE") and not failed:
+                failed.append(statement)
+                raise raw.OperationalError(1317, "Query execution was interrupted")
+            return execute(statement, params)
+
+        cursor.execute = run
+        return cursor
+
+    backend._cursor = killing_cursor
+    token = _token()
+    assert backend.acquire(name, token, 30, OWNER).acquired
+    assert backend.extend(name, token, 30)
+    with pytest.raises(LockBackendError, match="1317"):
+        backend.owns(name, token)
+    prepared.clear()  # the server takes PREPAREs again
+    before = backend._local.prepared_session
+    assert backend.owns(name, token)
+    assert backend._local.prepared_session is not before
+    assert not backend._local.prepared_session.plain and prepared
+    assert backend.release(name, token)
+
+
+@needs(MYSQL_ALIASES)
 def test_a_prepare_behind_a_migration_is_contention_not_a_refusal(name, make_backend):
     """PREPARE opens the table: behind an ALTER TABLE that waits for a transaction
     reading it (a migration), it waits for the metadata lock and times out. That is
