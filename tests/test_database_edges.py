@@ -1018,32 +1018,58 @@ def test_a_prepared_statement_is_named_after_its_database_and_text():
         statements._form("SELECT '%%'", "app_a")
 
 
+def _wrap_cursors(backend, run):
+    """Send every statement of the backend's lock connection through
+    ``run(execute, raw, statement, params)``: a stand-in for a proxy, or for one
+    answer of the server, in front of the real server."""
+    make = backend._cursor
+
+    def wrapped(raw):
+        cursor = make(raw)
+        execute = cursor.execute
+        cursor.execute = lambda statement, params=None: run(execute, raw, statement, params)
+        return cursor
+
+    backend._cursor = wrapped
+
+
 def _cursor_refusing_prepare_after(backend, allowed):
     """Make the backend's cursors refuse every PREPARE after the first ``allowed``
     with MariaDB's own error for a server at ``max_prepared_stmt_count`` (1461), as
     the server would, without lowering that limit for every session of the shared
-    test server."""
-    plain_cursor = backend._cursor
+    test server. Returns the PREPAREs let through."""
     prepared = []
 
-    def refusing_cursor(raw):
-        cursor = plain_cursor(raw)
-        execute = cursor.execute
+    def run(execute, raw, statement, params):
+        if statement.startswith("PREPARE "):
+            if len(prepared) >= allowed:
+                raise raw.OperationalError(
+                    1461, "Can't create more than max_prepared_stmt_count statements"
+                )
+            prepared.append(statement)
+        return execute(statement, params)
 
-        def run(statement, params=None):
-            if statement.startswith("PREPARE "):
-                if len(prepared) >= allowed:
-                    raise raw.OperationalError(
-                        1461, "Can't create more than max_prepared_stmt_count statements"
-                    )
-                prepared.append(statement)
-            return execute(statement, params)
-
-        cursor.execute = run
-        return cursor
-
-    backend._cursor = refusing_cursor
+    _wrap_cursors(backend, run)
     return prepared
+
+
+def _proxy_forgetting_after(backend, kept):
+    """A proxy that keeps the first ``kept`` statements the backend prepares, then
+    loses each one before its EXECUTE arrives (it moves the session): played by
+    deallocating it on the real server. Returns the statements the backend sent."""
+    sent, prepared = [], []
+
+    def run(execute, raw, statement, params):
+        sent.append(statement)
+        result = execute(statement, params)
+        if statement.startswith("PREPARE "):
+            prepared.append(statement)
+            if len(prepared) > kept:
+                execute(f"DEALLOCATE {statement.split(' FROM ')[0]}")
+        return result
+
+    _wrap_cursors(backend, run)
+    return sent
 
 
 @needs(MYSQL_ALIASES)
@@ -1113,29 +1139,10 @@ def test_a_proxy_that_starts_moving_the_session_later_gets_nothing_deallocated(n
     if not connections[MYSQL_ALIASES[0]].mysql_is_mariadb:
         pytest.skip("prepared statements are MariaDB's only")
     backend = make_backend(MYSQL_ALIASES[0])
-    plain_cursor = backend._cursor
-    ours, kept = [], [0]
-
-    def moving_cursor(raw):
-        cursor = plain_cursor(raw)
-        execute = cursor.execute
-
-        def run(statement, params=None):
-            ours.append(statement)
-            result = execute(statement, params)
-            if statement.startswith("PREPARE "):
-                kept[0] += 1
-                if kept[0] > 2:  # the first two are kept, then the proxy moves us
-                    execute(f"DEALLOCATE {statement.split(' FROM ')[0]}")
-            return result
-
-        cursor.execute = run
-        return cursor
-
-    backend._cursor = moving_cursor
+    sent = _proxy_forgetting_after(backend, kept=2)
     _acquire_extend_release(backend, name, times=2)
     assert backend._local.prepared_session.plain
-    assert not [s for s in ours if s.startswith("DEALLOCATE")]
+    assert not [s for s in sent if s.startswith("DEALLOCATE")]
 
 
 @needs(MYSQL_ALIASES)
@@ -1147,23 +1154,15 @@ def test_a_deallocate_error_after_a_refusal_fails_the_operation_not_the_next(nam
         pytest.skip("prepared statements are MariaDB's only")
     backend = make_backend(MYSQL_ALIASES[0])
     prepared = _cursor_refusing_prepare_after(backend, allowed=2)
-    refusing = backend._cursor
     failed = []
 
-    def killing_cursor(raw):
-        cursor = refusing(raw)
-        execute = cursor.execute
+    def kill_the_first_deallocate(execute, raw, statement, params):
+        if statement.startswith("DEALLOCATE") and not failed:
+            failed.append(statement)
+            raise raw.OperationalError(1317, "Query execution was interrupted")
+        return execute(statement, params)
 
-        def run(statement, params=None):
-            if statement.startswith("DEALLOCATE") and not failed:
-                failed.append(statement)
-                raise raw.OperationalError(1317, "Query execution was interrupted")
-            return execute(statement, params)
-
-        cursor.execute = run
-        return cursor
-
-    backend._cursor = killing_cursor
+    _wrap_cursors(backend, kill_the_first_deallocate)
     token = _token()
     assert backend.acquire(name, token, 30, OWNER).acquired
     assert backend.extend(name, token, 30)
@@ -1226,30 +1225,13 @@ def test_a_mariadb_proxy_that_never_keeps_prepared_statements_gets_plain_ones(na
     if not connections[MYSQL_ALIASES[0]].mysql_is_mariadb:
         pytest.skip("prepared statements are MariaDB's only")
     backend = make_backend(MYSQL_ALIASES[0])
-    plain_cursor = backend._cursor
-
-    def forgetful_cursor(raw):
-        cursor = plain_cursor(raw)
-        execute = cursor.execute
-
-        def run(statement, params=None):
-            ours.append(statement)
-            result = execute(statement, params)
-            if statement.startswith("PREPARE "):
-                execute(f"DEALLOCATE {statement.split(' FROM ')[0]}")
-            return result
-
-        cursor.execute = run
-        return cursor
-
-    ours = []
-    backend._cursor = forgetful_cursor
+    sent = _proxy_forgetting_after(backend, kept=0)
     tokens = _acquire_extend_release(backend, name, times=3)
     assert backend._local.prepared_session.plain
     assert len(tokens) == 3
     # Where the statements went, other clients of the database may use the same
     # names: going plain deallocates nothing there.
-    assert not [s for s in ours if s.startswith("DEALLOCATE")]
+    assert not [s for s in sent if s.startswith("DEALLOCATE")]
 
 
 @needs(MYSQL_ALIASES)
