@@ -462,10 +462,10 @@ def interleaved(variants, blocks, per_block, warmup):
     Each block runs ``per_block`` rounds; a round times one pair of every variant,
     so drift and bursts of background load hit every variant alike, in an order
     shuffled per round (seeded: the same orders every run). Not a fixed or rotated
-    order: a pair costs more right after some others (the floor's, which waits on
-    another connection: in one process on SQLite, a new Lock's pair cost 40 µs more
-    right after the floor's than elsewhere in the round), and a cyclic order always
-    puts the same variant there.
+    order: what ran just before a pair changes its cost (on SQLite, any pair right
+    after the floor's, whose fsync blocks the process, costs 30-40 µs more, and so
+    does one after a bare 300 µs sleep), and a cyclic order always puts the same
+    variant in the same place.
     Returns {label: [ns, ...]} and {label: client CPU ns per pair (mean)}.
     """
     labels = list(variants)
