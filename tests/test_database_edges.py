@@ -974,7 +974,7 @@ def test_mariadb_runs_the_lock_statements_prepared_unless_told_not_to(
         assert session.database == database
         dialect = backend._dialect
         hot = [dialect.acquire, dialect.extend, dialect.owns, dialect.release]
-        assert session.names == {MariaDBStatements()._form(s, database)[0] for s in hot}
+        assert session.names == {MariaDBStatements(Exception)._form(s, database)[0] for s in hot}
 
 
 @needs(MYSQL_ALIASES)
@@ -1007,11 +1007,11 @@ def test_a_prepared_statement_is_named_after_its_database_and_text():
     from django_setnx.backends.db_prepared import MariaDBStatements
 
     statement = "UPDATE t SET a = %s WHERE b = %s"
-    statements = MariaDBStatements()
+    statements = MariaDBStatements(Exception)
     name_a, prepare, execute = statements._form(statement, "app_a")
     name_b = statements._form(statement, "app_b")[0]
     assert name_a != name_b
-    assert name_a == MariaDBStatements()._form(statement, "app_a")[0]
+    assert name_a == MariaDBStatements(Exception)._form(statement, "app_a")[0]
     assert statements._form(statement + " ", "app_a")[0] != name_a
     assert (prepare, execute) == (f"PREPARE {name_a} FROM %s", f"EXECUTE {name_a} USING %s, %s")
     with pytest.raises(ValueError, match="cannot prepare"):

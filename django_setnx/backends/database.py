@@ -251,10 +251,9 @@ class DatabaseBackend(BaseLockBackend):
         # The names whose last release here left the lock to a waiter: the next
         # release of each goes straight to the statement that handles both cases.
         self._handed_over = set()
-        # The driver's connection class, its base error and the NOTIFY channel: all
-        # known at the first connection.
+        # The driver's connection class and the NOTIFY channel: both known at the
+        # first connection.
         self._wrapper_class = None
-        self._driver_error = None
         self._channel = None
         self.database = self.options.get("DATABASE", "default")
         self.sqlite_wal = bool(self.options.get("SQLITE_WAL", True))
@@ -406,7 +405,6 @@ class DatabaseBackend(BaseLockBackend):
             wrapper.ensure_connection()
             if self._dialect is None:
                 self._wrapper_class = type(wrapper.connection)
-                self._driver_error = wrapper.Database.Error
                 self._channel = channel_name(wrapper.settings_dict.get("NAME"), LOCK_TABLE)
                 dialect = Dialect(
                     wrapper.vendor,
@@ -417,7 +415,7 @@ class DatabaseBackend(BaseLockBackend):
                 if wrapper.vendor == "postgresql":
                     self._prepared = prepared
                 elif prepared:
-                    self._mariadb_prepared = MariaDBStatements()
+                    self._mariadb_prepared = MariaDBStatements(wrapper.Database.Error)
                 if self.local_wakeups:
                     self._local_notifier = _local_notifier(wrapper)
                 # Last: another thread that finds the dialect set skips this block,
@@ -558,13 +556,7 @@ class DatabaseBackend(BaseLockBackend):
         if self._prepared:
             cursor.execute(statement, params, prepare=True)
         elif self._mariadb_prepared is not None:
-            self._mariadb_prepared.execute(
-                cursor,
-                self._local.prepared_session,
-                statement,
-                params,
-                self._driver_error,
-            )
+            self._mariadb_prepared.execute(cursor, self._local.prepared_session, statement, params)
         else:
             cursor.execute(statement, params)
 

@@ -62,9 +62,10 @@ class PreparedSession:
 
 class MariaDBStatements:
     """Runs the backend's hot statements on MariaDB through ``PREPARE``/``EXECUTE``
-    (see the module docstring)."""
+    (see the module docstring). ``errors``: the driver's base exception class."""
 
-    def __init__(self):
+    def __init__(self, errors):
+        self._errors = errors
         self._forms = {}  # (database, statement) -> (name, PREPARE text, EXECUTE text)
 
     def _form(self, statement, database):
@@ -85,24 +86,23 @@ class MariaDBStatements:
             )
         return form
 
-    def execute(self, cursor, session, statement, params, errors):
+    def execute(self, cursor, session, statement, params):
         """Run ``statement`` (``%s`` placeholders) with ``params`` on ``cursor``, as
         ``cursor.execute(statement, params)`` would: rowcount, lastrowid and rows are
-        the statement's. ``session`` is the connection's PreparedSession; ``errors``
-        the driver's exception class."""
+        the statement's. ``session`` is the connection's PreparedSession."""
         if session.plain:
             cursor.execute(statement, params)
             return
         name, prepare, execute = self._form(statement, session.database)
         for _ in range(2):
             if name not in session.names and not self._prepare(
-                cursor, session, name, prepare, statement, errors
+                cursor, session, name, prepare, statement
             ):
                 break  # refused by the server: the session is plain now
             try:
                 cursor.execute(execute, params)
                 return
-            except errors as exc:
+            except self._errors as exc:
                 if _code(exc) != UNKNOWN_STATEMENT:
                     raise
             # The session lost it (a pooler's or a proxy's reset): nothing ran.
@@ -115,27 +115,25 @@ class MariaDBStatements:
             self._go_plain(
                 cursor,
                 session,
-                errors,
                 "its prepared statements are not kept between statements",
                 deallocate=False,
             )
         cursor.execute(statement, params)
 
-    def _prepare(self, cursor, session, name, prepare, statement, errors):
+    def _prepare(self, cursor, session, name, prepare, statement):
         """PREPARE ``name``; True if done. A refusal (REFUSALS) leaves ``session``
         plain (False); any other error is raised."""
         try:
             cursor.execute(prepare, (statement.replace("%s", "?"),))
-        except errors as exc:
+        except self._errors as exc:
             if _code(exc) not in REFUSALS:
                 raise
-            self._go_plain(cursor, session, errors, f"the server refused PREPARE: {exc}")
+            self._go_plain(cursor, session, f"the server refused PREPARE: {exc}")
             return False
         session.names.add(name)
         return True
 
-    @staticmethod
-    def _go_plain(cursor, session, errors, why, deallocate=True):
+    def _go_plain(self, cursor, session, why, deallocate=True):
         """Plain statements for the rest of the connection. After a refusal the
         statements it prepared are deallocated (a server at max_prepared_stmt_count
         gets them back); one the session no longer has is skipped, any other error
@@ -148,7 +146,7 @@ class MariaDBStatements:
         for name in names:
             try:
                 cursor.execute(f"DEALLOCATE PREPARE {name}")
-            except errors as exc:
+            except self._errors as exc:
                 if _code(exc) != UNKNOWN_STATEMENT:
                     raise
 
