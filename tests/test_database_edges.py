@@ -625,6 +625,39 @@ def test_bad_connection_options_are_named(options, named):
     assert [e.id for e in errors] == ["django_setnx.E022"] and named in errors[0].msg
 
 
+@pytest.mark.no_db
+@pytest.mark.parametrize("choice", [True, False, None])
+def test_prepared_statements_asked_of_sqlite_are_reported_as_unused(choice):
+    """``PREPARED_STATEMENTS: True`` on a database that cannot prepare (SQLite here;
+    PostgreSQL through psycopg 2) is a warning of the system check, not silence."""
+    options = {"DATABASE": "default"}
+    if choice is not None:
+        options["PREPARED_STATEMENTS"] = choice
+    assert "sqlite" in settings.DATABASES["default"]["ENGINE"]  # always, in tests.settings
+    errors = DatabaseBackend.check_params("sqlite-prepared", {"OPTIONS": options})
+    if choice is True:
+        assert [e.id for e in errors] == ["django_setnx.W020"]
+        assert "'sqlite-prepared'" in errors[0].msg and "SQLite" in errors[0].msg
+    else:
+        assert errors == []
+
+
+@needs("default" in _aliases("sqlite"))
+def test_prepared_statements_that_the_database_cannot_run_are_logged_once(
+    make_backend, name, caplog
+):
+    """The check cannot tell MySQL from MariaDB (one ENGINE), so the first connection
+    says it too, once per backend; the lock works with statements sent as text."""
+    backend = make_backend("default", PREPARED_STATEMENTS=True)
+    with caplog.at_level(logging.WARNING, logger="django_setnx"):
+        for _ in range(2):
+            token = _token()
+            assert backend.acquire(name, token, 30, OWNER).acquired
+            assert backend.release(name, token)
+    said = [r.getMessage() for r in caplog.records if "PREPARED_STATEMENTS" in r.getMessage()]
+    assert len(said) == 1 and backend.alias in said[0] and "sqlite" in said[0].lower(), said
+
+
 # -- 6. bad input, unreadable rows --------------------------------------------------------------
 
 

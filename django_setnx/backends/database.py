@@ -311,6 +311,16 @@ class DatabaseBackend(BaseLockBackend):
                     id="django_setnx.E021",
                 )
             )
+        unused = _prepared_statements_unused(engine, options)
+        if unused:
+            errors.append(
+                checks.Warning(
+                    f"SETNX_LOCKS[{alias!r}]['OPTIONS']['PREPARED_STATEMENTS'] is True, "
+                    f"but database {database!r} {unused}: its statements are sent as text.",
+                    hint="Remove the option, or use PostgreSQL with psycopg 3, or MariaDB.",
+                    id="django_setnx.W020",
+                )
+            )
         return errors
 
     # -- connections --------------------------------------------------------------
@@ -412,6 +422,15 @@ class DatabaseBackend(BaseLockBackend):
                     getattr(wrapper, "mysql_is_mariadb", False),
                 )
                 prepared = _uses_prepared_statements(wrapper, self.options)
+                if self.options.get("PREPARED_STATEMENTS") is True and not prepared:
+                    # The system check (W020) cannot tell MySQL from MariaDB.
+                    logger.warning(
+                        "Lock backend %r: PREPARED_STATEMENTS is True, but %s cannot "
+                        "prepare them (only PostgreSQL with psycopg 3 and MariaDB "
+                        "can): its statements are sent as text",
+                        self.alias,
+                        wrapper.display_name,
+                    )
                 if wrapper.vendor == "postgresql":
                     self._prepared = prepared
                 elif prepared:
@@ -1422,6 +1441,22 @@ def _uses_prepared_statements(wrapper, options):
         django_options.get("server_side_binding") is True
         or django_options.get("prepare_threshold") is not None
     )
+
+
+def _prepared_statements_unused(engine, options):
+    """Why ``PREPARED_STATEMENTS: True`` cannot apply to a database with ``engine``,
+    as far as the settings tell (MySQL and MariaDB share an engine: see
+    ``_connect``), or None."""
+    if options.get("PREPARED_STATEMENTS") is not True:
+        return None
+    if "sqlite" in engine:
+        return "is SQLite, which runs in this process (nothing to save)"
+    if "postgresql" in engine or "postgis" in engine:
+        from django.db.backends.postgresql.psycopg_any import is_psycopg3
+
+        if not is_psycopg3:
+            return "is PostgreSQL through psycopg 2, which cannot prepare statements"
+    return None
 
 
 def _sqlite_now_us():
