@@ -415,7 +415,7 @@ class DatabaseBackend(BaseLockBackend):
             wrapper.ensure_connection()
             if self._dialect is None:
                 self._wrapper_class = type(wrapper.connection)
-                self._channel = channel_name(wrapper.settings_dict.get("NAME"), LOCK_TABLE)
+                self._channel = channel_name(_database_name(wrapper), LOCK_TABLE)
                 dialect = Dialect(
                     wrapper.vendor,
                     wrapper.ops.quote_name,
@@ -1441,6 +1441,15 @@ def _uses_prepared_statements(wrapper, options):
         django_options.get("server_side_binding") is True
         or django_options.get("prepare_threshold") is not None
     )
+
+
+def _database_name(wrapper):
+    """The name of the database ``wrapper``'s connection uses: what psycopg says it
+    connected to (``NAME`` may be empty, with a ``service`` or ``dbname`` in
+    ``OPTIONS`` choosing it), else ``NAME``. Processes configured differently for one
+    database must agree on its NOTIFY channel."""
+    info = getattr(wrapper.connection, "info", None)
+    return getattr(info, "dbname", None) or wrapper.settings_dict.get("NAME")
 
 
 def _prepared_statements_unused(engine, options):
