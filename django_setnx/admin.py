@@ -793,10 +793,10 @@ class LockRecordAdmin(admin.ModelAdmin):
                 user_id=request.user.pk,
                 content_type_id=content_type.pk,
                 object_id=f"{alias}:*",
-                object_repr=f"{alias}: {result.count} stale locks"[:200],
+                object_repr=f"{alias}: {_stale_locks(result.count)}"[:200],
                 action_flag=DELETION,
                 change_message=(
-                    f"Cleared {result.count} stale locks on backend {alias!r}: "
+                    f"Cleared {_stale_locks(result.count)} on backend {alias!r}: "
                     + ", ".join(repr(n) for n in shown)
                     + (f" and {more} more" if more else "")
                     + "."
@@ -817,6 +817,12 @@ class LockRecordAdmin(admin.ModelAdmin):
         return HttpResponseRedirect(
             self._url("changelist") + "?" + urlencode({BACKEND_VAR: selected[0]})
         )
+
+
+def _stale_locks(count):
+    """``"1 stale lock"``, ``"2 stale locks"``: the history's text, in English like
+    Django's own change messages' keys (it is stored, not shown translated)."""
+    return f"{count} stale lock{'' if count == 1 else 's'}"
 
 
 admin.site.register(LockRecord, LockRecordAdmin)

@@ -44,6 +44,7 @@ from typing import Any
 from asgiref.sync import iscoroutinefunction
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views import View
 
 from .conf import DEFAULT_LOCK_ALIAS
 from .exceptions import LockBackendError, LockError, LockNotAcquired
@@ -180,8 +181,15 @@ class LockName:
 
 
 def qualname(func: object) -> str:
+    """The dotted name of what ``func`` runs, for the owner record's ``guards``. A
+    bound method (``method_decorator`` decorates one per call) is named after its
+    instance's class, so that ``ReportView``'s ``dispatch`` is not
+    ``django.views.generic.base.View.dispatch``."""
     func = getattr(func, "func", func)  # a partial: name what it calls
-    func = getattr(func, "__func__", func)  # a bound method: its function
+    if inspect.ismethod(func) and not isinstance(func.__self__, type):
+        cls = type(func.__self__)
+        return f"{cls.__module__}.{cls.__qualname__}.{func.__name__}"
+    func = getattr(func, "__func__", func)  # a classmethod's: its function
     return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
 
 
@@ -448,6 +456,13 @@ def locked(
             return type(func)(decorator(func.__func__))
         if not callable(func):
             raise ImproperlyConfigured(f"@locked can only decorate a callable, not {func!r}.")
+        if isinstance(func, type) and issubclass(func, View):
+            # It would become a function: as_view() then fails far from the cause.
+            raise ImproperlyConfigured(
+                f"@locked cannot decorate the class-based view {func.__qualname__}: use "
+                f'@method_decorator(locked(...), name="dispatch") on the class, or '
+                f"@locked on a handler method."
+            )
         make_name = LockName(func, name)
         dotted = qualname(func)
 

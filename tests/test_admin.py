@@ -550,7 +550,7 @@ def test_clear_stale_only_removes_stale_locks(alias, releaser):
     assert locks[alias].get(held) is not None
     entry = LogEntry.objects.get()
     assert entry.action_flag == DELETION
-    assert entry.object_repr == f"{alias}: 1 stale locks"
+    assert entry.object_repr == f"{alias}: 1 stale lock"
     assert stale in entry.get_change_message()
 
 

@@ -7,6 +7,8 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpResponse
 from django.test import RequestFactory
+from django.utils.decorators import method_decorator
+from django.views import View
 
 from django_setnx import lock, locked
 from django_setnx.exceptions import LockError, LockNotAcquired, LockNotOwned
@@ -120,6 +122,29 @@ def test_view_owner_records_method_and_path(alias, name):
 
     body = view(RequestFactory().post("/checkout/")).content.decode()
     assert body.startswith("POST /checkout/ (tests.test_decorators.")
+
+
+def test_a_class_based_view_owner_names_its_own_class(alias, name):
+    """Through method_decorator on an inherited ``dispatch``, the owner record names
+    the view's class, not the base class that defines ``dispatch``."""
+
+    @method_decorator(locked(name, backend=alias), name="dispatch")
+    class InvoiceView(View):
+        def post(self, request):
+            return HttpResponse(lock(name, backend=alias).info().owner["guards"])
+
+    body = InvoiceView.as_view()(RequestFactory().post("/invoices/")).content.decode()
+    assert body.startswith("POST /invoices/ (tests.test_decorators.")
+    assert body.endswith("InvoiceView.dispatch)"), body
+
+
+def test_locked_refuses_a_class_based_view_class(alias, name):
+    """The class would become a function; as_view() would fail far from the cause."""
+    with pytest.raises(ImproperlyConfigured, match="ReportView.*method_decorator"):
+
+        @locked(name, backend=alias)
+        class ReportView(View):
+            pass
 
 
 def test_async_view_and_custom_status(alias, name):
