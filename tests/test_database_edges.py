@@ -488,6 +488,51 @@ def test_deadlocks_and_lock_waits_are_retried_not_reported(db_alias, name):
     assert len(wins) == threads and sum(wins) > 0
 
 
+STATEMENT_TIME_LIMITS = {
+    # The database's own per-statement limit, set on every session as a project would.
+    "postgresql": {"options": "-c statement_timeout=100"},
+    "mysql": {"init_command": "SET SESSION max_statement_time = 0.1"},
+}
+
+
+@needs(SERVER_ALIASES)
+@pytest.mark.parametrize("server_alias", SERVER_ALIASES)
+def test_a_statement_time_limit_met_while_a_row_is_locked_is_contention(
+    server_alias, name, temporary_database, make_backend
+):
+    """A project may bound every statement on its database (PostgreSQL's
+    ``statement_timeout``, MariaDB's ``max_statement_time``). Ours run that long only
+    while another transaction holds the lock's row: the statement was rolled back,
+    and is retried within OPERATION_TIMEOUT like a lock-wait timeout, not reported as
+    an outage that leaves the lock held until its ttl."""
+    vendor = connections[server_alias].vendor
+    if vendor == "mysql" and not connections[server_alias].mysql_is_mariadb:
+        pytest.skip("max_statement_time is MariaDB's (MySQL's limit is for SELECTs only)")
+    with temporary_database(
+        server_alias, f"{server_alias}-limited", OPTIONS=STATEMENT_TIME_LIMITS[vendor]
+    ) as alias:
+        backend = make_backend(alias)
+        token = _token()
+        assert backend.acquire(name, token, 30, OWNER).acquired
+        limit = "SELECT @@max_statement_time" if vendor == "mysql" else "SHOW statement_timeout"
+        assert _sql(backend, limit)[0] in (0.1, "100ms")  # in force on our connection
+        other = make_backend(server_alias)
+        wrapper, raw = other._connection()
+        cursor = raw.cursor()
+        cursor.execute("START TRANSACTION" if vendor == "mysql" else "BEGIN")
+        cursor.execute(
+            f"SELECT name FROM {database.LOCK_TABLE} WHERE name = %s FOR UPDATE", (name,)
+        )
+        ended = threading.Timer(0.4, raw.rollback)
+        ended.start()
+        try:
+            assert backend.release(name, token)  # waited out the 0.4 s row lock
+        finally:
+            ended.join()
+            cursor.close()
+        assert backend.get(name) is None
+
+
 # -- 4. forks -------------------------------------------------------------------------------
 
 

@@ -196,3 +196,45 @@ def test_a_database_backends_child_opens_its_own_connection(db_alias, name, fork
     assert _session_of(backend) == parents
     with lock(name, ttl=10, backend=db_alias, timeout=5) as lk:
         assert lk.owned()
+
+
+def test_a_forked_childs_asyncio_use_leaves_the_parents_event_loop_alone(shared_alias, name):
+    """A process whose event loop runs for good (an ASGI server, a Celery worker with
+    async code) locks asynchronously, then forks; the child locks under an event
+    loop of its own and collects its garbage. The parent's loop must still get its
+    replies: the child must not close the inherited asyncio connections, whose
+    sockets sit in an epoll set that parent and child share."""
+    import asyncio
+    import gc
+
+    async def lock_once(suffix):
+        lk = lock(f"{name}:{suffix}", ttl=10, backend=shared_alias)
+        assert await lk.aacquire(blocking=False)
+        await lk.arelease()
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(lock_once("parent"))
+        for round_ in range(3):
+            read_end, write_end = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: never return into pytest
+                outcome = b"E"
+                try:
+
+                    async def child(suffix):
+                        await lock_once(suffix)
+                        gc.collect()  # while the child's own loop runs
+
+                    asyncio.run(child(f"child{round_}"))
+                    outcome = b"1"
+                finally:
+                    os.write(write_end, outcome)
+                    os._exit(0)
+            os.waitpid(pid, 0)
+            assert os.read(read_end, 1) == b"1"
+            os.close(read_end)
+            os.close(write_end)
+            loop.run_until_complete(lock_once(f"parent{round_}"))
+    finally:
+        loop.close()

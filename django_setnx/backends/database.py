@@ -189,16 +189,20 @@ CONTENTION_RETRIES = 8
 CONTENTION_BACKOFF = 0.002
 CONTENTION_MAX_BACKOFF = 0.1
 
-#: Errors of MySQL/MariaDB that mean the transaction was rolled back because of a
-#: concurrent one: deadlock, lock wait timeout. Retried.
-MYSQL_CONTENTION = frozenset({1213, 1205})
+#: Errors of MySQL/MariaDB that mean the statement was rolled back, most likely
+#: because of a concurrent one: deadlock, lock wait timeout, and the statement time
+#: limits a project may set (MariaDB's max_statement_time, MySQL's
+#: max_execution_time; see POSTGRESQL_CONTENTION). Retried.
+MYSQL_CONTENTION = frozenset({1213, 1205, 1969, 3024})
 #: ... and those that mean the connection is gone: server gone away, lost during
 #: query, lost (system error), killed (MariaDB), disconnected for inactivity
 #: (MySQL 8), server shutting down.
 MYSQL_DISCONNECTED = frozenset({2006, 2013, 2055, 1927, 4031, 1053})
 #: PostgreSQL SQLSTATEs that mean: deadlock detected, serialization failure, lock
-#: not available (lock_timeout). Retried.
-POSTGRESQL_CONTENTION = frozenset({"40P01", "40001", "55P03"})
+#: not available (lock_timeout), query canceled (statement_timeout, which a project
+#: may set on the database: our one-row statements only run that long while they wait
+#: for a row lock; and pg_cancel_backend). Retried, within OPERATION_TIMEOUT.
+POSTGRESQL_CONTENTION = frozenset({"40P01", "40001", "55P03", "57014"})
 #: ... and that mean the session is gone: admin shutdown (pg_terminate_backend),
 #: crash shutdown, cannot connect now; and every connection exception (class 08).
 POSTGRESQL_DISCONNECTED = frozenset({"57P01", "57P02", "57P03"})
@@ -517,9 +521,12 @@ class DatabaseBackend(BaseLockBackend):
                     cursor.close()
             except wrapper.Database.Error as exc:
                 failure = _classify(wrapper, raw, exc)
-                if failure is _DISCONNECTED and (
+                if failure is not None and (
                     _timed_out(wrapper, raw, exc)
-                    or time.monotonic() - started >= self.operation_timeout
+                    or (
+                        failure is _DISCONNECTED
+                        and time.monotonic() - started >= self.operation_timeout
+                    )
                 ):
                     # No answer in time: whether the statement ran is unknown, and a
                     # retry would double the wait. The caller hears of it now.

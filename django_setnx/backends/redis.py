@@ -353,6 +353,14 @@ ASYNC_SCRIPTS = {
 }
 
 
+#: In a forked child, the asyncio clients inherited from the parent, kept referenced
+#: and never used. Collected in the child while one of its own event loops runs,
+#: redis-py's Connection.__del__ would close a transport of the parent's loop copy,
+#: whose epoll set the parent shares (the fork copied the descriptor, not the set):
+#: the parent's socket would leave its loop, and its next reply never arrive.
+_INHERITED_ASYNC: list[object] = []
+
+
 def _close_sockets_of(client):
     """Close the sockets of an asyncio client whose event loop is closed: its
     transports cannot close them any more (that would schedule a callback on the
@@ -1193,10 +1201,13 @@ class RedisBackend(BaseLockBackend):
             entries, self._async_conns = self._async_conns, {}
         if conn is not None:
             conn.close()
-        for loop, pid, async_conn in entries.values():
+        for entry in entries.values():
+            loop, pid, async_conn = entry
+            if pid != os.getpid():
+                _INHERITED_ASYNC.append(entry)  # see there
             # An open loop's sockets are that loop's to close (aclose); a closed
             # loop's can only be closed here.
-            if loop.is_closed() and pid == os.getpid() and async_conn is not None:
+            elif loop.is_closed() and async_conn is not None:
                 _close_sockets_of(async_conn.client)
 
     async def aclose(self):
@@ -1240,8 +1251,10 @@ class RedisBackend(BaseLockBackend):
                     # their sockets, which no closed loop can do any more.
                     for key, (other, pid, conn) in list(self._async_conns.items()):
                         if other.is_closed() or pid != me:
-                            del self._async_conns[key]
-                            if pid == me and conn is not None:
+                            entry = self._async_conns.pop(key)
+                            if pid != me:
+                                _INHERITED_ASYNC.append(entry)  # see there
+                            elif conn is not None:
                                 _close_sockets_of(conn.client)
                     entry = (loop, me, self._async_connect(sync))
                     self._async_conns[id(loop)] = entry
