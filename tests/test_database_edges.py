@@ -869,6 +869,34 @@ def test_sqlite_lock_connection_commits_without_an_fsync_unless_told(
     assert backend.release(name, "tok")
 
 
+@needs("default" in _aliases("sqlite"))
+@pytest.mark.autocommit
+def test_a_new_sqlite_database_written_by_the_callers_transaction_says_why(
+    name, tmp_path, temporary_database, make_backend
+):
+    """A database file not yet in WAL mode cannot switch while another connection
+    writes (here the caller's own open transaction). The lock connection then waits
+    for the write lock like any statement and names the single writer that holds
+    it, instead of failing at once with "cannot connect ... database is locked"."""
+    with temporary_database("default", "sqlite-fresh", NAME=str(tmp_path / "fresh.db")) as alias:
+        with connections[alias].schema_editor() as editor:
+            editor.create_model(LockRecord)
+        with connections[alias].cursor() as cursor:
+            cursor.execute("PRAGMA journal_mode")
+            assert cursor.fetchone()[0] != "wal"  # as Django leaves a new database
+        backend = make_backend(alias, OPERATION_TIMEOUT=0.5)
+        with transaction.atomic(using=alias):
+            LockRecord.objects.using(alias).create(
+                name=f"{name}:other", token="t", acquired_at=0, expires_at=0
+            )
+            with pytest.raises(LockBackendError, match="single writer") as raised:
+                backend.acquire(name, _token(), 30, OWNER)
+        assert "cannot connect" not in str(raised.value)
+        token = _token()
+        assert backend.acquire(name, token, 30, OWNER).acquired  # written: now it can
+        assert backend.release(name, token)
+
+
 @pytest.mark.no_db
 @pytest.mark.parametrize(
     "choice, init_command, expected",

@@ -470,8 +470,7 @@ class DatabaseBackend(BaseLockBackend):
                         (database,) = cursor.fetchone()
                         self._local.prepared_session = PreparedSession(database)
                 elif wrapper.vendor == "sqlite" and self.sqlite_wal:
-                    cursor.execute("PRAGMA journal_mode=WAL")
-                    (mode,) = cursor.fetchone()
+                    mode = _sqlite_wal(wrapper, cursor)
                     synchronous = _sqlite_synchronous(self.sqlite_synchronous, wrapper)
                     if str(mode).lower() == "wal" and synchronous is not None:
                         # Our connection only (see SQLITE_SYNCHRONOUS): in WAL mode,
@@ -1375,6 +1374,23 @@ def _option_problems(alias, options):
             f"True or False, got {prepared!r}."
         )
     return problems
+
+
+def _sqlite_wal(wrapper, cursor):
+    """Switch the SQLite database to WAL mode (persistent: once per database file);
+    returns the journal mode it is in. A database that is not in WAL mode yet while
+    another connection writes (the caller's own open transaction, say) cannot
+    switch now: it stays as it is (None) for this connection, whose statements then
+    wait for the write lock like any, and report what holds it (see
+    _contention_message), instead of failing to connect."""
+    try:
+        cursor.execute("PRAGMA journal_mode=WAL")
+    except wrapper.Database.OperationalError as exc:
+        if _classify(wrapper, wrapper.connection, exc) is not _CONTENTION:
+            raise
+        return None
+    (mode,) = cursor.fetchone()
+    return mode
 
 
 def _sqlite_synchronous(choice, wrapper):
