@@ -687,6 +687,17 @@ def test_prepared_statements_asked_of_sqlite_are_reported_as_unused(choice):
         assert errors == []
 
 
+@pytest.mark.no_db
+def test_a_spatialite_database_is_accepted_by_the_check(monkeypatch):
+    """GeoDjango's SpatiaLite engine is SQLite (its wrapper's vendor is "sqlite")."""
+    engine = "django.contrib.gis.db.backends.spatialite"
+    monkeypatch.setitem(settings.DATABASES, "spatial", {"ENGINE": engine, "NAME": "geo.db"})
+    params = {"OPTIONS": {"DATABASE": "spatial"}}
+    assert DatabaseBackend.check_params("geo", params) == []
+    params["OPTIONS"]["PREPARED_STATEMENTS"] = True
+    assert [e.id for e in DatabaseBackend.check_params("geo", params)] == ["django_setnx.W020"]
+
+
 @needs("default" in _aliases("sqlite"))
 def test_prepared_statements_that_the_database_cannot_run_are_logged_once(
     make_backend, name, caplog
@@ -892,9 +903,18 @@ def test_a_new_sqlite_database_written_by_the_callers_transaction_says_why(
             with pytest.raises(LockBackendError, match="single writer") as raised:
                 backend.acquire(name, _token(), 30, OWNER)
         assert "cannot connect" not in str(raised.value)
+        # Committed: the same lock connection switches the database now. (Left in the
+        # rollback journal mode, a transaction that only reads would block it.)
         token = _token()
-        assert backend.acquire(name, token, 30, OWNER).acquired  # written: now it can
+        assert backend.acquire(name, token, 30, OWNER).acquired
         assert backend.release(name, token)
+        _, raw = backend._connection()
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        with transaction.atomic(using=alias):
+            list(LockRecord.objects.using(alias).all())  # a read: SQLite's shared lock
+            token = _token()
+            assert backend.acquire(name, token, 30, OWNER).acquired
+            assert backend.release(name, token)
 
 
 @pytest.mark.no_db

@@ -190,10 +190,9 @@ CONTENTION_BACKOFF = 0.002
 CONTENTION_MAX_BACKOFF = 0.1
 
 #: Errors of MySQL/MariaDB that mean the statement was rolled back, most likely
-#: because of a concurrent one: deadlock, lock wait timeout, and the statement time
-#: limits a project may set (MariaDB's max_statement_time, MySQL's
-#: max_execution_time; see POSTGRESQL_CONTENTION). Retried.
-MYSQL_CONTENTION = frozenset({1213, 1205, 1969, 3024})
+#: because of a concurrent one: deadlock, lock wait timeout, and MariaDB's
+#: max_statement_time, which a project may set (see POSTGRESQL_CONTENTION). Retried.
+MYSQL_CONTENTION = frozenset({1213, 1205, 1969})
 #: ... and those that mean the connection is gone: server gone away, lost during
 #: query, lost (system error), killed (MariaDB), disconnected for inactivity
 #: (MySQL 8), server shutting down.
@@ -307,7 +306,9 @@ class DatabaseBackend(BaseLockBackend):
                 )
             ]
         engine = settings.DATABASES[database].get("ENGINE", "")
-        if not any(v in engine for v in ("postgresql", "postgis", "mysql", "sqlite")):
+        if not any(
+            v in engine for v in ("postgresql", "postgis", "mysql", "sqlite", "spatialite")
+        ):
             errors.append(
                 checks.Error(
                     f"SETNX_LOCKS[{alias!r}] uses database {database!r} with ENGINE {engine!r}; "
@@ -412,13 +413,18 @@ class DatabaseBackend(BaseLockBackend):
         self._local.used_at = now
         if wrapper.connection is None:
             self._connect(wrapper)
+        elif getattr(self._local, "sqlite_wal_pending", False):
+            self._sqlite_setup_again(wrapper)
         return wrapper, wrapper.connection
 
     def _connect(self, wrapper):
         try:
             wrapper.ensure_connection()
+            connection_class = type(wrapper.connection)
+            if wrapper.vendor == "postgresql":
+                _bound_waits(wrapper.connection, self.operation_timeout)
             if self._dialect is None:
-                self._wrapper_class = type(wrapper.connection)
+                self._wrapper_class = connection_class
                 self._channel = channel_name(_database_name(wrapper), LOCK_TABLE)
                 dialect = Dialect(
                     wrapper.vendor,
@@ -445,7 +451,6 @@ class DatabaseBackend(BaseLockBackend):
                 # so everything it decides must be in place by then.
                 self._dialect = dialect
             if wrapper.vendor == "postgresql":
-                _bound_waits(wrapper.connection, self.operation_timeout)
                 if self._prepared and wrapper.connection.prepare_threshold is None:
                     # Django opens psycopg 3 connections with prepare_threshold=None,
                     # which makes psycopg ignore execute(prepare=True): without this,
@@ -470,13 +475,7 @@ class DatabaseBackend(BaseLockBackend):
                         (database,) = cursor.fetchone()
                         self._local.prepared_session = PreparedSession(database)
                 elif wrapper.vendor == "sqlite" and self.sqlite_wal:
-                    mode = _sqlite_wal(wrapper, cursor)
-                    synchronous = _sqlite_synchronous(self.sqlite_synchronous, wrapper)
-                    if str(mode).lower() == "wal" and synchronous is not None:
-                        # Our connection only (see SQLITE_SYNCHRONOUS): in WAL mode,
-                        # NORMAL never corrupts, and loses commits only to a crash of
-                        # the host, which also ends every process that held a lock.
-                        cursor.execute(f"PRAGMA synchronous={synchronous}")
+                    self._local.sqlite_wal_pending = not self._sqlite_setup(wrapper, cursor)
             finally:
                 cursor.close()
         except Exception as exc:  # the driver's errors, wrapped by Django or not
@@ -484,6 +483,35 @@ class DatabaseBackend(BaseLockBackend):
             raise LockBackendError(
                 self.alias, f"cannot connect to database {self.database!r}: {exc}"
             ) from exc
+
+    def _sqlite_setup(self, wrapper, cursor):
+        """Put our SQLite connection in WAL mode, with its ``synchronous``. Returns
+        False if the database could not switch now (see _sqlite_wal): _connection
+        tries again before each operation until it does, since in the rollback
+        journal mode a reader blocks the writer."""
+        mode = _sqlite_wal(wrapper, cursor)
+        if mode is None:
+            return False
+        synchronous = _sqlite_synchronous(self.sqlite_synchronous, wrapper)
+        if str(mode).lower() == "wal" and synchronous is not None:
+            # Our connection only (see SQLITE_SYNCHRONOUS): in WAL mode, NORMAL never
+            # corrupts, and loses commits only to a crash of the host, which also
+            # ends every process that held a lock.
+            cursor.execute(f"PRAGMA synchronous={synchronous}")
+        return True
+
+    def _sqlite_setup_again(self, wrapper):
+        """See _sqlite_setup. Never fails the operation it precedes: a failure other
+        than a busy database is logged, and the connection stays as it is."""
+        try:
+            cursor = wrapper.connection.cursor()
+            try:
+                self._local.sqlite_wal_pending = not self._sqlite_setup(wrapper, cursor)
+            finally:
+                cursor.close()
+        except Exception:
+            self._local.sqlite_wal_pending = False
+            logger.warning("Could not switch %r to WAL mode", self.database, exc_info=True)
 
     def _drop(self, wrapper):
         """Close the wrapper's connection (from any thread); the next use reconnects."""
@@ -600,7 +628,8 @@ class DatabaseBackend(BaseLockBackend):
             return (
                 f"{what}. SQLite has a single writer, and this thread's own connection to "
                 f"{self.database!r} is inside a transaction: once that transaction has "
-                f"written, nobody else (this lock included) can write until it commits. "
+                f"written (or, while the database is not in WAL mode yet, read), nobody "
+                f"else (this lock included) can write until it commits. "
                 f"Take the lock before the transaction writes, or release it after the "
                 f"commit (transaction.on_commit); @locked releases after the commit."
             )
@@ -1380,9 +1409,9 @@ def _sqlite_wal(wrapper, cursor):
     """Switch the SQLite database to WAL mode (persistent: once per database file);
     returns the journal mode it is in. A database that is not in WAL mode yet while
     another connection writes (the caller's own open transaction, say) cannot
-    switch now: it stays as it is (None) for this connection, whose statements then
-    wait for the write lock like any, and report what holds it (see
-    _contention_message), instead of failing to connect."""
+    switch now: None, and the connection is used as it is until it can (see
+    _sqlite_setup); its statements meanwhile wait for the write lock like any, and
+    report what holds it (see _contention_message), instead of failing to connect."""
     try:
         cursor.execute("PRAGMA journal_mode=WAL")
     except wrapper.Database.OperationalError as exc:
@@ -1467,12 +1496,17 @@ def _uses_prepared_statements(wrapper, options):
 
 
 def _database_name(wrapper):
-    """The name of the database ``wrapper``'s connection uses: what psycopg says it
-    connected to (``NAME`` may be empty, with a ``service`` or ``dbname`` in
-    ``OPTIONS`` choosing it), else ``NAME``. Processes configured differently for one
-    database must agree on its NOTIFY channel."""
-    info = getattr(wrapper.connection, "info", None)
-    return getattr(info, "dbname", None) or wrapper.settings_dict.get("NAME")
+    """The name of the database ``wrapper``'s new connection reached, on PostgreSQL
+    as the server names it (``current_database()``, once per backend): processes
+    configured differently for one database must agree on its NOTIFY channel, and
+    neither ``NAME`` (empty when ``OPTIONS`` names a ``service``) nor the name the
+    client sent (a PgBouncer alias) is the database's own. Elsewhere ``NAME``."""
+    if wrapper.vendor != "postgresql":
+        return wrapper.settings_dict.get("NAME")
+    with wrapper.connection.cursor() as cursor:
+        cursor.execute("SELECT current_database()")
+        (name,) = cursor.fetchone()
+    return name
 
 
 def _prepared_statements_unused(engine, options):
@@ -1481,7 +1515,7 @@ def _prepared_statements_unused(engine, options):
     ``_connect``), or None."""
     if options.get("PREPARED_STATEMENTS") is not True:
         return None
-    if "sqlite" in engine:
+    if "sqlite" in engine or "spatialite" in engine:
         return "is SQLite, which runs in this process (nothing to save)"
     if "postgresql" in engine or "postgis" in engine:
         from django.db.backends.postgresql.psycopg_any import is_psycopg3
