@@ -14,7 +14,11 @@ Prints markdown tables, then the targets with PASS/MISS (a miss never fails the 
    progress at once on a 2-core machine): ideal wall time (N x 8 x 5 ms / 3) over
    the measured one; the most holders ever seen at once (a shared counter); target:
    >= 0.75 of ideal, never more than 3 inside. The same with ``limit=1`` (a mutex,
-   a third of the acquisitions) shows what the engine's handoff alone costs.
+   a third of the acquisitions) shows what the engine's handoff alone costs. Where
+   the time goes: per slot, the ms from a holder calling release() to the next
+   holder's acquire() returning (p50/p90/p99), and the share of that time spent in
+   gaps over 10 ms (a slot left free while others wait on other slots, rather than
+   handed over).
 """
 
 import argparse
@@ -45,6 +49,9 @@ LIMIT = 5
 HOLD_S = 0.005
 PROCS, SEM_LIMIT = 8, 3
 TARGETS = {"ratio": 1.3, "efficiency": 0.75}
+#: A slot handoff longer than this (ms) is counted as the slot sitting free (nobody
+#: queued on it was woken), not as the cost of a handoff.
+IDLE_MS = 10
 
 
 def backends(cfg):
@@ -137,18 +144,22 @@ def throughput_worker(cfg, alias, name, limit, n, inside, peak, guard, barrier, 
         barrier.wait(timeout=120)
         start = time.perf_counter()
         got = 0
+        held = []  # (slot, acquire returned, release called), perf_counter_ns
         for _ in range(n):
             if not sem.acquire(timeout=60):
                 continue
+            acquired_at = time.perf_counter_ns()
             with guard:
                 inside.value += 1
                 peak.value = max(peak.value, inside.value)
             time.sleep(HOLD_S)
             with guard:
                 inside.value -= 1
+            released_at = time.perf_counter_ns()
             sem.release()
+            held.append((sem.slot, acquired_at, released_at))
             got += 1
-        results.put(("ok", idx, start, time.perf_counter(), got))
+        results.put(("ok", idx, start, time.perf_counter(), got, held))
     except BaseException:  # noqa: BLE001
         results.put(("error", idx, traceback.format_exc()))
 
@@ -185,7 +196,27 @@ def run_throughput(cfg, alias, n, limit):
     end = max(v[1] for v in got.values())
     done = [v[2] for v in got.values()]
     ideal = sum(done) * HOLD_S / limit
-    return {"wall": end - start, "eff": ideal / (end - start), "done": done, "peak": peak.value}
+    return {
+        "wall": end - start,
+        "eff": ideal / (end - start),
+        "done": done,
+        "peak": peak.value,
+        "gaps": slot_gaps([h for v in got.values() for h in v[3]]),
+    }
+
+
+def slot_gaps(held):
+    """Per slot, ms from a holder calling release() to the next holder's acquire()
+    returning (CLOCK_MONOTONIC, shared by the processes): what a slot costs between
+    two holders, the handoff and any time it sat free. Sorted."""
+    by_slot = {}
+    for slot, acquired_at, released_at in held:
+        by_slot.setdefault(slot, []).append((acquired_at, released_at))
+    gaps = []
+    for spans in by_slot.values():
+        spans.sort()
+        gaps += [(nxt[0] - cur[1]) / 1e6 for cur, nxt in zip(spans, spans[1:])]
+    return sorted(gaps)
 
 
 def section_throughput(cfg, p, results):
@@ -200,6 +231,7 @@ def section_throughput(cfg, p, results):
     for label, alias in backends(cfg):
         for limit, n in ((SEM_LIMIT, p["n"]), (1, p["n"] // 3)):
             stats = run_throughput(cfg, alias, n, limit)
+            gaps = stats["gaps"]
             rows.append(
                 [
                     label,
@@ -208,13 +240,24 @@ def section_throughput(cfg, p, results):
                     f"{stats['eff']:.2f}",
                     f"{min(stats['done'])}-{max(stats['done'])}",
                     stats["peak"],
+                    f"{pct(gaps, 50):.2f} / {pct(gaps, 90):.2f} / {pct(gaps, 99):.2f}",
+                    f"{sum(g for g in gaps if g > IDLE_MS) / max(sum(gaps), 1e-9):.0%}",
                 ]
             )
             if limit == SEM_LIMIT:
                 results.setdefault("efficiency", {})[label] = stats["eff"]
                 results.setdefault("peak", {})[label] = stats["peak"]
     table(
-        ["engine", "limit", "wall s", "ideal / wall", "acquisitions per process", "most inside"],
+        [
+            "engine",
+            "limit",
+            "wall s",
+            "ideal / wall",
+            "acquisitions per process",
+            "most inside",
+            "slot handoff p50 / p90 / p99 ms",
+            f"of it in gaps > {IDLE_MS:g} ms",
+        ],
         rows,
     )
     out()
