@@ -895,7 +895,7 @@ def test_a_new_sqlite_database_written_by_the_callers_transaction_says_why(
         with connections[alias].cursor() as cursor:
             cursor.execute("PRAGMA journal_mode")
             assert cursor.fetchone()[0] != "wal"  # as Django leaves a new database
-        backend = make_backend(alias, OPERATION_TIMEOUT=0.5)
+        backend = make_backend(alias, OPERATION_TIMEOUT=1)
         with transaction.atomic(using=alias):
             LockRecord.objects.using(alias).create(
                 name=f"{name}:other", token="t", acquired_at=0, expires_at=0
@@ -903,6 +903,15 @@ def test_a_new_sqlite_database_written_by_the_callers_transaction_says_why(
             with pytest.raises(LockBackendError, match="single writer") as raised:
                 backend.acquire(name, _token(), 30, OWNER)
         assert "cannot connect" not in str(raised.value)
+        with transaction.atomic(using=alias):
+            # Until the switch, a transaction that has read blocks the writer too;
+            # the switch, tried again first, must not add its own wait to
+            # OPERATION_TIMEOUT (the statement waits that long already).
+            list(LockRecord.objects.using(alias).all())
+            started = time.monotonic()
+            with pytest.raises(LockBackendError, match="single writer"):
+                backend.acquire(name, _token(), 30, OWNER)
+            assert time.monotonic() - started < 1.8, "waited twice OPERATION_TIMEOUT"
         # Committed: the same lock connection switches the database now. (Left in the
         # rollback journal mode, a transaction that only reads would block it.)
         token = _token()

@@ -1412,13 +1412,20 @@ def _sqlite_wal(wrapper, cursor):
     switch now: None, and the connection is used as it is until it can (see
     _sqlite_setup); its statements meanwhile wait for the write lock like any, and
     report what holds it (see _contention_message), instead of failing to connect."""
+    # Without waiting: the switch waits for every other connection to finish, a
+    # reader included, and the operation it precedes waits OPERATION_TIMEOUT anyway.
+    cursor.execute("PRAGMA busy_timeout")
+    (busy_timeout,) = cursor.fetchone()
+    cursor.execute("PRAGMA busy_timeout = 0")
     try:
         cursor.execute("PRAGMA journal_mode=WAL")
+        (mode,) = cursor.fetchone()
     except wrapper.Database.OperationalError as exc:
         if _classify(wrapper, wrapper.connection, exc) is not _CONTENTION:
             raise
         return None
-    (mode,) = cursor.fetchone()
+    finally:
+        cursor.execute(f"PRAGMA busy_timeout = {int(busy_timeout)}")
     return mode
 
 
