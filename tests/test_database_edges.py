@@ -19,6 +19,7 @@ import secrets
 import select
 import shutil
 import socket
+import struct
 import tempfile
 import threading
 import time
@@ -358,8 +359,9 @@ class _Proxy:
     accepts connections (the kernel does) and never answers.
     """
 
-    def __init__(self, path, target):
+    def __init__(self, path, target, rename=None):
         self.path, self.target = path, target
+        self.rename = rename  # (client's database name, server's): PgBouncer's aliases
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(path)
@@ -384,6 +386,8 @@ class _Proxy:
         upstream = socket.create_connection(self.target)
         cutting = False
         try:
+            if self.rename is not None:
+                self._start_renamed(client, upstream)
             while not self.closed:
                 ready, _, _ = select.select([client, upstream], [], [], 0.2)
                 for sock in ready:
@@ -410,9 +414,36 @@ class _Proxy:
             client.close()
             upstream.close()
 
+    def _start_renamed(self, client, upstream):
+        """Pass the client's startup message on with its ``database`` renamed, as
+        PgBouncer passes a client's alias on as the server's database name."""
+        while True:
+            (length,) = struct.unpack("!i", _read_exactly(client, 4))
+            body = _read_exactly(client, length - 4)
+            if struct.unpack("!i", body[:4])[0] not in (80877103, 80877104):
+                break
+            client.sendall(b"N")  # no SSL or GSS encryption: ask for the startup
+        fields = body[4:].split(b"\0")
+        alias, real = (name.encode() for name in self.rename)
+        for i in range(0, len(fields) - 1, 2):
+            if fields[i] == b"database" and fields[i + 1] == alias:
+                fields[i + 1] = real
+        body = body[:4] + b"\0".join(fields)
+        upstream.sendall(struct.pack("!i", len(body) + 4) + body)
+
     def close(self):
         self.closed = True
         self.listener.close()
+
+
+def _read_exactly(sock, size):
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise EOFError("the client hung up during its startup")
+        data += chunk
+    return data
 
 
 @pytest.fixture
@@ -433,6 +464,52 @@ def proxied_postgres(temporary_database):
     finally:
         proxy.close()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@needs(POSTGRES)
+@pytest.mark.parametrize("named_by", ["a PgBouncer alias", "a service"])
+def test_processes_that_name_one_database_differently_share_its_channel(
+    named_by, name, tmp_path, monkeypatch, temporary_database, make_backend
+):
+    """One PostgreSQL database, reached by one process under its own name and by
+    another under a name of the client's (a PgBouncer alias, which the server never
+    sees; or an empty ``NAME`` and a ``service`` of a pg_service.conf): both NOTIFY
+    and LISTEN on one channel, so each wakes the other's waiters at once."""
+    direct = make_backend("postgres")
+    token = _token()
+    assert direct.acquire(name, token, 30, OWNER).acquired  # connects: names its channel
+    assert direct.release(name, token)
+    settings_dict = connections["postgres"].settings_dict
+    real_name = settings_dict["NAME"]
+    if named_by == "a service":
+        service = tmp_path / "pg_service.conf"
+        service.write_text(
+            f"[setnx-test]\ndbname={real_name}\nhost={settings_dict['HOST'] or '127.0.0.1'}\n"
+            f"port={settings_dict['PORT'] or 5432}\nuser={settings_dict['USER']}\n"
+        )
+        monkeypatch.setenv("PGSERVICEFILE", str(service))
+        changes, proxy = {"NAME": "", "OPTIONS": {"service": "setnx-test"}}, None
+    else:
+        directory = str(tmp_path / "bouncer")
+        proxy = _Proxy(
+            os.path.join(directory, ".s.PGSQL.5432"),
+            (settings_dict["HOST"] or "127.0.0.1", int(settings_dict["PORT"] or 5432)),
+            rename=("app_alias", real_name),
+        )
+        changes = {"NAME": "app_alias", "HOST": directory, "PORT": "5432"}
+    try:
+        with temporary_database("postgres", "postgres-renamed", **changes) as alias:
+            renamed = make_backend(alias)
+            token = _token()
+            assert renamed.acquire(name, token, 30, OWNER).acquired
+            assert renamed.release(name, token)
+            _, raw = renamed._connection()
+            if proxy is not None:
+                assert raw.info.dbname == "app_alias"  # what the client knows it by
+            assert renamed._channel == direct._channel
+    finally:
+        if proxy is not None:
+            proxy.close()
 
 
 @needs(POSTGRES)

@@ -266,40 +266,6 @@ def test_a_release_past_a_dead_waiters_lapsed_place_wakes_the_others(backend_ali
     _assert_woken_within(live, answer, released_at, database.STAND_IN_AFTER)
 
 
-@pytest.mark.parametrize("backend_alias", PG)
-def test_processes_that_name_one_database_differently_share_its_channel(
-    backend_alias, name, tmp_path, monkeypatch
-):
-    """A project whose PostgreSQL ``NAME`` is empty and whose ``OPTIONS`` choose the
-    database (a ``service`` of a pg_service.conf) NOTIFYs on the channel that a
-    project naming it in ``NAME`` LISTENs on: the channel follows the database the
-    connection reached, not the settings' spelling of it."""
-    wrapper = connections[backend_alias]
-    wrapper.ensure_connection()
-    real_name = wrapper.connection.info.dbname
-    service = tmp_path / "pg_service.conf"
-    service.write_text(
-        f"[setnx-test]\ndbname={real_name}\nhost={wrapper.settings_dict['HOST']}\n"
-        f"port={wrapper.settings_dict['PORT']}\nuser={wrapper.settings_dict['USER']}\n"
-    )
-    monkeypatch.setenv("PGSERVICEFILE", str(service))
-    by_service = connections.create_connection(backend_alias)
-    by_service.settings_dict = {
-        **by_service.settings_dict,
-        "NAME": "",
-        "OPTIONS": {"service": "setnx-test"},
-    }
-    try:
-        by_service.ensure_connection()
-        assert database._database_name(by_service) == real_name
-        backend = locks[backend_alias]
-        assert backend.acquire(name, "t" * 32, 5, {}).acquired  # connects
-        assert backend.release(name, "t" * 32)
-        assert backend._channel == database.channel_name(real_name, database.LOCK_TABLE)
-    finally:
-        by_service.close()
-
-
 def _next_in_line(backend_alias, name):
     row = run_sql(backend_alias, "SELECT next_token FROM {table} WHERE name = {p}", (name,))
     return row and row[0]

@@ -78,7 +78,10 @@ statements runs.
 
 SQLite has a single writer. The backend switches an SQLite database to WAL mode
 (``OPTIONS["SQLITE_WAL"]``, default True; the mode is stored in the database file),
-so that a caller's open read transaction does not block our writes. In WAL mode our
+so that a caller's open read transaction does not block our writes. (Django creates
+the file in the rollback journal mode; the switch needs the file to itself, so it
+is made at the first operation that finds nobody else reading or writing, see
+_sqlite_wal. Until then a caller's read transaction blocks our writes too.) In WAL mode our
 own connection commits with ``PRAGMA synchronous=NORMAL``
 (``OPTIONS["SQLITE_SYNCHRONOUS"]``): no ``fsync`` per commit, which is most of what
 an SQLite write costs. WAL with NORMAL never corrupts the database; a power loss or
@@ -631,7 +634,9 @@ class DatabaseBackend(BaseLockBackend):
                 f"written (or, while the database is not in WAL mode yet, read), nobody "
                 f"else (this lock included) can write until it commits. "
                 f"Take the lock before the transaction writes, or release it after the "
-                f"commit (transaction.on_commit); @locked releases after the commit."
+                f"commit (transaction.on_commit); @locked releases after the commit. A "
+                f"database not in WAL mode yet is switched at the first lock operation "
+                f"outside any transaction."
             )
         return f"{what}. Another connection kept SQLite's single write lock for longer than that."
 
@@ -1408,8 +1413,8 @@ def _option_problems(alias, options):
 def _sqlite_wal(wrapper, cursor):
     """Switch the SQLite database to WAL mode (persistent: once per database file);
     returns the journal mode it is in. A database that is not in WAL mode yet while
-    another connection writes (the caller's own open transaction, say) cannot
-    switch now: None, and the connection is used as it is until it can (see
+    another connection reads or writes it (the caller's own open transaction, say)
+    cannot switch now: None, and the connection is used as it is until it can (see
     _sqlite_setup); its statements meanwhile wait for the write lock like any, and
     report what holds it (see _contention_message), instead of failing to connect."""
     # Without waiting: the switch waits for every other connection to finish, a
