@@ -25,7 +25,7 @@ from typing import Any
 
 from . import signals
 from .backends.aio import completed_call
-from .backends.base import AcquireResult, LockInfo, OwnerRecord
+from .backends.base import PLAIN_JSON_TYPES, AcquireResult, LockInfo, OwnerRecord
 from .conf import DEFAULT_LOCK_ALIAS
 from .exceptions import LockBackendError, LockError, LockNotAcquired, LockNotOwned
 from .handler import locks
@@ -108,15 +108,35 @@ def _check_token(token: object) -> None:
         raise ValueError(f"A lock token must be a non-empty string, got {token!r}.")
 
 
+#: How many owner records with guards or extra fields each thread keeps built.
+_OWNER_RECORDS_PER_THREAD = 64
+
+
 def _owner_record(guards: str | None, extra: dict[str, Any]) -> dict[str, Any]:
     """The owner record of an acquire. The plain one (no guards, no extra fields) is
     built once per thread and shared by its acquires, with its JSON encoding (an
-    OwnerRecord, which the backends store as it is); nothing writes to it."""
-    if guards or extra:
-        return {**current_owner(guards), **extra}
-    owner = getattr(_thread_owners, "owner", None)
+    OwnerRecord, which the backends store as it is); nothing writes to it. Those
+    with guards or extra fields (a semaphore's limit, a task's name) are kept the
+    same way, a few per thread, when their values are plain (str, int, bool, None):
+    building and encoding one was a measurable part of an uncontended acquire."""
+    if not guards and not extra:
+        owner = getattr(_thread_owners, "owner", None)
+        if owner is None:
+            owner = _thread_owners.owner = OwnerRecord(current_owner())
+        return owner
+    types = tuple(map(type, extra.values()))
+    if not PLAIN_JSON_TYPES.issuperset(types) or not all(type(key) is str for key in extra):
+        return {**current_owner(guards), **extra}  # may change after the acquire
+    # The types are part of the key: 1 and True are equal, their JSON is not.
+    key = (guards, *extra.items(), *types)
+    built: dict[tuple[Any, ...], OwnerRecord] | None = getattr(_thread_owners, "built", None)
+    if built is None:
+        built = _thread_owners.built = {}
+    owner = built.get(key)
     if owner is None:
-        owner = _thread_owners.owner = OwnerRecord(current_owner())
+        if len(built) >= _OWNER_RECORDS_PER_THREAD:
+            built.clear()  # many task ids or guards: start over rather than grow
+        owner = built[key] = OwnerRecord({**current_owner(guards), **extra})
     return owner
 
 
@@ -126,11 +146,6 @@ class Lock:
     A Lock object holds at most one acquisition at a time and is meant to be used
     by one thread (or task) at a time, like ``threading.Lock`` held across a block.
     """
-
-    #: One record, named as the lock: acquire() makes the first attempt itself, and
-    #: only a refused one goes through _acquire_steps (a semaphore spreads over slots).
-    #: A subclass that overrides _acquire_steps sets it to False, or takes ``first``.
-    _single_record = True
 
     def __init__(
         self,
@@ -233,14 +248,15 @@ class Lock:
         calls = _CallClock()
         backend = self.backend
         first = None
-        if self._single_record:
+        plan = self._first_attempt(deadline)
+        if plan is not None:
             # The common case without the step machinery: a first attempt that wins.
+            record, max_wait = plan
             calls.tick()
-            max_wait = _remaining(deadline)
-            won = backend.acquire(self.name, token, self.ttl, owner, max_wait)
+            won = backend.acquire(record, token, self.ttl, owner, max_wait)
             if won.acquired:
-                return self._won(token, self.name, won, calls)
-            first = (won, max_wait)
+                return self._won(token, record, won, calls)
+            first = (record, won, max_wait)
         steps = self._acquire_steps(calls, deadline, first)
         result: Any
         try:
@@ -267,13 +283,14 @@ class Lock:
         calls = _CallClock()
         backend = self.backend
         first = None
-        if self._single_record:
+        plan = self._first_attempt(deadline)
+        if plan is not None:
+            record, max_wait = plan
             calls.tick()
-            max_wait = _remaining(deadline)
-            won = await backend.aacquire(self.name, token, self.ttl, owner, max_wait)
+            won = await backend.aacquire(record, token, self.ttl, owner, max_wait)
             if won.acquired:
-                return self._won(token, self.name, won, calls)
-            first = (won, max_wait)
+                return self._won(token, record, won, calls)
+            first = (record, won, max_wait)
         steps = self._acquire_steps(calls, deadline, first)
         result: Any
         try:
@@ -307,6 +324,13 @@ class Lock:
         self._acquired(token, result, calls.earliest_write())
         return True
 
+    def _first_attempt(self, deadline: float | None) -> tuple[str, float | None] | None:
+        """The attempt acquire() makes itself, before any step machinery (so the
+        common case, a free lock, costs nothing more): ``(record, max_wait)``, or
+        None to leave every attempt to :meth:`_acquire_steps`. A lock tries its one
+        record, queued there if refused and the caller will wait."""
+        return self.name, _remaining(deadline)
+
     def _acquire_steps(
         self, calls: _CallClock, deadline: float | None, first: FirstAttempt | None = None
     ) -> Steps:
@@ -318,9 +342,12 @@ class Lock:
         result; it ends with ``(None, record, the winning AcquireResult)`` or
         ``(None, None, None)`` on timeout. A Lock has one record, named as the lock.
 
-        ``first``: the refused first attempt the caller already made on that record
-        (``_single_record``), as ``(result, the max_wait it was made with)``."""
-        result = yield from self._steps_on(self.name, calls, deadline, first)
+        ``first``: the refused attempt the caller already made (see
+        :meth:`_first_attempt`), as ``(record, result, the max_wait it was made
+        with)``."""
+        result = yield from self._steps_on(
+            self.name, calls, deadline, None if first is None else (first[1], first[2])
+        )
         yield None, self.name, result
 
     def _steps_on(
@@ -328,7 +355,7 @@ class Lock:
         record: str,
         calls: _CallClock,
         deadline: float | None,
-        first: FirstAttempt | None = None,
+        first: Attempt | None = None,
     ) -> Generator[Step, Any, AcquireResult | None]:
         """The attempts on one record until it is won (returns the AcquireResult) or
         ``deadline`` (monotonic) passes (returns None), queued meanwhile where the
@@ -754,8 +781,12 @@ _ACQUIRE, _WAIT, _STOP_WAITING, _GET = "acquire", "wait", "stop_waiting", "get"
 #: result)`` ends it (see Lock._acquire_steps).
 Step = tuple[Any, Any, Any]
 Steps = Generator[Step, Any, None]
-#: An attempt already made: ``(its AcquireResult, the max_wait it was made with)``.
-FirstAttempt = tuple[AcquireResult, float | None]
+#: An attempt already made on one record: ``(its AcquireResult, the max_wait it was
+#: made with)``.
+Attempt = tuple[AcquireResult, float | None]
+#: The refused first attempt of an acquire, made by acquire() itself: ``(record, its
+#: AcquireResult, the max_wait it was made with)``.
+FirstAttempt = tuple[str, AcquireResult, float | None]
 
 
 class _CallClock:

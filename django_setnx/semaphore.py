@@ -21,6 +21,7 @@ looking every 0.1 s saturated their event loop and the server).
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
 import time
@@ -81,8 +82,13 @@ class Semaphore(Lock):
         self.limit = validate_limit(limit)
         super().__init__(validate_semaphore_name(name, self.limit), ttl, **kwargs)
         self.owner_extra["limit"] = self.limit
-        self.slots = [slot_record(self.name, slot) for slot in range(1, self.limit + 1)]
         self._record = None
+
+    @functools.cached_property
+    def slots(self) -> list[str]:
+        """The record names of the slots, slot 1 first (built when first needed:
+        an uncontended acquire names only the slot it takes)."""
+        return [slot_record(self.name, slot) for slot in range(1, self.limit + 1)]
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else ("acquired" if self._token else "unlocked")
@@ -111,28 +117,45 @@ class Semaphore(Lock):
         split = None if self._record is None else split_slot(self._record)
         return None if split is None else split[1]
 
-    _single_record = False
+    def _first_attempt(self, deadline: float | None) -> tuple[str, float | None] | None:
+        """See :meth:`Lock._first_attempt`: a random slot, not queued there when
+        refused (unless it is the only one): the other slots come next. None until
+        this process has checked the semaphore's limit (see :meth:`_check_limit`),
+        which must come before anything is written."""
+        if (self.backend_alias, self.name, self.limit) not in _checked_limits:
+            return None
+        if self.limit == 1:
+            return slot_record(self.name, 1), _remaining(deadline)
+        return slot_record(self.name, random.randrange(self.limit) + 1), 0
 
     def _acquire_steps(
         self, calls: _CallClock, deadline: float | None, first: FirstAttempt | None = None
     ) -> Steps:
-        """See :meth:`Lock._acquire_steps`: the same calls, spread over the slots
-        (``first`` is always None: acquire() leaves every attempt to these steps)."""
+        """See :meth:`Lock._acquire_steps`: the same calls, spread over the slots.
+        ``first``: the refused attempt acquire() made on one slot (see
+        :meth:`_first_attempt`)."""
         key = (self.backend_alias, self.name, self.limit)
         if key not in _checked_limits:
             yield from self._check_limit()
             with _checked_guard:
                 _checked_limits.add(key)
         if self.limit == 1:
-            result = yield from self._steps_on(self.slots[0], calls, deadline)
+            attempt = None if first is None else (first[1], first[2])
+            result = yield from self._steps_on(self.slots[0], calls, deadline, attempt)
             yield None, self.slots[0], result
         slice_length = SLOT_WAIT_SLICE
         while True:
-            start = random.randrange(self.limit)
+            if first is None:
+                start = random.randrange(self.limit)
+            else:
+                start = self.slots.index(first[0])
             order = self.slots[start:] + self.slots[:start]
             for record in order[:-1]:
-                calls.tick()
-                result = yield _ACQUIRE, record, 0
+                if first is not None:  # the attempt acquire() made on this slot
+                    result, first = first[1], None
+                else:
+                    calls.tick()
+                    result = yield _ACQUIRE, record, 0
                 if result.acquired:
                     yield None, record, result
                 self._contended(result, calls)

@@ -205,6 +205,39 @@ def test_plain_owner_record_names_each_thread(alias, name):
     assert owners["other"]["thread"] != owners["main"]["thread"]
 
 
+def test_owner_records_with_guards_and_fields_follow_each_acquire(alias, name):
+    # Records with guards or extra fields are also built once per thread and kept
+    # (a semaphore's limit, a task's name): each acquire must still store its own
+    # thread, guards and current field values, also a list changed in place.
+    stored = {}
+    mutable = ["before"]
+
+    def hold(key, guards, extra):
+        lk = lock(f"{name}:{key}", backend=alias, guards=guards)
+        lk.owner_extra.update(extra)
+        with lk:
+            stored[key] = lk.info().owner
+
+    hold("main-a", "reports", {"task": "a"})
+    hold("main-b", "reports", {"task": "b"})
+    hold("main-c", "exports", {"task": "b"})
+    hold("list-1", None, {"items": mutable})
+    mutable.append("after")
+    hold("list-2", None, {"items": mutable})
+    other = threading.Thread(
+        target=hold, args=("other", "reports", {"task": "a"}), name="guarded-record-thread"
+    )
+    other.start()
+    other.join()
+    assert stored["main-a"] == {**current_owner("reports"), "task": "a"}
+    assert stored["main-b"] == {**current_owner("reports"), "task": "b"}
+    assert stored["main-c"] == {**current_owner("exports"), "task": "b"}
+    assert stored["list-1"]["items"] == ["before"]
+    assert stored["list-2"]["items"] == ["before", "after"]
+    assert stored["other"]["thread"].startswith("guarded-record-thread (")
+    assert {**stored["other"], "thread": None} == {**stored["main-a"], "thread": None}
+
+
 def test_owner_fields_are_stored_as_given(alias, name):
     # Equal values with different JSON (1 and True, 0.0 and -0.0, [1] and [True])
     # must each be stored as given, one acquire after the other (the backends

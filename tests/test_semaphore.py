@@ -420,6 +420,65 @@ def test_a_limit_an_owner_record_cannot_have_is_not_believed(alias, name):
     sem.release()
 
 
+@pytest.fixture
+def attempts(monkeypatch):
+    """``attempts(alias)``: start recording the ``(record, max_wait)`` of every
+    acquire attempt made on that backend; returns the list they go to."""
+    made = []
+
+    def record_on(alias):
+        backend = locks[alias]
+        real_acquire = backend.acquire
+
+        def recording_acquire(record, token, ttl, owner, max_wait=None):
+            made.append((record, max_wait))
+            return real_acquire(record, token, ttl, owner, max_wait)
+
+        monkeypatch.setattr(backend, "acquire", recording_acquire)
+        return made
+
+    return record_on
+
+
+def test_a_free_slot_costs_one_attempt_and_a_refused_one_queues_nowhere(alias, name, attempts):
+    # The common case costs one round trip, as a lock's: one attempt on a random
+    # slot. Refused there, an acquire tries the other slots, none of them queued
+    # (max_wait 0), before it waits on the last one.
+    with semaphore(name, 4, ttl=10, backend=alias):  # its limit is checked once
+        pass
+    made = attempts(alias)
+    free = semaphore(name, 4, ttl=10, backend=alias)
+    assert free.acquire(timeout=5)
+    assert made == [(slot_record(name, free.slot), 0)]
+    free.release()
+    held = fill(name, alias, 4)
+    held[2].release()
+    made.clear()
+    last = semaphore(name, 4, ttl=10, backend=alias)
+    assert last.acquire(timeout=5)
+    assert last.slot == held[2].slot
+    records = [record for record, _ in made]
+    assert len(set(records)) == len(records) <= 4, made
+    assert records[-1] == slot_record(name, last.slot)
+    assert all(max_wait == 0 for _, max_wait in made[:-1]), made
+    for sem in [*held[:2], held[3], last]:
+        sem.release()
+
+
+def test_limit_one_queues_at_its_first_attempt_like_a_lock(alias, name, attempts):
+    with semaphore(name, 1, ttl=10, backend=alias):
+        pass
+    holder = semaphore(name, 1, ttl=10, backend=alias)
+    assert holder.acquire()
+    made = attempts(alias)
+    threading.Timer(0.2, holder.release).start()
+    waiter = semaphore(name, 1, ttl=10, backend=alias)
+    assert waiter.acquire(timeout=10)
+    assert made[0][0] == slot_record(name, 1)
+    assert made[0][1] > 9  # the lock's first attempt, queued where the backend queues
+    waiter.release()
+
+
 def test_a_long_wait_looks_at_the_slots_less_and_less_often(alias, name, monkeypatch):
     # A waiter re-reads every slot after each slice; the slices double (up to
     # SLOT_WAIT_MAX), so a thousand waiters do not flood the server and their event

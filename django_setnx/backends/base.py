@@ -289,7 +289,7 @@ def _encode(owner: dict[str, Any]) -> str:
 
 #: The value types whose equal values always have the same JSON (not float: 0.0 and
 #: -0.0 are equal; not containers: their items may be equal but not the same).
-_CACHEABLE = frozenset({str, int, bool, type(None)})
+PLAIN_JSON_TYPES = frozenset({str, int, bool, type(None)})
 _OWNER_JSON_CACHE: dict[tuple[object, ...], str] = {}
 _OWNER_JSON_CACHE_SIZE = 1024
 
@@ -302,7 +302,7 @@ def encode_owner(owner: dict[str, Any]) -> str:
     if type(owner) is OwnerRecord:
         return owner.json
     types = tuple(map(type, owner.values()))
-    if not _CACHEABLE.issuperset(types) or not all(type(key) is str for key in owner):
+    if not PLAIN_JSON_TYPES.issuperset(types) or not all(type(key) is str for key in owner):
         # Equal values with different JSON (0.0 and -0.0, (1,) and (True,), keys 1
         # and True) would share a cache entry: encode anything else every time.
         return _encode(owner)

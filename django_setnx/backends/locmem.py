@@ -9,7 +9,7 @@ Waiters are woken by a release through a condition variable.
 import threading
 import time
 
-from .base import STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo
+from .base import STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo, encode_owner
 
 # LOCATION -> _Store; module-level so that two aliases naming one LOCATION share it.
 _stores: dict[str, "_Store"] = {}
@@ -18,7 +18,7 @@ _stores_lock = threading.Lock()
 
 class _Store:
     def __init__(self):
-        self.records = {}  # name -> dict(token, owner, acquired, expires, fencing)
+        self.records = {}  # name -> dict(token, owner JSON, acquired, expires, fencing)
         self.condition = threading.Condition()
         # The last fencing token minted: tokens are a hybrid clock (this process'
         # clock in µs, or the last token plus one if larger), so nothing per name
@@ -66,7 +66,9 @@ class LocMemBackend(BaseLockBackend):
             fencing = store.mint()
             store.records[name] = {
                 "token": token,
-                "owner": dict(owner),
+                # Stored as JSON, as every other backend stores it: a value the
+                # caller changes after the acquire is not changed here.
+                "owner": encode_owner(owner),
                 "acquired": now,
                 "expires": now + ttl_ms,
                 "fencing": fencing,
