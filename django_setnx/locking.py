@@ -112,6 +112,19 @@ def _check_token(token: object) -> None:
 _OWNER_RECORDS_PER_THREAD = 64
 
 
+def _thread_records() -> Any:
+    """This thread's built owner records: ``.owner`` (the plain one, or None) and
+    ``.built`` (those with guards or extra fields). Dropped when the process id or
+    the thread's name differs from when they were built: a fork that ran no at-fork
+    hook (uWSGI forks its workers in C) must not name its parent, a renamed thread
+    must not keep its old name."""
+    records = _thread_owners
+    who = (os.getpid(), threading.current_thread().name)
+    if getattr(records, "who", None) != who:
+        records.who, records.owner, records.built = who, None, {}
+    return records
+
+
 def _owner_record(guards: str | None, extra: dict[str, Any]) -> dict[str, Any]:
     """The owner record of an acquire. The plain one (no guards, no extra fields) is
     built once per thread and shared by its acquires, with its JSON encoding (an
@@ -119,19 +132,18 @@ def _owner_record(guards: str | None, extra: dict[str, Any]) -> dict[str, Any]:
     with guards or extra fields (a semaphore's limit, a task's name) are kept the
     same way, a few per thread, when their values are plain (str, int, bool, None):
     building and encoding one was a measurable part of an uncontended acquire."""
+    records = _thread_records()
     if not guards and not extra:
-        owner = getattr(_thread_owners, "owner", None)
-        if owner is None:
-            owner = _thread_owners.owner = OwnerRecord(current_owner())
-        return owner
+        plain: OwnerRecord | None = records.owner
+        if plain is None:
+            plain = records.owner = OwnerRecord(current_owner())
+        return plain
     types = tuple(map(type, extra.values()))
     if not PLAIN_JSON_TYPES.issuperset(types) or not all(type(key) is str for key in extra):
         return {**current_owner(guards), **extra}  # may change after the acquire
     # The types are part of the key: 1 and True are equal, their JSON is not.
     key = (guards, *extra.items(), *types)
-    built: dict[tuple[Any, ...], OwnerRecord] | None = getattr(_thread_owners, "built", None)
-    if built is None:
-        built = _thread_owners.built = {}
+    built: dict[tuple[Any, ...], OwnerRecord] = records.built
     owner = built.get(key)
     if owner is None:
         if len(built) >= _OWNER_RECORDS_PER_THREAD:

@@ -21,9 +21,7 @@ looking every 0.1 s saturated their event loop and the server).
 
 from __future__ import annotations
 
-import functools
 import random
-import threading
 import time
 from collections.abc import Generator, Sequence
 from typing import Any
@@ -43,8 +41,11 @@ SLOT_WAIT_SLICE = 0.1
 SLOT_WAIT_MAX = 0.8
 
 #: (backend alias, name, limit) whose slots this process checked for another limit.
+#: A set's add and lookup are atomic, so no lock (one that a fork could leave held).
 _checked_limits: set[tuple[str, str, int]] = set()
-_checked_guard = threading.Lock()
+#: How many it remembers: past that it starts over (a per-user semaphore name would
+#: otherwise grow it for ever), and a name checked again costs limit + 1 reads.
+CHECKED_LIMITS_KEEP = 10_000
 
 
 def validate_limit(limit: object) -> int:
@@ -83,12 +84,17 @@ class Semaphore(Lock):
         super().__init__(validate_semaphore_name(name, self.limit), ttl, **kwargs)
         self.owner_extra["limit"] = self.limit
         self._record = None
+        self._slots: list[str] | None = None
 
-    @functools.cached_property
+    @property
     def slots(self) -> list[str]:
         """The record names of the slots, slot 1 first (built when first needed:
         an uncontended acquire names only the slot it takes)."""
-        return [slot_record(self.name, slot) for slot in range(1, self.limit + 1)]
+        # Not functools.cached_property: before Python 3.12 it takes one lock shared
+        # by every instance, which a fork can leave held in the child for good.
+        if self._slots is None:
+            self._slots = [slot_record(self.name, slot) for slot in range(1, self.limit + 1)]
+        return self._slots
 
     def __repr__(self) -> str:
         state = "lost" if self.lost else ("acquired" if self._token else "unlocked")
@@ -137,8 +143,9 @@ class Semaphore(Lock):
         key = (self.backend_alias, self.name, self.limit)
         if key not in _checked_limits:
             yield from self._check_limit()
-            with _checked_guard:
-                _checked_limits.add(key)
+            if len(_checked_limits) >= CHECKED_LIMITS_KEEP:
+                _checked_limits.clear()
+            _checked_limits.add(key)
         if self.limit == 1:
             attempt = None if first is None else (first[1], first[2])
             result = yield from self._steps_on(self.slots[0], calls, deadline, attempt)

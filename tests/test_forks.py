@@ -10,12 +10,13 @@ PostgreSQL, MariaDB, Redis and Redlock).
 
 import os
 import signal
+import threading
 import time
 import traceback
 
 import pytest
 
-from django_setnx import lock, locks
+from django_setnx import lock, locks, semaphore
 from django_setnx.exceptions import LockError
 from tests import workers
 
@@ -196,6 +197,50 @@ def test_a_database_backends_child_opens_its_own_connection(db_alias, name, fork
     assert _session_of(backend) == parents
     with lock(name, ttl=10, backend=db_alias, timeout=5) as lk:
         assert lk.owned()
+
+
+@pytest.mark.parametrize(
+    "fork", [os.fork, workers.fork_without_hooks], ids=["os.fork", "no-fork-hooks"]
+)
+def test_a_forked_childs_owner_records_name_the_child(shared_alias, name, fork):
+    """Owner records are built once per thread and kept: a child forked with or
+    without fork hooks (uWSGI) must still write its own pid, never its parent's
+    (the dead-owner cleanup frees the locks of a pid that died), and a renamed
+    thread its new name."""
+    kinds = {
+        "plain": lambda: lock(f"{name}:plain", ttl=10, backend=shared_alias),
+        "guarded": lambda: lock(f"{name}:guarded", ttl=10, backend=shared_alias, guards="x"),
+        "semaphore": lambda: semaphore(f"{name}:sem", 2, ttl=10, backend=shared_alias),
+    }
+
+    def owners():
+        found = {}
+        for kind, make in kinds.items():
+            with make() as held:
+                found[kind] = held.info().owner
+        return found
+
+    assert {owner["pid"] for owner in owners().values()} == {os.getpid()}
+    read_end, write_end = os.pipe()
+    pid = fork()
+    if pid == 0:  # the child: never return into pytest
+        outcome = b"E"
+        try:
+            pids = {owner["pid"] for owner in owners().values()}
+            outcome = b"1" if pids == {os.getpid()} else repr(pids).encode()
+        finally:
+            os.write(write_end, outcome)
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read_end, 100) == b"1"
+    thread = threading.current_thread()
+    old_name = thread.name
+    try:
+        thread.name = "renamed-after-use"
+        threads = {owner["thread"] for owner in owners().values()}
+    finally:
+        thread.name = old_name
+    assert threads == {f"renamed-after-use ({thread.ident})"}
 
 
 def test_a_forked_childs_asyncio_use_leaves_the_parents_event_loop_alone(shared_alias, name):

@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -218,6 +219,26 @@ def test_a_second_limit_is_refused_and_writes_nothing(alias, name):
     # Nobody holds it now: another limit may take over the name.
     with semaphore(name, 5, ttl=10, backend=alias) as sem:
         assert sem.owned()
+
+
+def test_the_limits_checked_are_bounded_and_checked_again(alias, name, monkeypatch):
+    # A process remembers which (alias, name, limit) it checked, a bounded number:
+    # one forgotten is checked again at its next acquire, before anything is written.
+    # The package's ``semaphore`` is the function; the module is in sys.modules.
+    semaphore_module = sys.modules["django_setnx.semaphore"]
+    monkeypatch.setattr(semaphore_module, "_checked_limits", set())
+    monkeypatch.setattr(semaphore_module, "CHECKED_LIMITS_KEEP", 2)
+    held = semaphore(name, 3, ttl=10, backend=alias)
+    assert held.acquire()
+    for other in range(3):
+        with semaphore(f"{name}:{other}", 2, ttl=10, backend=alias):
+            pass
+        assert len(semaphore_module._checked_limits) <= 2
+    assert (alias, name, 3) not in semaphore_module._checked_limits
+    with pytest.raises(ValueError, match="held with limit=3"):
+        semaphore(name, 2, ttl=10, backend=alias).acquire(blocking=False)
+    assert [info.fencing_token for info in held.holders()] == [held.fencing_token]
+    held.release()
 
 
 def test_a_semaphore_is_not_a_lock_of_the_same_name(alias, name):
