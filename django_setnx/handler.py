@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ class LockHandler(_Handler):
         self._given_settings = settings
         self._backends: dict[str, BaseLockBackend] = {}
         self._creating = threading.Lock()
+        self._creating_pid = os.getpid()
 
     def configure_settings(self, settings: dict[str, Any] | None) -> dict[str, Any]:
         settings = get_lock_settings() if settings is None else settings
@@ -76,10 +78,19 @@ class LockHandler(_Handler):
                 f"The lock backend {alias!r} is not configured in SETNX_LOCKS "
                 f"(configured: {known})."
             )
+        if self._creating_pid != os.getpid():
+            # A forked child (with or without at-fork hooks: uWSGI runs none) may have
+            # inherited the lock held by a parent thread that was creating a backend:
+            # it would wait for it for ever. Two threads of the child that both
+            # replace it at once each create a backend: setdefault keeps one.
+            self._creating, self._creating_pid = threading.Lock(), os.getpid()
         with self._creating:
             backend = self._backends.get(alias)
             if backend is None:
-                backend = self._backends[alias] = self.create_connection(alias)
+                created = self.create_connection(alias)
+                backend = self._backends.setdefault(alias, created)
+                if backend is not created:
+                    created.close()
         return backend
 
     def __setitem__(self, alias: str, backend: BaseLockBackend) -> None:

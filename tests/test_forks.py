@@ -18,6 +18,7 @@ import pytest
 
 from django_setnx import lock, locks, semaphore
 from django_setnx.exceptions import LockError
+from django_setnx.handler import LockHandler
 from tests import workers
 
 pytestmark = pytest.mark.slow
@@ -197,6 +198,31 @@ def test_a_database_backends_child_opens_its_own_connection(db_alias, name, fork
     assert _session_of(backend) == parents
     with lock(name, ttl=10, backend=db_alias, timeout=5) as lk:
         assert lk.owned()
+
+
+@pytest.mark.parametrize(
+    "fork", [os.fork, workers.fork_without_hooks], ids=["os.fork", "no-fork-hooks"]
+)
+def test_a_child_forked_while_a_backend_was_being_created_creates_its_own(fork):
+    """The handler creates a backend under a lock: a fork while another thread of
+    the parent holds it (creating a backend) must not leave the child waiting for a
+    lock nobody in it will release."""
+    handler = LockHandler({"later": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend"}})
+    read_end, write_end = os.pipe()
+    with handler._creating:  # as another thread creating a backend at the fork
+        pid = fork()
+        if pid == 0:  # the child: never return into pytest
+            outcome = b"E"
+            try:
+                signal.alarm(10)  # a hang ends the child, not the test run
+                outcome = b"1" if handler["later"].alias == "later" else b"0"
+            finally:
+                os.write(write_end, outcome)
+                os._exit(0)
+    os.close(write_end)  # a child ended by the alarm: the read below gets b""
+    os.waitpid(pid, 0)
+    assert os.read(read_end, 1) == b"1"
+    assert handler["later"].alias == "later"
 
 
 @pytest.mark.parametrize(
