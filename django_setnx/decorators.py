@@ -48,6 +48,7 @@ from django.views import View
 
 from .conf import DEFAULT_LOCK_ALIAS
 from .exceptions import LockBackendError, LockError, LockNotAcquired
+from .forksafe import ForkSafeLock
 from .locking import Lock
 from .semaphore import Semaphore, validate_limit
 from .transactions import database_aliases, deferred_lock
@@ -721,7 +722,7 @@ async def _delegate(agen: Any, lk: Lock | None = None) -> AsyncIterator[Any]:
 #: SimpleQueue.put may be called from a finalizer (it is reentrant).
 _release_queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
 _releaser_pid: int | None = None
-_releaser_guard = threading.Lock()
+_releaser_guard = ForkSafeLock()
 
 
 def _released_elsewhere(release: Callable[[], None]) -> None:

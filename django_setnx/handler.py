@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import threading
 from typing import TYPE_CHECKING, Any
 
 from django.core.signals import setting_changed
@@ -12,6 +10,7 @@ from django.utils.module_loading import import_string
 
 from .conf import get_lock_settings
 from .exceptions import InvalidLockBackendError
+from .forksafe import ForkSafeLock
 
 if TYPE_CHECKING:
     from .backends.base import BaseLockBackend
@@ -39,8 +38,7 @@ class LockHandler(_Handler):
         # first read; keep what we were given so reset() can read settings afresh.
         self._given_settings = settings
         self._backends: dict[str, BaseLockBackend] = {}
-        self._creating = threading.Lock()
-        self._creating_pid = os.getpid()
+        self._creating = ForkSafeLock()
 
     def configure_settings(self, settings: dict[str, Any] | None) -> dict[str, Any]:
         settings = get_lock_settings() if settings is None else settings
@@ -78,17 +76,16 @@ class LockHandler(_Handler):
                 f"The lock backend {alias!r} is not configured in SETNX_LOCKS "
                 f"(configured: {known})."
             )
-        if self._creating_pid != os.getpid():
-            # A forked child (with or without at-fork hooks: uWSGI runs none) may have
-            # inherited the lock held by a parent thread that was creating a backend:
-            # it would wait for it for ever. Two threads of the child that both
-            # replace it at once each create a backend: setdefault keeps one.
-            self._creating, self._creating_pid = threading.Lock(), os.getpid()
+        # A fork-safe lock: a child forked while a parent thread was creating a
+        # backend must not wait for that thread (uWSGI forks without at-fork hooks).
         with self._creating:
-            backend = self._backends.get(alias)
+            # The dict of now: a reset() meanwhile (new settings) starts a new one,
+            # and a backend made from the old settings must not land in it.
+            backends = self._backends
+            backend = backends.get(alias)
             if backend is None:
                 created = self.create_connection(alias)
-                backend = self._backends.setdefault(alias, created)
+                backend = backends.setdefault(alias, created)  # __setitem__ may win
                 if backend is not created:
                     created.close()
         return backend

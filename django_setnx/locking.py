@@ -28,6 +28,7 @@ from .backends.aio import completed_call
 from .backends.base import PLAIN_JSON_TYPES, AcquireResult, LockInfo, OwnerRecord
 from .conf import DEFAULT_LOCK_ALIAS
 from .exceptions import LockBackendError, LockError, LockNotAcquired, LockNotOwned
+from .forksafe import ForkSafeLock
 from .handler import locks
 from .transactions import database_aliases, deferred_lock, release_after_commit
 from .validation import validate_name, validate_timeout, validate_ttl
@@ -35,7 +36,7 @@ from .validation import validate_name, validate_timeout, validate_ttl
 logger = logging.getLogger("django_setnx")
 
 _UNSET = object()
-_MARK_LOST_GUARD = threading.Lock()
+_MARK_LOST_GUARD = ForkSafeLock()
 _HOSTNAME = None
 _UNKNOWN = object()
 _PID_NAMESPACE: object = _UNKNOWN
@@ -908,15 +909,27 @@ class _Watchdog:
     """
 
     def __init__(self) -> None:
+        self._resetting = ForkSafeLock()
         self._reset()
 
     def _reset(self) -> None:
         self._cond = threading.Condition()
         self._deadlines: dict[_Renewer, float] = {}
         self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def _condition(self) -> threading.Condition:
+        """The condition of this process' watchdog. A child forked without at-fork
+        hooks (uWSGI) has neither the thread nor a usable condition (a parent
+        thread may have held it at the fork): it starts over here."""
+        if self._pid != os.getpid():
+            with self._resetting:
+                if self._pid != os.getpid():
+                    self._reset()
+        return self._cond
 
     def watch(self, renewer: _Renewer, deadline: float) -> None:
-        with self._cond:
+        with self._condition():
             self._deadlines[renewer] = deadline
             if self._thread is None:
                 thread = threading.Thread(
@@ -927,7 +940,7 @@ class _Watchdog:
             self._cond.notify()
 
     def unwatch(self, renewer: _Renewer) -> None:
-        with self._cond:
+        with self._condition():
             self._deadlines.pop(renewer, None)
 
     def _run(self) -> None:

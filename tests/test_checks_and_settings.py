@@ -1,5 +1,7 @@
 """System checks for SETNX_LOCKS, and the lazily read, resettable settings."""
 
+import threading
+
 import pytest
 from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
@@ -9,6 +11,7 @@ from django_setnx import lock, locks
 from django_setnx.backends.database import DatabaseBackend
 from django_setnx.backends.locmem import LocMemBackend
 from django_setnx.conf import DEFAULT_SETNX_LOCKS
+from django_setnx.handler import LockHandler
 
 pytestmark = pytest.mark.no_db
 
@@ -96,6 +99,31 @@ def test_settings_are_reread_after_override():
         assert isinstance(locks["default"], LocMemBackend)
         assert lock("x").ttl == 5
     assert isinstance(locks["default"], type(before)) and locks["default"] is not before
+
+
+def test_a_backend_created_across_a_reset_is_not_kept_after_it():
+    # override_settings(SETNX_LOCKS=...) resets the handler; a thread that was still
+    # creating the alias from the old settings gets its backend, but the callers
+    # after the reset get one made from the new settings.
+    started, proceed = threading.Event(), threading.Event()
+
+    class SlowHandler(LockHandler):
+        def create_connection(self, alias):
+            backend = super().create_connection(alias)
+            started.set()
+            proceed.wait(10)
+            return backend
+
+    handler = SlowHandler({"x": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend"}})
+    created_before = []
+    creator = threading.Thread(target=lambda: created_before.append(handler["x"]))
+    creator.start()
+    assert started.wait(10)
+    handler.reset()
+    proceed.set()
+    creator.join(10)
+    assert handler["x"] is not created_before[0]
+    assert handler["x"] is handler["x"]
 
 
 def test_handler_returns_one_instance_per_alias():

@@ -15,8 +15,11 @@ import time
 import traceback
 
 import pytest
+import redis
 
-from django_setnx import lock, locks, semaphore
+from django_setnx import decorators, lock, locking, locks, semaphore
+from django_setnx.backends import locmem as locmem_backend
+from django_setnx.backends import redis_eviction
 from django_setnx.exceptions import LockError
 from django_setnx.handler import LockHandler
 from tests import workers
@@ -223,6 +226,133 @@ def test_a_child_forked_while_a_backend_was_being_created_creates_its_own(fork):
     os.waitpid(pid, 0)
     assert os.read(read_end, 1) == b"1"
     assert handler["later"].alias == "later"
+
+
+def _forked_child_outcome(fork, hold, run):
+    """Fork while another thread of this process is inside ``hold`` (a context
+    manager), and run ``run()`` in the child. Returns what the child reported: b"1"
+    if ``run()`` returned, b"" if it hung (ended by an alarm) or failed."""
+    inside, leave = threading.Event(), threading.Event()
+
+    def holder():
+        with hold:
+            inside.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    inside.wait(10)
+    read_end, write_end = os.pipe()
+    pid = fork()
+    if pid == 0:  # the child: never return into pytest
+        try:
+            signal.alarm(10)  # a hang ends the child, not the test run
+            run()
+            os.write(write_end, b"1")
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    leave.set()
+    thread.join()
+    os.waitpid(pid, 0)
+    return os.read(read_end, 1)
+
+
+def _mark_lost():
+    held = lock(f"fork-mark-lost-{os.getpid()}", ttl=5, backend="locmem")
+    assert held.acquire()
+    held._mark_lost()
+
+
+@pytest.mark.parametrize(
+    "fork", [os.fork, workers.fork_without_hooks], ids=["os.fork", "no-fork-hooks"]
+)
+@pytest.mark.parametrize(
+    ("held", "run"),
+    [
+        pytest.param(
+            lambda: locmem_backend._stores_lock,
+            lambda: LockHandler(
+                {"x": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend", "LOCATION": "y"}}
+            )["x"],
+            id="locmem-stores",
+        ),
+        pytest.param(
+            lambda: decorators._releaser_guard, decorators._start_releaser, id="releaser"
+        ),
+        pytest.param(lambda: locking._MARK_LOST_GUARD, _mark_lost, id="mark-lost"),
+        pytest.param(
+            lambda: redis_eviction._WATCHES_LOCK,
+            # Installing the watch of a django-redis pool does no I/O.
+            lambda: redis_eviction._watch_shared_pool(
+                redis.ConnectionPool.from_url("redis://127.0.0.1:1/0")
+            ),
+            id="eviction-watches",
+        ),
+        pytest.param(
+            lambda: locking._watchdog._condition(),
+            lambda: lock("fork-watchdog", ttl=5, backend="locmem", auto_renew=True).acquire(),
+            id="watchdog",
+        ),
+    ],
+)
+def test_a_child_forked_while_a_parent_thread_holds_a_library_lock_goes_on(fork, held, run):
+    """A fork copies a lock another thread holds as held, and that thread is not in
+    the child: the library's process-wide locks are ForkSafeLocks (or, the
+    watchdog's, replaced when the pid changes), so the child never waits for them,
+    with or without fork hooks (uWSGI runs none)."""
+    assert _forked_child_outcome(fork, held(), run) == b"1"
+
+
+@pytest.mark.parametrize(
+    "fork", [os.fork, workers.fork_without_hooks], ids=["os.fork", "no-fork-hooks"]
+)
+def test_a_child_forked_while_a_parent_thread_builds_a_client_goes_on(shared_alias, name, fork):
+    """The lock a backend builds its clients or connections under (a Redis
+    Cluster client's takes round trips to every primary) may be held at the fork."""
+    backend = locks[shared_alias]
+    backend.close()  # the next use builds the client, under the backend's lock
+    guard = next(
+        getattr(backend, attribute)
+        for attribute in ("_nodes_lock", "_conn_lock", "_wrappers_lock")
+        if hasattr(backend, attribute)
+    )
+
+    def child():
+        with lock(name, ttl=5, backend=shared_alias, timeout=5):
+            pass
+
+    assert _forked_child_outcome(fork, guard, child) == b"1"
+
+
+@pytest.mark.parametrize(
+    "fork", [os.fork, workers.fork_without_hooks], ids=["os.fork", "no-fork-hooks"]
+)
+def test_a_forked_childs_watchdog_marks_a_hung_renewal_lost(fork):
+    """The watchdog thread is not in a child; one forked without hooks starts its
+    own at its first auto-renewed lock, so a renewal stuck in ``extend`` still ends
+    in ``lock_lost`` (and ``lost``) when the lock's validity ends."""
+    with lock(f"fork-watchdog-{os.getpid()}", ttl=1, backend="locmem", auto_renew=True):
+        pass  # the parent's watchdog thread is running
+    read_end, write_end = os.pipe()
+    pid = fork()
+    if pid == 0:  # the child: never return into pytest
+        try:
+            signal.alarm(20)
+            backend = locks["locmem"]
+            backend.extend = lambda *args, **kwargs: time.sleep(60)  # a hung extend
+            held = lock(f"fork-watchdog-child-{os.getpid()}", ttl=1, backend="locmem")
+            held.auto_renew = True
+            assert held.acquire()
+            deadline = time.monotonic() + 5
+            while not held.lost and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.write(write_end, b"1" if held.lost else b"0")
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    assert os.read(read_end, 1) == b"1"
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,12 @@ Waiters are woken by a release through a condition variable.
 import threading
 import time
 
+from ..forksafe import ForkSafeLock
 from .base import STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo, encode_owner
 
 # LOCATION -> _Store; module-level so that two aliases naming one LOCATION share it.
 _stores: dict[str, "_Store"] = {}
-_stores_lock = threading.Lock()
+_stores_lock = ForkSafeLock()
 
 
 class _Store:

@@ -106,6 +106,7 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from ..exceptions import LockBackendError
+from ..forksafe import ForkSafeLock
 from ..globs import compile_glob, redis_match
 from ..globs import escape as _escape_glob
 from ..validation import ttl_to_ms
@@ -975,7 +976,7 @@ class RedisBackend(BaseLockBackend):
         #: token -> (ttl_ms, owner_json) of a queued caller's attempt (see wait).
         self._queued = {}
         self._conn = None
-        self._conn_lock = threading.Lock()
+        self._conn_lock = ForkSafeLock()  # a child may build its client
         self._watch = None  # the _SharedPoolWatch of OPTIONS["CACHE"]'s pool, once connected
         #: id(event loop) -> (loop, pid, _AsyncConnection or None): see _aconnection.
         self._async_conns = {}

@@ -8,6 +8,8 @@ import contextlib
 import threading
 import weakref
 
+from ..forksafe import ForkSafeLock
+
 try:
     import redis
 except ImportError:  # the backends report it (require_redis_py)
@@ -202,7 +204,7 @@ class _SharedPoolWatch:
 _WATCHES: weakref.WeakKeyDictionary[object, object] = (
     weakref.WeakKeyDictionary()
 )  # pool -> its _SharedPoolWatch
-_WATCHES_LOCK = threading.Lock()
+_WATCHES_LOCK = ForkSafeLock()
 
 
 def _watch_shared_pool(pool):

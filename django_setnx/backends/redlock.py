@@ -126,6 +126,7 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from ..exceptions import LockBackendError
+from ..forksafe import ForkSafeLock
 from ..globs import compile_glob, escape, redis_match
 from ..validation import ttl_to_ms
 from .base import (
@@ -413,7 +414,7 @@ class RedlockBackend(BaseLockBackend):
         self.marker_key = f"{self.key_prefix}:{MARKER_SUFFIX}"
         self._match_head = escape(self.key_prefix) + ":{"
         self._nodes = None
-        self._nodes_lock = threading.Lock()
+        self._nodes_lock = ForkSafeLock()  # a child may build its clients
 
     def __repr__(self):
         return f"<RedlockBackend alias={self.alias!r} nodes={len(self.locations)}>"
