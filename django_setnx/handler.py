@@ -79,13 +79,10 @@ class LockHandler(_Handler):
         # A fork-safe lock: a child forked while a parent thread was creating a
         # backend must not wait for that thread (uWSGI forks without at-fork hooks).
         with self._creating:
-            # The dict of now: a reset() meanwhile (new settings) starts a new one,
-            # and a backend made from the old settings must not land in it.
-            backends = self._backends
-            backend = backends.get(alias)
+            backend = self._backends.get(alias)
             if backend is None:
                 created = self.create_connection(alias)
-                backend = backends.setdefault(alias, created)  # __setitem__ may win
+                backend = self._backends.setdefault(alias, created)  # __setitem__ may win
                 if backend is not created:
                     created.close()
         return backend
@@ -109,10 +106,15 @@ class LockHandler(_Handler):
 
     def reset(self) -> None:
         """Close every backend and forget the settings (after they changed)."""
-        self.close_all()
-        self._backends = {}
-        self._settings = self._given_settings
-        self.__dict__.pop("settings", None)
+        # Under the creation lock: a backend being created from the old settings is
+        # finished first, and closed below with the others; none is created from the
+        # old settings into the new dict.
+        with self._creating:
+            backends, self._backends = self._backends, {}
+            self._settings = self._given_settings
+            self.__dict__.pop("settings", None)
+        for backend in backends.values():
+            backend.close()
 
 
 locks = LockHandler()

@@ -103,8 +103,9 @@ def test_settings_are_reread_after_override():
 
 def test_a_backend_created_across_a_reset_is_not_kept_after_it():
     # override_settings(SETNX_LOCKS=...) resets the handler; a thread that was still
-    # creating the alias from the old settings gets its backend, but the callers
-    # after the reset get one made from the new settings.
+    # creating the alias from the old settings gets its backend (closed by the
+    # reset, which waits for it), but the callers after the reset get one made
+    # from the new settings.
     started, proceed = threading.Event(), threading.Event()
 
     class SlowHandler(LockHandler):
@@ -119,9 +120,11 @@ def test_a_backend_created_across_a_reset_is_not_kept_after_it():
     creator = threading.Thread(target=lambda: created_before.append(handler["x"]))
     creator.start()
     assert started.wait(10)
-    handler.reset()
+    resetter = threading.Thread(target=handler.reset)
+    resetter.start()
     proceed.set()
     creator.join(10)
+    resetter.join(10)
     assert handler["x"] is not created_before[0]
     assert handler["x"] is handler["x"]
 

@@ -282,6 +282,11 @@ def _mark_lost():
         ),
         pytest.param(lambda: locking._MARK_LOST_GUARD, _mark_lost, id="mark-lost"),
         pytest.param(
+            lambda: locks["locmem"]._store.condition,
+            lambda: lock(f"fork-locmem-{os.getpid()}", ttl=5, backend="locmem").acquire(),
+            id="locmem-records",
+        ),
+        pytest.param(
             lambda: redis_eviction._WATCHES_LOCK,
             # Installing the watch of a django-redis pool does no I/O.
             lambda: redis_eviction._watch_shared_pool(

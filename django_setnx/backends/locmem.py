@@ -6,6 +6,7 @@ with the same ``LOCATION`` share their store, as Django's locmem cache does.
 Waiters are woken by a release through a condition variable.
 """
 
+import os
 import threading
 import time
 
@@ -20,11 +21,21 @@ _stores_lock = ForkSafeLock()
 class _Store:
     def __init__(self):
         self.records = {}  # name -> dict(token, owner JSON, acquired, expires, fencing)
-        self.condition = threading.Condition()
+        self._conditions = {os.getpid(): threading.Condition()}
         # The last fencing token minted: tokens are a hybrid clock (this process'
         # clock in µs, or the last token plus one if larger), so nothing per name
         # outlives its record and tokens still increase after a release.
         self.last_fencing = 0
+
+    @property
+    def condition(self):
+        """This process' condition: a forked child gets its own (a parent thread
+        may have held the parent's at the fork, and is not in the child)."""
+        pid = os.getpid()
+        condition = self._conditions.get(pid)
+        if condition is None:
+            condition = self._conditions.setdefault(pid, threading.Condition())
+        return condition
 
     def mint(self):
         self.last_fencing = max(self.last_fencing + 1, time.time_ns() // 1000)
