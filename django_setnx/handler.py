@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 from django.core.signals import setting_changed
@@ -39,6 +41,8 @@ class LockHandler(_Handler):
         self._given_settings = settings
         self._backends: dict[str, BaseLockBackend] = {}
         self._creating = ForkSafeLock()
+        #: The thread creating a backend (holding _creating), or None.
+        self._creator: int | None = None
 
     def configure_settings(self, settings: dict[str, Any] | None) -> dict[str, Any]:
         settings = get_lock_settings() if settings is None else settings
@@ -50,7 +54,11 @@ class LockHandler(_Handler):
         return settings
 
     def create_connection(self, alias: str) -> BaseLockBackend:
-        params = self.settings[alias]
+        params = self.settings.get(alias)
+        if params is None:  # removed by a reset() since __getitem__ looked
+            raise self.exception_class(
+                f"The lock backend {alias!r} is not configured in SETNX_LOCKS."
+            )
         if not isinstance(params, dict) or not params.get("BACKEND"):
             raise self.exception_class(
                 f"SETNX_LOCKS[{alias!r}] must be a dict with a 'BACKEND' dotted path, "
@@ -81,7 +89,11 @@ class LockHandler(_Handler):
         with self._creating:
             backend = self._backends.get(alias)
             if backend is None:
-                created = self.create_connection(alias)
+                self._creator = threading.get_ident()
+                try:
+                    created = self.create_connection(alias)
+                finally:
+                    self._creator = None
                 backend = self._backends.setdefault(alias, created)  # __setitem__ may win
                 if backend is not created:
                     created.close()
@@ -108,8 +120,10 @@ class LockHandler(_Handler):
         """Close every backend and forget the settings (after they changed)."""
         # Under the creation lock: a backend being created from the old settings is
         # finished first, and closed below with the others; none is created from the
-        # old settings into the new dict.
-        with self._creating:
+        # old settings into the new dict. Unless this thread is the one creating (a
+        # backend's constructor that changes a setting): it holds the lock already.
+        guard = self._creating if self._creator != threading.get_ident() else nullcontext()
+        with guard:
             backends, self._backends = self._backends, {}
             self._settings = self._given_settings
             self.__dict__.pop("settings", None)

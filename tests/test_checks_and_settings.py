@@ -3,6 +3,7 @@
 import threading
 
 import pytest
+from django.conf import settings
 from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
@@ -127,6 +128,28 @@ def test_a_backend_created_across_a_reset_is_not_kept_after_it():
     resetter.join(10)
     assert handler["x"] is not created_before[0]
     assert handler["x"] is handler["x"]
+
+
+class SettingChangingBackend(LocMemBackend):
+    """A backend whose constructor changes a setting the handler watches."""
+
+    def __init__(self, alias, params):
+        with override_settings(CACHES=dict(settings.CACHES)):  # resets the handler
+            pass
+        super().__init__(alias, params)
+
+
+def test_a_setting_changed_while_a_backend_is_created_does_not_hang_the_creator():
+    # The reset a setting change makes waits for backends being created, except in
+    # the thread that creates one: it holds the creation lock itself.
+    backend_path = f"{__name__}.SettingChangingBackend"
+    with override_settings(SETNX_LOCKS={"changing": {"BACKEND": backend_path}}):
+        created = []
+        creator = threading.Thread(target=lambda: created.append(locks["changing"]), daemon=True)
+        creator.start()
+        creator.join(10)
+        assert not creator.is_alive(), "the creating thread waits for itself"
+        assert isinstance(created[0], SettingChangingBackend)
 
 
 def test_handler_returns_one_instance_per_alias():

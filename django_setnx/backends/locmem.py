@@ -6,11 +6,10 @@ with the same ``LOCATION`` share their store, as Django's locmem cache does.
 Waiters are woken by a release through a condition variable.
 """
 
-import os
 import threading
 import time
 
-from ..forksafe import ForkSafeLock
+from ..forksafe import ForkSafeLock, PerProcess
 from .base import STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo, encode_owner
 
 # LOCATION -> _Store; module-level so that two aliases naming one LOCATION share it.
@@ -21,7 +20,7 @@ _stores_lock = ForkSafeLock()
 class _Store:
     def __init__(self):
         self.records = {}  # name -> dict(token, owner JSON, acquired, expires, fencing)
-        self._conditions = {os.getpid(): threading.Condition()}
+        self._condition = PerProcess(threading.Condition)
         # The last fencing token minted: tokens are a hybrid clock (this process'
         # clock in µs, or the last token plus one if larger), so nothing per name
         # outlives its record and tokens still increase after a release.
@@ -31,11 +30,7 @@ class _Store:
     def condition(self):
         """This process' condition: a forked child gets its own (a parent thread
         may have held the parent's at the fork, and is not in the child)."""
-        pid = os.getpid()
-        condition = self._conditions.get(pid)
-        if condition is None:
-            condition = self._conditions.setdefault(pid, threading.Condition())
-        return condition
+        return self._condition.get()
 
     def mint(self):
         self.last_fencing = max(self.last_fencing + 1, time.time_ns() // 1000)
