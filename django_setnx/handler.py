@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
     _Handler = BaseConnectionHandler["BaseLockBackend"]
 else:  # generic for the type checker only (django-stubs)
     _Handler = BaseConnectionHandler
+
+
+def _this_thread() -> tuple[int, int]:
+    return os.getpid(), threading.get_ident()
 
 
 class LockHandler(_Handler):
@@ -41,8 +46,9 @@ class LockHandler(_Handler):
         self._given_settings = settings
         self._backends: dict[str, BaseLockBackend] = {}
         self._creating = ForkSafeLock()
-        #: The thread creating a backend (holding _creating), or None.
-        self._creator: int | None = None
+        #: The thread creating a backend (holding _creating), as _this_thread(), or
+        #: None. With the pid: a forked child may give a new thread the same ident.
+        self._creator: tuple[int, int] | None = None
 
     def configure_settings(self, settings: dict[str, Any] | None) -> dict[str, Any]:
         settings = get_lock_settings() if settings is None else settings
@@ -84,19 +90,37 @@ class LockHandler(_Handler):
                 f"The lock backend {alias!r} is not configured in SETNX_LOCKS "
                 f"(configured: {known})."
             )
+        if self._creator == _this_thread():
+            # The creation lock is this thread's: waiting for it would never end.
+            raise self.exception_class(
+                f"The lock backend {alias!r} was asked for by the constructor of another "
+                f"lock backend: a backend cannot use locks[...] while it is created."
+            )
         # A fork-safe lock: a child forked while a parent thread was creating a
         # backend must not wait for that thread (uWSGI forks without at-fork hooks).
         with self._creating:
             backend = self._backends.get(alias)
             if backend is None:
-                self._creator = threading.get_ident()
-                try:
-                    created = self.create_connection(alias)
-                finally:
-                    self._creator = None
-                backend = self._backends.setdefault(alias, created)  # __setitem__ may win
-                if backend is not created:
-                    created.close()
+                backend = self._create(alias)
+        return backend
+
+    def _create(self, alias: str) -> BaseLockBackend:
+        """Create and keep the backend of ``alias``; called holding _creating."""
+        for last in (False, True):
+            backends = self._backends
+            self._creator = _this_thread()
+            try:
+                created = self.create_connection(alias)
+            finally:
+                self._creator = None
+            if self._backends is backends or last:
+                break
+            # The constructor changed a setting, and this thread reset the handler:
+            # made from the settings before, so made once more from those of now.
+            created.close()
+        backend = self._backends.setdefault(alias, created)  # __setitem__ may win
+        if backend is not created:
+            created.close()
         return backend
 
     def __setitem__(self, alias: str, backend: BaseLockBackend) -> None:
@@ -122,7 +146,7 @@ class LockHandler(_Handler):
         # finished first, and closed below with the others; none is created from the
         # old settings into the new dict. Unless this thread is the one creating (a
         # backend's constructor that changes a setting): it holds the lock already.
-        guard = self._creating if self._creator != threading.get_ident() else nullcontext()
+        guard = self._creating if self._creator != _this_thread() else nullcontext()
         with guard:
             backends, self._backends = self._backends, {}
             self._settings = self._given_settings

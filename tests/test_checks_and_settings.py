@@ -152,6 +152,45 @@ def test_a_setting_changed_while_a_backend_is_created_does_not_hang_the_creator(
         assert isinstance(created[0], SettingChangingBackend)
 
 
+class SettingKeepingBackend(LocMemBackend):
+    """A backend whose first constructor changes a setting and leaves it changed."""
+
+    overrides = []
+
+    def __init__(self, alias, params):
+        self.marker = settings.CACHES.get("marker")
+        if not self.overrides:
+            override = override_settings(CACHES={**settings.CACHES, "marker": "new"})
+            override.enable()  # resets the handler, from the creating thread
+            self.overrides.append(override)
+        super().__init__(alias, params)
+
+
+def test_a_backend_whose_constructor_changes_the_settings_is_made_from_the_new_ones():
+    backend_path = f"{__name__}.SettingKeepingBackend"
+    with override_settings(SETNX_LOCKS={"keeping": {"BACKEND": backend_path}}):
+        try:
+            assert locks["keeping"].marker == "new"
+            assert locks["keeping"] is locks["keeping"]
+        finally:
+            while SettingKeepingBackend.overrides:
+                SettingKeepingBackend.overrides.pop().disable()
+
+
+class NestingBackend(LocMemBackend):
+    def __init__(self, alias, params):
+        locks["inner"]
+        super().__init__(alias, params)
+
+
+def test_a_backend_constructor_using_the_handler_gets_an_error_not_a_hang():
+    nesting = {"BACKEND": f"{__name__}.NestingBackend"}
+    inner = {"BACKEND": "django_setnx.backends.locmem.LocMemBackend"}
+    with override_settings(SETNX_LOCKS={"outer": nesting, "inner": inner}):
+        with pytest.raises(ImproperlyConfigured, match="constructor of another lock backend"):
+            locks["outer"]
+
+
 def test_handler_returns_one_instance_per_alias():
     assert locks["locmem"] is locks["locmem"]
     assert "locmem" in list(locks)
