@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import threading
+import contextvars
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +22,12 @@ else:  # generic for the type checker only (django-stubs)
     _Handler = BaseConnectionHandler
 
 
-def _this_thread() -> tuple[int, int]:
-    return os.getpid(), threading.get_ident()
+#: The creation (a token) that the running code is part of: set by _create around a
+#: backend's constructor. A context variable, not the thread: asgiref's
+#: async_to_sync runs a constructor's coroutine in another thread, with its context.
+_creation: contextvars.ContextVar[object | None] = contextvars.ContextVar(
+    "django_setnx_creation", default=None
+)
 
 
 class LockHandler(_Handler):
@@ -46,9 +49,9 @@ class LockHandler(_Handler):
         self._given_settings = settings
         self._backends: dict[str, BaseLockBackend] = {}
         self._creating = ForkSafeLock()
-        #: The thread creating a backend (holding _creating), as _this_thread(), or
-        #: None. With the pid: a forked child may give a new thread the same ident.
-        self._creator: tuple[int, int] | None = None
+        #: The token of the creation in progress (whose thread holds _creating), or
+        #: None; code running as part of it has it in _creation.
+        self._creator: object | None = None
 
     def configure_settings(self, settings: dict[str, Any] | None) -> dict[str, Any]:
         settings = get_lock_settings() if settings is None else settings
@@ -90,11 +93,12 @@ class LockHandler(_Handler):
                 f"The lock backend {alias!r} is not configured in SETNX_LOCKS "
                 f"(configured: {known})."
             )
-        if self._creator == _this_thread():
-            # The creation lock is this thread's: waiting for it would never end.
+        if self._inside_creation():
+            # The creation lock is held for this very code: waiting would never end.
             raise self.exception_class(
-                f"The lock backend {alias!r} was asked for by the constructor of another "
-                f"lock backend: a backend cannot use locks[...] while it is created."
+                f"The lock backend {alias!r} was asked for while another lock backend "
+                f"was being created (by its constructor, or code it imported or ran): "
+                f"a backend cannot use locks[...] while it is created."
             )
         # A fork-safe lock: a child forked while a parent thread was creating a
         # backend must not wait for that thread (uWSGI forks without at-fork hooks).
@@ -104,15 +108,22 @@ class LockHandler(_Handler):
                 backend = self._create(alias)
         return backend
 
+    def _inside_creation(self) -> bool:
+        """Whether the running code is part of the backend creation in progress
+        (the thread that holds _creating waits for it)."""
+        return self._creator is not None and _creation.get() is self._creator
+
     def _create(self, alias: str) -> BaseLockBackend:
         """Create and keep the backend of ``alias``; called holding _creating."""
         for last in (False, True):
             backends = self._backends
-            self._creator = _this_thread()
+            token = self._creator = object()
+            context_token = _creation.set(token)
             try:
                 created = self.create_connection(alias)
             finally:
                 self._creator = None
+                _creation.reset(context_token)
             if self._backends is backends or last:
                 break
             # The constructor changed a setting, and this thread reset the handler:
@@ -146,7 +157,7 @@ class LockHandler(_Handler):
         # finished first, and closed below with the others; none is created from the
         # old settings into the new dict. Unless this thread is the one creating (a
         # backend's constructor that changes a setting): it holds the lock already.
-        guard = self._creating if self._creator != _this_thread() else nullcontext()
+        guard = nullcontext() if self._inside_creation() else self._creating
         with guard:
             backends, self._backends = self._backends, {}
             self._settings = self._given_settings

@@ -3,6 +3,7 @@
 import threading
 
 import pytest
+from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.core.checks import run_checks
 from django.core.exceptions import ImproperlyConfigured
@@ -183,11 +184,21 @@ class NestingBackend(LocMemBackend):
         super().__init__(alias, params)
 
 
-def test_a_backend_constructor_using_the_handler_gets_an_error_not_a_hang():
-    nesting = {"BACKEND": f"{__name__}.NestingBackend"}
+class AsyncNestingBackend(LocMemBackend):
+    def __init__(self, alias, params):
+        async def inner():
+            return locks["inner"]
+
+        async_to_sync(inner)()  # runs it in another thread
+        super().__init__(alias, params)
+
+
+@pytest.mark.parametrize("backend", ["NestingBackend", "AsyncNestingBackend"])
+def test_a_backend_constructor_using_the_handler_gets_an_error_not_a_hang(backend):
+    nesting = {"BACKEND": f"{__name__}.{backend}"}
     inner = {"BACKEND": "django_setnx.backends.locmem.LocMemBackend"}
     with override_settings(SETNX_LOCKS={"outer": nesting, "inner": inner}):
-        with pytest.raises(ImproperlyConfigured, match="constructor of another lock backend"):
+        with pytest.raises(ImproperlyConfigured, match="while another lock backend was being"):
             locks["outer"]
 
 
