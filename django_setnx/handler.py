@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import os
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -49,9 +50,10 @@ class LockHandler(_Handler):
         self._given_settings = settings
         self._backends: dict[str, BaseLockBackend] = {}
         self._creating = ForkSafeLock()
-        #: The token of the creation in progress (whose thread holds _creating), or
-        #: None; code running as part of it has it in _creation.
-        self._creator: object | None = None
+        #: The creation in progress (whose thread holds _creating) as (pid, token),
+        #: or None; code running as part of it has it in _creation. A child forked
+        #: meanwhile copies both, but is not part of it: it has its own lock.
+        self._creator: tuple[int, object] | None = None
 
     def configure_settings(self, settings: dict[str, Any] | None) -> dict[str, Any]:
         settings = get_lock_settings() if settings is None else settings
@@ -110,14 +112,17 @@ class LockHandler(_Handler):
 
     def _inside_creation(self) -> bool:
         """Whether the running code is part of the backend creation in progress
-        (the thread that holds _creating waits for it)."""
-        return self._creator is not None and _creation.get() is self._creator
+        (the thread that holds _creating may wait for it): it runs in the creation's
+        context, or in a copy of it (async_to_sync, a thread started with
+        ``copy_context().run``), in the same process."""
+        creator = self._creator  # (pid, token): a forked child is not part of it
+        return creator is not None and creator[0] == os.getpid() and _creation.get() is creator
 
     def _create(self, alias: str) -> BaseLockBackend:
         """Create and keep the backend of ``alias``; called holding _creating."""
         for last in (False, True):
             backends = self._backends
-            token = self._creator = object()
+            token = self._creator = (os.getpid(), object())
             context_token = _creation.set(token)
             try:
                 created = self.create_connection(alias)

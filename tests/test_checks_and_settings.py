@@ -197,9 +197,20 @@ class AsyncNestingBackend(LocMemBackend):
 def test_a_backend_constructor_using_the_handler_gets_an_error_not_a_hang(backend):
     nesting = {"BACKEND": f"{__name__}.{backend}"}
     inner = {"BACKEND": "django_setnx.backends.locmem.LocMemBackend"}
-    with override_settings(SETNX_LOCKS={"outer": nesting, "inner": inner}):
-        with pytest.raises(ImproperlyConfigured, match="while another lock backend was being"):
+    outcome = []
+
+    def create():
+        try:
             locks["outer"]
+        except ImproperlyConfigured as exc:
+            outcome.append(exc)
+
+    with override_settings(SETNX_LOCKS={"outer": nesting, "inner": inner}):
+        creator = threading.Thread(target=create, daemon=True)  # a hang fails, not hangs
+        creator.start()
+        creator.join(10)
+        assert not creator.is_alive(), "the creation waits for itself"
+    assert "while another lock backend was being created" in str(outcome[0])
 
 
 def test_handler_returns_one_instance_per_alias():
