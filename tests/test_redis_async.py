@@ -534,7 +534,7 @@ def test_an_acquire_cancelled_as_its_first_attempt_is_sent_is_cancelled(name, mo
     or never, on Python 3.10), and nothing of it is left behind (it was queued: the
     lock was held)."""
     if packer == "redis-py":  # as without hiredis: redis.asyncio's own packer
-        monkeypatch.setattr(redis_asyncio, "_SYNC_PACKS_WITH_HIREDIS", False)
+        monkeypatch.setattr(redis_asyncio, "_SYNC_PACKING", redis_asyncio.PYTHON_PACKER)
     backend = locks["redis"]
     client = backend.connection.client
     _, _, waiters_key, _ = lock_keys(settings.SETNX_LOCKS["redis"]["KEY_PREFIX"], name)

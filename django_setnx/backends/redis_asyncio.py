@@ -214,8 +214,11 @@ class BoundedScript:
         if writer is None:  # not the stream connection we know: redis.asyncio's send
             await connection.send_command(*command)
         else:
-            if _SYNC_PACKS_WITH_HIREDIS:
+            if _SYNC_PACKING == HIREDIS_UTF8:
                 packed = [_pack(command)]
+            elif _SYNC_PACKING == HIREDIS_ENCODED:
+                encode = connection.encoder.encode
+                packed = [_pack(tuple(encode(arg) for arg in command))]
             else:
                 packed = connection.pack_command(*command)
             await _send_packed(connection, writer, packed)
@@ -230,22 +233,31 @@ except ImportError:  # redis.asyncio's own packer, through send_command
     _pack = None  # type: ignore[assignment]
 
 
-def _sync_packs_with_hiredis():
-    """Whether redis-py's sync connections pack commands with hiredis (when it is
-    installed: UTF-8 whatever the ``encoding`` option; else with the encoder). The
-    asyncio client packs exactly as they do, so that a lock name is the same key to
-    both clients; redis.asyncio's own packer is pure Python (about 7 µs a command)
-    and follows ``encoding``."""
+#: How redis-py's sync connections pack a command, which the asyncio client must
+#: match byte for byte (a lock name must be the same key to both clients):
+#: hiredis on the arguments as given, which writes str as UTF-8 whatever the
+#: ``encoding`` option (redis-py before 8.2); hiredis on the arguments encoded by
+#: the connection's encoder, which follows ``encoding`` (redis-py 8.2 and later);
+#: or redis-py's pure-Python packer (no hiredis), which follows it too.
+HIREDIS_UTF8, HIREDIS_ENCODED, PYTHON_PACKER = "hiredis", "hiredis-encoded", "python"
+
+
+def _sync_packing():
+    """Which of the above redis-py's sync connections do. The asyncio client packs
+    with hiredis where they do (redis.asyncio's own packer is pure Python, about 7
+    µs a command)."""
     if _pack is None:
-        return False
+        return PYTHON_PACKER
     try:
         packer = redis.connection.Connection()._command_packer
     except Exception:  # noqa: BLE001 - an unknown redis-py: its own packer then
-        return False
-    return type(packer).__name__ == "HiredisRespSerializer"
+        return PYTHON_PACKER
+    if type(packer).__name__ != "HiredisRespSerializer":
+        return PYTHON_PACKER
+    return HIREDIS_ENCODED if getattr(packer, "_encode", None) is not None else HIREDIS_UTF8
 
 
-_SYNC_PACKS_WITH_HIREDIS = _sync_packs_with_hiredis()
+_SYNC_PACKING = _sync_packing()
 
 
 async def _send_packed(connection, writer, packed):
