@@ -28,7 +28,7 @@ from .backends.aio import completed_call
 from .backends.base import PLAIN_JSON_TYPES, AcquireResult, LockInfo, OwnerRecord
 from .conf import DEFAULT_LOCK_ALIAS
 from .exceptions import LockBackendError, LockError, LockNotAcquired, LockNotOwned
-from .forksafe import ForkSafeLock
+from .forksafe import ForkSafeLock, PerProcess
 from .handler import locks
 from .transactions import database_aliases, deferred_lock, release_after_commit
 from .validation import validate_name, validate_timeout, validate_ttl
@@ -899,60 +899,63 @@ class _Renewer(threading.Thread):
 STOP_JOIN_TIMEOUT = 5.0
 
 
+class _WatchdogState:
+    """One process' watchdog: its deadlines, their condition and its thread."""
+
+    __slots__ = ("cond", "deadlines", "thread")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.deadlines: dict[_Renewer, float] = {}
+        self.thread: threading.Thread | None = None
+
+
 class _Watchdog:
     """One thread per process that marks renewed locks lost when their validity ends.
 
     A renewer blocked in a hanging ``extend`` cannot notice its own deadline, so the
     deadlines live here: a heap-free dict (few locks are auto-renewed at once) and a
     condition variable, woken whenever a deadline moves. Started lazily, and again in
-    a forked child (threads do not survive a fork).
+    a forked child (threads do not survive a fork): the state is one per process id,
+    so a child forked without at-fork hooks (uWSGI) starts over as well, and never
+    waits on a condition a parent thread held at the fork.
     """
 
     def __init__(self) -> None:
-        self._resetting = ForkSafeLock()
-        self._reset()
+        self._state = PerProcess(_WatchdogState)
 
-    def _reset(self) -> None:
-        self._cond = threading.Condition()
-        self._deadlines: dict[_Renewer, float] = {}
-        self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
-
-    def _condition(self) -> threading.Condition:
-        """The condition of this process' watchdog. A child forked without at-fork
-        hooks (uWSGI) has neither the thread nor a usable condition (a parent
-        thread may have held it at the fork): it starts over here."""
-        if self._pid != os.getpid():
-            with self._resetting:
-                if self._pid != os.getpid():
-                    self._reset()
-        return self._cond
+    def condition(self) -> threading.Condition:
+        """This process' condition (for tests of forks)."""
+        return self._state.get().cond
 
     def watch(self, renewer: _Renewer, deadline: float) -> None:
-        with self._condition():
-            self._deadlines[renewer] = deadline
-            if self._thread is None:
+        state = self._state.get()
+        with state.cond:
+            state.deadlines[renewer] = deadline
+            if state.thread is None:
                 thread = threading.Thread(
-                    target=self._run, name="django-setnx watchdog", daemon=True
+                    target=self._run, args=(state,), name="django-setnx watchdog", daemon=True
                 )
                 thread.start()
-                self._thread = thread
-            self._cond.notify()
+                state.thread = thread
+            state.cond.notify()
 
     def unwatch(self, renewer: _Renewer) -> None:
-        with self._condition():
-            self._deadlines.pop(renewer, None)
+        state = self._state.get()
+        with state.cond:
+            state.deadlines.pop(renewer, None)
 
-    def _run(self) -> None:
-        cond = self._cond
+    @staticmethod
+    def _run(state: _WatchdogState) -> None:
+        cond, deadlines = state.cond, state.deadlines
         while True:
             with cond:
                 now = time.monotonic()
-                due = [r for r, deadline in self._deadlines.items() if deadline <= now]
+                due = [r for r, deadline in deadlines.items() if deadline <= now]
                 for renewer in due:
-                    del self._deadlines[renewer]
+                    del deadlines[renewer]
                 if not due:
-                    nearest = min(self._deadlines.values(), default=None)
+                    nearest = min(deadlines.values(), default=None)
                     cond.wait(None if nearest is None else nearest - now)
                     continue
             for renewer in due:  # outside the condition: signal receivers may block
@@ -963,7 +966,6 @@ class _Watchdog:
 
 
 _watchdog = _Watchdog()
-os.register_at_fork(after_in_child=_watchdog._reset)
 
 
 def lock(

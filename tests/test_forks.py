@@ -295,7 +295,7 @@ def _mark_lost():
             id="eviction-watches",
         ),
         pytest.param(
-            lambda: locking._watchdog._condition(),
+            lambda: locking._watchdog.condition(),
             lambda: lock("fork-watchdog", ttl=5, backend="locmem", auto_renew=True).acquire(),
             id="watchdog",
         ),
