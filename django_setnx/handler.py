@@ -45,15 +45,35 @@ class LockHandler(_Handler):
 
     def __init__(self, settings: dict[str, Any] | None = None) -> None:
         super().__init__(settings)
-        # BaseConnectionHandler overwrites _settings with the configured value on
-        # first read; keep what we were given so reset() can read settings afresh.
+        # What we were given (None: SETNX_LOCKS), read afresh after each reset().
         self._given_settings = settings
+        #: The settings as last read, with the generation they were read in; reset()
+        #: starts a new generation, which makes any older read stale at once.
+        self._settings_read: tuple[int, dict[str, Any]] | None = None
+        self._generation = 0
         self._backends: dict[str, BaseLockBackend] = {}
         self._creating = ForkSafeLock()
         #: The creation in progress (whose thread holds _creating) as (pid, token),
         #: or None; code running as part of it has it in _creation. A child forked
         #: meanwhile copies both, but is not part of it: it has its own lock.
         self._creator: tuple[int, object] | None = None
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """SETNX_LOCKS (or the settings given), read on first use and again after
+        each reset().
+
+        Not BaseConnectionHandler's cached_property: a read that began before a
+        reset() and finished after it would keep the old settings for good (until
+        the next reset). Here such a read is tagged with the generation it began in,
+        so the next read after the reset reads again."""
+        generation = self._generation
+        read = self._settings_read
+        if read is not None and read[0] == generation:
+            return read[1]
+        settings = self.configure_settings(self._given_settings)
+        self._settings_read = (generation, settings)
+        return settings
 
     def configure_settings(self, settings: dict[str, Any] | None) -> dict[str, Any]:
         settings = get_lock_settings() if settings is None else settings
@@ -165,8 +185,8 @@ class LockHandler(_Handler):
         guard = nullcontext() if self._inside_creation() else self._creating
         with guard:
             backends, self._backends = self._backends, {}
-            self._settings = self._given_settings
-            self.__dict__.pop("settings", None)
+            self._generation += 1
+            self._settings_read = None
         for backend in backends.values():
             backend.close()
 

@@ -131,6 +131,36 @@ def test_a_backend_created_across_a_reset_is_not_kept_after_it():
     assert handler["x"] is handler["x"]
 
 
+def test_settings_read_across_a_reset_are_read_again_after_it():
+    # A thread reads SETNX_LOCKS (the handler's settings) just before
+    # override_settings changes them and resets the handler, and finishes reading
+    # after the reset: what it read is the old settings, and must not stay cached
+    # as the handler's settings once the reset is over.
+    read_old, proceed = threading.Event(), threading.Event()
+    old = {"x": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend", "TTL": 5}}
+    new = {"x": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend", "TTL": 7}}
+
+    class SlowReadingHandler(LockHandler):
+        def configure_settings(self, given):
+            configured = super().configure_settings(given)
+            if configured is old:
+                read_old.set()
+                proceed.wait(10)
+            return configured
+
+    handler = SlowReadingHandler()
+    with override_settings(SETNX_LOCKS=old):
+        reader = threading.Thread(target=lambda: handler.settings)
+        reader.start()
+        assert read_old.wait(10)
+    with override_settings(SETNX_LOCKS=new):
+        handler.reset()  # what the setting_changed receiver does for `locks`
+        proceed.set()
+        reader.join(10)
+        assert handler.settings is new
+        assert handler["x"].default_ttl == 7
+
+
 class SettingChangingBackend(LocMemBackend):
     """A backend whose constructor changes a setting the handler watches."""
 
