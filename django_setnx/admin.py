@@ -60,6 +60,7 @@ from .admin_views import (
 from .backends import paging
 from .backends.base import HELD, STALE, STATES
 from .conf import MAX_NAME_LENGTH
+from .display import isolated, printable
 from .exceptions import LockBackendError
 from .globs import compile_glob, escape, search_to_glob
 from .handler import locks
@@ -95,6 +96,11 @@ COLUMNS = (
 SORTABLE = {number: field for number, (_css, field, _text) in enumerate(COLUMNS, 1) if field}
 #: Names listed in a LogEntry of "clear stale locks" (the count is always exact).
 LOGGED_NAMES = 50
+
+
+def shown(text):
+    """User data as the admin shows it (see django_setnx.display)."""
+    return printable(text, backslash=False)
 
 
 def _selection_value(alias, name):
@@ -281,13 +287,14 @@ class LockRecordAdmin(admin.ModelAdmin):
             }
         return {
             "info": info,
-            "name": info.display_name,
+            # Escaped where a character could reorder or forge the page (see display).
+            "name": shown(info.display_name),
             "backend": info.backend,
             "state": info.state,
-            "host": host,
+            "host": shown(host),
             "pid": pid,
-            "thread": thread,
-            "guards": guards,
+            "thread": shown(thread),
+            "guards": shown(guards),
             "fencing_token": info.fencing_token,
             "acquired_at": display_time(info.acquired_at),
             "expires_at": display_time(info.expires_at),
@@ -298,29 +305,55 @@ class LockRecordAdmin(admin.ModelAdmin):
     def _rows(self, infos):
         """The table rows of ``infos``, with a heading row above each run of one
         semaphore's slots: its name and how many of its slots are held."""
+        infos = list(infos)
+        held = self._held_slots(infos)
         rows, previous = [], None
         for info in infos:
             semaphore = info.semaphore
             key = None if semaphore is None else (info.backend, semaphore[0])
             if key is not None and key != previous:
-                rows.append(self._semaphore_heading(info))
+                name, _slot, limit = semaphore
+                rows.append(
+                    {
+                        "semaphore": shown(name),
+                        "backend": info.backend,
+                        "held": held.get((info.backend, name, limit)),
+                        "limit": limit,
+                    }
+                )
             previous = key
             rows.append(self._row(info))
         return rows
 
-    def _semaphore_heading(self, info):
-        """``{"semaphore": name, "held": n, "limit": N}``: the slots held now are
-        counted on the backend (the page may show only some of them)."""
-        name, _slot, limit = info.semaphore
-        held = None
-        if limit is not None:
-            backend = locks[info.backend]
+    def _held_slots(self, infos):
+        """``{(backend, semaphore name, limit): slots held now}`` for the semaphores
+        of ``infos``, counted on the backends (the page may show only some of a
+        semaphore's slots): one get_many per backend for every slot of every such
+        semaphore. A backend that fails leaves its semaphores out (shown as "?")."""
+        wanted = {}  # backend -> {(name, limit): [slot record names]}
+        for info in infos:
+            semaphore = info.semaphore
+            if semaphore is None or semaphore[2] is None:
+                continue
+            name, _slot, limit = semaphore
+            slots = wanted.setdefault(info.backend, {})
+            if (name, limit) not in slots:
+                slots[name, limit] = [slot_record(name, slot) for slot in range(1, limit + 1)]
+        held = {}
+        for alias, semaphores in wanted.items():
             try:
-                slots = (backend.get(slot_record(name, slot)) for slot in range(1, limit + 1))
-                held = sum(1 for slot in slots if slot is not None and slot.is_held)
+                found = locks[alias].get_many(
+                    [record for records in semaphores.values() for record in records]
+                )
             except LockBackendError:
-                held = None
-        return {"semaphore": name, "backend": info.backend, "held": held, "limit": limit}
+                continue
+            for (name, limit), records in semaphores.items():
+                held[alias, name, limit] = sum(
+                    1
+                    for record in records
+                    if (found[record] is not None and found[record].is_held)
+                )
+        return held
 
     def _facets(self, request):
         """``(show counts now, can the user toggle them)`` by ``show_facets``."""
@@ -641,7 +674,7 @@ class LockRecordAdmin(admin.ModelAdmin):
                 errors.append(str(exc))
                 continue
             if info is None:
-                gone.append({"alias": alias, "name": name})
+                gone.append({"alias": alias, "name": shown(name)})
             else:
                 row = self._row(info)
                 row["confirm_value"] = json.dumps([alias, name, info.fencing_token])
@@ -688,14 +721,18 @@ class LockRecordAdmin(admin.ModelAdmin):
                     info=outcome.info,
                     user=request.user,
                 )
-                released.append(f"{alias}: {name}")
+                released.append(f"{alias}: {isolated(name)}")
             elif outcome.status == ReleaseOutcome.CHANGED:
                 changed.append(
                     _("%(alias)s: %(name)s (fencing token now %(token)s)")
-                    % {"alias": alias, "name": name, "token": outcome.current.fencing_token}
+                    % {
+                        "alias": alias,
+                        "name": isolated(name),
+                        "token": outcome.current.fencing_token,
+                    }
                 )
             else:
-                gone.append(f"{alias}: {name}")
+                gone.append(f"{alias}: {isolated(name)}")
         if released:
             messages.success(
                 request,
@@ -730,7 +767,7 @@ class LockRecordAdmin(admin.ModelAdmin):
             user_id=request.user.pk,
             content_type_id=ContentType.objects.get_for_model(LockRecord).pk,
             object_id=f"{alias}:{info.name}",
-            object_repr=f"{alias}: {info.display_name}"[:200],
+            object_repr=f"{alias}: {shown(info.display_name)}"[:200],
             action_flag=DELETION,
             change_message=(
                 f"Force-released lock {info.name!r} on backend {alias!r} "

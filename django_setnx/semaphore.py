@@ -202,13 +202,13 @@ class Semaphore(Lock):
     def holders(self) -> list[LockInfo]:
         """Return the :class:`~django_setnx.backends.base.LockInfo` of every held
         slot, in slot order (stale slots are left out)."""
-        infos = (self.backend.get(record) for record in self.slots)
-        return [info for info in infos if info is not None and info.is_held]
+        infos = self.backend.get_many(self.slots)
+        return [info for info in map(infos.get, self.slots) if info is not None and info.is_held]
 
     async def aholders(self) -> list[LockInfo]:
         """Async twin of :meth:`holders`."""
-        infos = [await self.backend.aget(record) for record in self.slots]
-        return [info for info in infos if info is not None and info.is_held]
+        infos = await self.backend.aget_many(self.slots)
+        return [info for info in map(infos.get, self.slots) if info is not None and info.is_held]
 
     def locked(self) -> bool:
         """Return True if every slot is held: an acquire now would have to wait

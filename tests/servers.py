@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from tests.orphans import dying_with_this_process
+
 
 def find_redis_server():
     """Return the path of a ``redis-server`` binary, or raise RuntimeError."""
@@ -106,7 +108,7 @@ class RedisServer:
         if self.running:
             return self
         self.process = subprocess.Popen(
-            self.command(),
+            dying_with_this_process(self.command()),
             cwd=self.dir,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

@@ -109,6 +109,17 @@ def confirm_value(alias, name, token):
     return json.dumps([alias, name, token])
 
 
+def confirmed_release(client, alias, name, token):
+    """POST the confirmed force-release of ``name``; returns the page it leads to."""
+    response = client.post(
+        reverse(RELEASE_URL),
+        {"lock": confirm_value(alias, name, token), "post": "yes"},
+        follow=True,
+    )
+    assert response.status_code == 200
+    return response.content.decode()
+
+
 @pytest.fixture
 def force_released():
     received = []
@@ -383,12 +394,7 @@ def test_names_are_escaped_everywhere(alias, releaser):
         assert XSS_ESCAPED in content
         assert "<b>guard</b>" not in content
 
-    response = client.post(
-        reverse(RELEASE_URL),
-        {"lock": confirm_value(alias, name, token), "post": "yes"},
-        follow=True,
-    )
-    content = response.content.decode()
+    content = confirmed_release(client, alias, name, token)
     assert locks[alias].get(name) is None
     assert "Force-released 1 lock" in content
     assert XSS not in content
@@ -396,6 +402,33 @@ def test_names_are_escaped_everywhere(alias, releaser):
     # The admin index's "Recent actions" shows the LogEntry, escaped too.
     content = client.get(reverse("admin:index")).content.decode()
     assert XSS not in content
+
+
+@transactional
+def test_bidi_and_control_characters_cannot_reorder_the_page(alias, releaser):
+    # A name built from a URL may end in RIGHT-TO-LEFT OVERRIDE (U+202E) with no
+    # closing PDF: raw, it made the browser show the rest of the confirmation line
+    # (fencing token, owner) and of the success message reversed. Shown escaped, and
+    # isolated (<bdi>; bidi isolates in messages) against right-to-left letters.
+    name = "a\u202eevil\u2028\x85"
+    hold(alias, name)
+    token = locks[alias].get(name).fencing_token
+    client = logged_in(releaser)
+    shown = "a\\u202eevil\\u2028\\x85"
+    for response in (
+        client.get(list_url()),
+        client.get(reverse(RELEASE_URL), {"lock": json.dumps([alias, name])}),
+    ):
+        content = response.content.decode()
+        assert response.status_code == 200
+        assert "\u202e" not in content and "\u2028" not in content and "\x85" not in content
+        assert f"<bdi>{shown}</bdi>" in content
+    content = confirmed_release(client, alias, name, token)
+    assert locks[alias].get(name) is None
+    assert f"Force-released 1 lock: {alias}: \u2068{shown}\u2069." in content
+    assert "\u202e" not in content
+    entry = LogEntry.objects.latest("pk")
+    assert entry.object_repr == f"{alias}: {shown}"
 
 
 # -- listing: pagination, filters, search ------------------------------------------------

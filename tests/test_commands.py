@@ -382,6 +382,18 @@ def test_listlocks_json_matches_backend(alias, name):
     assert isinstance(got[f"{name}:h1"]["fencing_token"], int)
 
 
+def test_listlocks_json_lines_survive_unicode_line_breaks(alias, name):
+    # NDJSON read with str.splitlines() (subprocess output, most scripts): a name
+    # with LINE SEPARATOR or NEL written raw split its record in two.
+    odd = f"{name}:a\u2028b\u2029c\x85d\u202ee\U000e0001"
+    make_held(alias, [odd, f"{name}:plain"])
+    out, _ = run("listlocks", "--backend", alias, "--json")
+    lines = out.splitlines()
+    assert len(lines) == 2 and out.count("\n") == 2
+    assert {json.loads(line)["name"] for line in lines} == {odd, f"{name}:plain"}
+    assert "\\u2028" in out and "\u2028" not in out
+
+
 def test_listlocks_json_every_backend_and_empty(name):
     out, _ = run("listlocks", "--json")
     assert out == ""

@@ -7,6 +7,7 @@ PostgreSQL, MariaDB/MySQL, Redis and local memory, all real.
 import asyncio
 import json
 import os
+import sys
 import threading
 import time
 
@@ -35,6 +36,17 @@ def wait_until_expired(lk):
             return
         time.sleep(max(info.expires_in, 0.005))
     raise AssertionError(f"{lk!r} did not expire")
+
+
+def held_and_stale(alias, name, count):
+    """``count`` held locks ``<name>:h<i>`` and one stale ``<name>:s``."""
+    held = [lock(f"{name}:h{i}", ttl=30, backend=alias) for i in range(count)]
+    for lk in held:
+        assert lk.acquire()
+    stale = lock(f"{name}:s", ttl=0.05, backend=alias)
+    assert stale.acquire()
+    wait_until_expired(stale)
+    return held, stale
 
 
 # -- acquire and release -------------------------------------------------------------
@@ -387,6 +399,35 @@ def test_list_get_delete_clear(alias, name):
     other.release()
 
 
+def test_get_many_is_get_for_each_name(alias, name, monkeypatch):
+    """get_many(): every name as get() reports it (held, stale, released, never
+    locked), each once, across the backend's batches (two names per batch here)."""
+    backend = locks[alias]
+    module = sys.modules[type(backend).__module__]
+    monkeypatch.setattr(module, "GET_MANY_CHUNK", 2, raising=False)
+    held, stale = held_and_stale(alias, name, 3)
+    released = lock(f"{name}:r", ttl=30, backend=alias)
+    assert released.acquire()
+    released.release()
+    asked = [f"{name}:h2", f"{name}:never", f"{name}:s", f"{name}:r", f"{name}:h0", f"{name}:h2"]
+    asked.append(f"{name}:h1")
+
+    found = backend.get_many(asked)
+    assert list(found) == list(dict.fromkeys(asked))
+    for asked_name, info in found.items():
+        assert info == backend.get(asked_name) or (
+            info.name == asked_name and info.fencing_token == backend.get(asked_name).fencing_token
+        )
+    assert [found[lk.name].fencing_token for lk in held] == [lk.fencing_token for lk in held]
+    assert all(found[lk.name].is_held for lk in held)
+    assert found[f"{name}:s"].is_stale and found[f"{name}:s"].fencing_token == stale.fencing_token
+    assert found[f"{name}:r"] is None and found[f"{name}:never"] is None
+    assert backend.get_many([]) == {}
+    assert asyncio.run(backend.aget_many(asked)).keys() == found.keys()
+    for lk in held:
+        lk.release()
+
+
 def test_delete_checks_the_fencing_token(alias, name):
     """delete(name, fencing_token=...) removes the very acquisition it names, never a
     later one: what the admin's force-release and the dead-owner cleanups rely on."""
@@ -412,12 +453,7 @@ def test_delete_checks_the_fencing_token(alias, name):
 def test_pages_of_locks(alias, name):
     """page(): filtered, ordered and counted the same way on every backend."""
     backend = locks[alias]
-    held = [lock(f"{name}:h{i}", ttl=30, backend=alias) for i in range(4)]
-    for lk in held:
-        assert lk.acquire()
-    stale = lock(f"{name}:s", ttl=0.05, backend=alias)
-    assert stale.acquire()
-    wait_until_expired(stale)
+    held, stale = held_and_stale(alias, name, 4)
     mine = f"{name}:*"
 
     page = backend.page(name_glob=mine, limit=2)

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests import workers
+from tests.orphans import dying_with_this_process
 from tests.servers import free_port
 
 pytestmark = pytest.mark.slow
@@ -64,16 +65,18 @@ def start_gunicorn(alias, tmp_path, *options, extra_env=None):
     if int(importlib.metadata.version("gunicorn").split(".")[0]) >= 27:
         control = ["--control-socket", str(tmp_path / "gunicorn.ctl")]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gunicorn",
-            *control,
-            *options,
-            "--bind",
-            f"127.0.0.1:{port}",
-            "tests.preload_app:application",
-        ],
+        dying_with_this_process(
+            [
+                sys.executable,
+                "-m",
+                "gunicorn",
+                *control,
+                *options,
+                "--bind",
+                f"127.0.0.1:{port}",
+                "tests.preload_app:application",
+            ]
+        ),
         cwd=ROOT,
         env=env,
         stdin=subprocess.DEVNULL,

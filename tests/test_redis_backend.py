@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
 if "redis" not in settings.TEST_BACKENDS:
@@ -642,6 +643,8 @@ def test_check_params_accepts_valid_settings():
         ({"LOCATION": "redis://h/0", "OPTIONS": {"CACHE": "default"}}, "E012"),
         ({"LOCATION": "redis://h/0", "KEY_PREFIX": ""}, "E013"),
         ({"LOCATION": "redis://h/0", "KEY_PREFIX": 5}, "E013"),
+        ({"LOCATION": "redis://h/0", "KEY_PREFIX": "app:{t}:x"}, "E013"),
+        ({"LOCATION": "redis://h/0", "KEY_PREFIX": "app}"}, "E013"),
         ({"LOCATION": "redis://h/0", "OPTIONS": {"STALE_RETENTION": 0}}, "E014"),
         ({"LOCATION": "redis://h/0", "OPTIONS": {"STALE_RETENTION": "1d"}}, "E014"),
         ({"LOCATION": "redis://h/0", "OPTIONS": {"WAKE_TTL": -1}}, "E015"),
@@ -657,6 +660,33 @@ def test_check_params_errors(params, expected):
     errors = RedisBackend.check_params("x", {"BACKEND": BACKEND, **params})
     assert [e.id for e in errors] == [f"django_setnx.{expected}"]
     assert "SETNX_LOCKS['x']" in errors[0].msg
+
+
+@pytest.mark.parametrize(
+    "backend_path, location",
+    [
+        (BACKEND, "redis://127.0.0.1:1/0"),
+        (
+            "django_setnx.backends.redlock.RedlockBackend",
+            [f"redis://127.0.0.1:{port}/0" for port in (1, 2, 3)],
+        ),
+    ],
+)
+@pytest.mark.parametrize("prefix", ["app:{t}:x", "}", "a{"])
+def test_a_key_prefix_with_braces_is_refused_by_the_backend_too(backend_path, location, prefix):
+    # With "app" and "app:{t}:x" both allowed, the name "t}:x:{job" under the first
+    # and "job" under the second were one key (app:{t}:x:{job}:lock): each alias'
+    # listlocks and clearlocks reached the other's locks. Refused before any use,
+    # also where the system checks were not run.
+    from django.utils.module_loading import import_string
+
+    with pytest.raises(
+        ImproperlyConfigured, match=r"\['KEY_PREFIX'\] must not contain"
+    ) as refused:
+        import_string(backend_path)(
+            "x", {"BACKEND": backend_path, "LOCATION": location, "KEY_PREFIX": prefix}
+        )
+    assert repr(prefix) in str(refused.value)
 
 
 def test_an_unknown_option_is_left_to_the_system_checks_warning():

@@ -390,6 +390,7 @@ def test_clearlocks_command_on_redlock(redlock_masters3, capsys):
             "['redis://h1/0'] more than once",
         ),
         ({"KEY_PREFIX": ""}, "E034", "KEY_PREFIX"),
+        ({"KEY_PREFIX": "app:{t}"}, "E034", "must not contain '{' or '}'"),
         ({"OPTIONS": {"NODE_TIMEOUT": 0}}, "E035", "NODE_TIMEOUT'] must be a positive"),
         ({"OPTIONS": {"MAX_TTL": "1h"}}, "E035", "MAX_TTL'] must be a positive"),
         ({"OPTIONS": {"CLOCK_DRIFT_FACTOR": 1.5}}, "E036", "CLOCK_DRIFT_FACTOR"),

@@ -116,6 +116,8 @@ def test_sentinel_backend_uses_the_master(sentinel_set):
                 == str(lk.fencing_token).encode()
             )
             assert [i.name for i in locks[alias].list(name_glob=name)] == [name]
+            found = locks[alias].get_many([name, name + ":never"])
+            assert found[name].fencing_token == lk.fencing_token and found[name + ":never"] is None
         assert not lk.locked()
 
 
@@ -276,6 +278,15 @@ def test_cluster_waiting_and_contract_basics(redis_cluster):
         assert waiter.fencing_token > holder.fencing_token
         waiter.extend(60)
         assert waiter.info().expires_in > 30
+        # get_many across slots of every primary (a Cluster pipeline loads no script).
+        others = [lock(f"{name}:{i}", ttl=30, backend=alias) for i in range(6)]
+        for other in others:
+            assert other.acquire()
+        found = locks[alias].get_many([name, *(o.name for o in others), f"{name}:never"])
+        assert [found[o.name].fencing_token for o in others] == [o.fencing_token for o in others]
+        assert found[name].fencing_token == waiter.fencing_token and found[f"{name}:never"] is None
+        for other in others:
+            other.release()
         removed = locks[alias].delete(name)
         assert removed.fencing_token == waiter.fencing_token
 

@@ -463,6 +463,13 @@ class BaseLockBackend:
         """Return the :class:`LockInfo` of ``name`` (held or stale), or None."""
         raise NotImplementedError
 
+    def get_many(self, names: Iterable[str]) -> dict[str, LockInfo | None]:
+        """Return ``{name: LockInfo or None}`` for every name in ``names``, each as
+        :meth:`get` returns it, in as few round trips as the backend allows (a
+        semaphore's slots, the admin's semaphore headings). This default calls
+        :meth:`get` once per name."""
+        return {name: self.get(name) for name in dict.fromkeys(names)}
+
     def list(
         self, *, state: str | None = None, name_glob: str | None = None
     ) -> Iterator[LockInfo]:
@@ -710,6 +717,10 @@ class BaseLockBackend:
     async def aget(self, name: str) -> LockInfo | None:
         """Async twin of :meth:`get`; returns a :class:`LockInfo` or None."""
         return await sync_to_async(self.get, thread_sensitive=False)(name)
+
+    async def aget_many(self, names: Iterable[str]) -> dict[str, LockInfo | None]:
+        """Async twin of :meth:`get_many`; returns ``{name: LockInfo or None}``."""
+        return await sync_to_async(self.get_many, thread_sensitive=False)(list(names))
 
     async def adelete(self, name: str, fencing_token: int | None = None) -> LockInfo | None:
         """Async twin of :meth:`delete`; returns the deleted record's :class:`LockInfo`,

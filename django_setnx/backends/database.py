@@ -142,6 +142,8 @@ PURGE_EVERY = 60.0
 
 #: How many rows list() and clear() read per round trip.
 BATCH_SIZE = 500
+#: How many names get_many() asks for per statement.
+GET_MANY_CHUNK = 500
 
 #: Without wake-ups (MySQL/MariaDB, SQLite, or PostgreSQL while its listener is
 #: down) the waiter next in line retries after HEAD_POLL seconds, doubling up to
@@ -1116,6 +1118,28 @@ class DatabaseBackend(BaseLockBackend):
             return None if row is None else self._info(row)
 
         return self._run("get", work)
+
+    def get_many(self, names):
+        """``{name: LockInfo or None}`` with one ``SELECT ... IN`` per GET_MANY_CHUNK
+        names (see BaseLockBackend.get_many)."""
+        names = list(dict.fromkeys(names))
+
+        def work(cursor, sql, raw):
+            found = {}
+            for start in range(0, len(names), GET_MANY_CHUNK):
+                chunk = names[start : start + GET_MANY_CHUNK]
+                # Not _execute: a statement per chunk length is not worth preparing.
+                cursor.execute(
+                    f"{sql.info_select} WHERE l.name IN ({sql.placeholders(len(chunk))}) "
+                    f"AND l.token <> ''",
+                    chunk,
+                )
+                for row in cursor.fetchall():
+                    found[row[0]] = self._info(row)
+            return found
+
+        found = self._run("get", work) if names else {}
+        return {name: found.get(name) for name in names}
 
     @staticmethod
     def _where(sql, state, glob):

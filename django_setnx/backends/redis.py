@@ -141,6 +141,35 @@ except ImportError:  # reported by check_params (E010) and on first use
     redis = None  # type: ignore[assignment]
 
 DEFAULT_KEY_PREFIX = "setnx"
+
+
+def key_prefix_problem(prefix):
+    """Why ``prefix`` cannot be a ``KEY_PREFIX``, or None if it can.
+
+    A key is ``P:{N}:<kind>``: with no brace in P, a key names its prefix and lock
+    alone. A prefix with braces would make ``"app"`` with the name ``t}:x:{job``
+    and ``"app:{t}:x"`` with ``job`` the same key (so one alias' listlocks and
+    clearlocks would reach the other's locks), and on a Redis Cluster its braces
+    would be the hash tag of every key instead of ``{N}``."""
+    if not isinstance(prefix, str) or not prefix:
+        return f"must be a non-empty str, got {prefix!r}"
+    if "{" in prefix or "}" in prefix:
+        return (
+            f"must not contain '{{' or '}}' (the keys' hash tag is {{name}}, and a prefix "
+            f"with braces makes keys of two prefixes alike), got {prefix!r}"
+        )
+    return None
+
+
+def check_key_prefix(alias, params):
+    """``params``' KEY_PREFIX (or the default), or ImproperlyConfigured naming it."""
+    prefix = params.get("KEY_PREFIX", DEFAULT_KEY_PREFIX)
+    problem = key_prefix_problem(prefix)
+    if problem is not None:
+        raise ImproperlyConfigured(f"SETNX_LOCKS[{alias!r}]['KEY_PREFIX'] {problem}.")
+    return prefix
+
+
 DEFAULT_STALE_RETENTION = 86400
 DEFAULT_WAKE_TTL = 1
 #: Default of ``OPTIONS["FENCING_RETENTION"]`` (seconds): how long the last fencing
@@ -176,6 +205,8 @@ BLOCK_SHARE = 0.8
 #: Shortest BLPOP timeout: Redis' timer resolution is about a millisecond.
 MIN_BLOCK = 0.005
 SCAN_COUNT = 1000
+#: How many names get_many() pipelines at once.
+GET_MANY_CHUNK = 500
 #: A listing by name (``page()``) sorts the names SCAN finds when it finds at most
 #: paging.SORT_LIMIT lock keys within this many SCAN calls (a bound on the keys Redis
 #: walks, whatever MATCH filters out: about SORT_SCAN_CALLS * SCAN_COUNT).
@@ -918,7 +949,7 @@ class RedisBackend(BaseLockBackend):
         require_redis_py(alias, "Redis")
         where = f"SETNX_LOCKS[{alias!r}]"
         self.location = params.get("LOCATION")
-        self.key_prefix = params.get("KEY_PREFIX", DEFAULT_KEY_PREFIX)
+        self.key_prefix = check_key_prefix(alias, params)
         self.cache_alias = self.options.get("CACHE")
         # The system checks report these too (E011, E012); an alias used without
         # running them must still fail here, naming itself, not at its first acquire.
@@ -1018,9 +1049,9 @@ class RedisBackend(BaseLockBackend):
                 "E011",
                 f"{where}['LOCATION'] must be a non-empty redis:// URL string, got {location!r}.",
             )
-        prefix = params.get("KEY_PREFIX", DEFAULT_KEY_PREFIX)
-        if not isinstance(prefix, str) or not prefix:
-            error("E013", f"{where}['KEY_PREFIX'] must be a non-empty str, got {prefix!r}.")
+        prefix_problem = key_prefix_problem(params.get("KEY_PREFIX", DEFAULT_KEY_PREFIX))
+        if prefix_problem is not None:
+            error("E013", f"{where}['KEY_PREFIX'] {prefix_problem}.")
         for option, id_ in (
             ("STALE_RETENTION", "E014"),
             ("WAKE_TTL", "E015"),
@@ -1486,6 +1517,29 @@ class RedisBackend(BaseLockBackend):
         with self._errors_as("get", name):
             now, fields = self.connection.get(keys=[self._keys(name)[0]])
         return self._info(name, fields, now) if fields else None
+
+    def get_many(self, names):
+        """``{name: LockInfo or None}``, each as :meth:`get` gives it: the scripts of
+        GET_MANY_CHUNK names at a time in one pipeline (on a Redis Cluster, whose
+        pipelines do not load scripts, one name at a time)."""
+        names = list(dict.fromkeys(names))
+        if not names:
+            return {}
+        with self._errors_as("get", names[0]):
+            conn = self.connection
+        if getattr(conn.client, "get_primaries", None) is not None:
+            return super().get_many(names)
+        found = {}
+        for start in range(0, len(names), GET_MANY_CHUNK):
+            chunk = names[start : start + GET_MANY_CHUNK]
+            with self._errors_as("get", chunk[0]):
+                pipe = conn.client.pipeline(transaction=False)
+                for name in chunk:
+                    conn.get(keys=[self._keys(name)[0]], client=pipe)
+                replies = pipe.execute()
+            for name, (now, fields) in zip(chunk, replies):
+                found[name] = self._info(name, fields, now) if fields else None
+        return found
 
     def delete(self, name, fencing_token=None):
         """Force-release ``name`` (a queued waiter gets it next); with

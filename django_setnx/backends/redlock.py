@@ -144,6 +144,8 @@ from .redis import (
     DEFAULT_STALE_RETENTION,
     SCAN_COUNT,
     check_client_options,
+    check_key_prefix,
+    key_prefix_problem,
     lock_keys,
     name_from_lock_key,
     record_info,
@@ -176,6 +178,8 @@ DEFAULT_MAX_TTL = 3600.0
 DRIFT_MS = 2
 #: Seconds a batch round of list/clear (up to SCAN_COUNT scripts per node) may take.
 BATCH_TIMEOUT = 10.0
+#: How many names get_many() asks every node for in one round.
+GET_MANY_CHUNK = 500
 #: Least time one SCAN call may take (it is max(this, 4 * NODE_TIMEOUT)).
 MIN_SCAN_TIMEOUT = 1.0
 MARKER_SUFFIX = "__node__"
@@ -399,7 +403,7 @@ class RedlockBackend(BaseLockBackend):
                 f"URLs of independent masters, got {location!r}."
             )
         self.locations = list(location)
-        self.key_prefix = params.get("KEY_PREFIX", DEFAULT_KEY_PREFIX)
+        self.key_prefix = check_key_prefix(alias, params)
         opts = self.options
         self.node_timeout = float(opts.get("NODE_TIMEOUT", DEFAULT_NODE_TIMEOUT))
         self.drift_factor = float(opts.get("CLOCK_DRIFT_FACTOR", DEFAULT_CLOCK_DRIFT_FACTOR))
@@ -473,9 +477,9 @@ class RedlockBackend(BaseLockBackend):
                         id="django_setnx.W030",
                     )
                 )
-        prefix = params.get("KEY_PREFIX", DEFAULT_KEY_PREFIX)
-        if not isinstance(prefix, str) or not prefix:
-            error("E034", f"{where}['KEY_PREFIX'] must be a non-empty str, got {prefix!r}.")
+        prefix_problem = key_prefix_problem(params.get("KEY_PREFIX", DEFAULT_KEY_PREFIX))
+        if prefix_problem is not None:
+            error("E034", f"{where}['KEY_PREFIX'] {prefix_problem}.")
         options = params.get("OPTIONS")
         options = {} if options is None else options
         if not isinstance(options, dict):
@@ -892,6 +896,25 @@ class RedlockBackend(BaseLockBackend):
         results = self._round(self._all(_GET, (self._keys(name)[0],)), wrong_type_is_a_reply=True)
         self._require_majority(f"get {name!r}", results)
         return self._merge(name, self._replies(results))[1]
+
+    def get_many(self, names):
+        """``{name: LockInfo or None}``, each the majority view as :meth:`get` gives
+        it, with one round on the nodes per GET_MANY_CHUNK names (each round may take
+        BATCH_TIMEOUT). LockBackendError if fewer than a majority answered."""
+        names = list(dict.fromkeys(names))
+        found = {}
+        for start in range(0, len(names), GET_MANY_CHUNK):
+            chunk = names[start : start + GET_MANY_CHUNK]
+            calls = [(_GET, (self._keys(name)[0],), ()) for name in chunk]
+            results = self._round(
+                {i: calls for i in range(len(self.locations))},
+                timeout=BATCH_TIMEOUT,
+                wrong_type_is_a_reply=True,
+            )
+            self._require_majority(f"get {len(chunk)} locks", results)
+            for position, name in enumerate(chunk):
+                found[name] = self._merge(name, self._replies(results, position))[1]
+        return found
 
     def delete(self, name, fencing_token=None):
         """Force-release ``name`` on every node that answers. Returns the majority view

@@ -16,6 +16,8 @@ import time
 import uuid
 from pathlib import Path
 
+from tests.orphans import dying_with_this_process
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -82,7 +84,7 @@ class CeleryWorker:
             log.write(f"\n===== start #{self.starts} =====\n".encode())
             log.flush()
             self.process = subprocess.Popen(
-                self.command(),
+                dying_with_this_process(self.command()),
                 cwd=ROOT,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -149,19 +151,21 @@ class CeleryBeat:
         }
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "tests.celery_app",
-                    "beat",
-                    "-s",
-                    str(self.schedule),
-                    "--max-interval",
-                    "1",
-                    "--loglevel=INFO",
-                ],
+                dying_with_this_process(
+                    [
+                        sys.executable,
+                        "-m",
+                        "celery",
+                        "-A",
+                        "tests.celery_app",
+                        "beat",
+                        "-s",
+                        str(self.schedule),
+                        "--max-interval",
+                        "1",
+                        "--loglevel=INFO",
+                    ]
+                ),
                 cwd=ROOT,
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -6,12 +6,9 @@ import unicodedata
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import CommandError
 
+from django_setnx.display import printable
 from django_setnx.globs import compile_glob
 from django_setnx.handler import locks
-
-#: Unicode categories never printed raw: controls (newline, ESC, ...), format
-#: characters (bidi overrides), line/paragraph separators and lone surrogates.
-_UNSAFE_CATEGORIES = {"Cc", "Cf", "Zl", "Zp", "Cs"}
 
 
 def add_backend_arguments(parser, action):
@@ -91,22 +88,8 @@ def validate_glob(pattern):
     return pattern
 
 
-def escape(text):
-    """``text`` with every character that could forge output lines or drive the
-    terminal (and the backslash, so the result is unambiguous) escaped
-    ``repr``-style: ``"a\\nb"`` -> ``a\\nb``, ESC -> ``\\x1b``."""
-    text = str(text)
-    if text.isprintable() and "\\" not in text:
-        return text  # the common case, without a per-character loop
-    out = []
-    for ch in text:
-        if ch == "\\":
-            out.append("\\\\")
-        elif unicodedata.category(ch) in _UNSAFE_CATEGORIES:
-            out.append(ch.encode("unicode_escape", "backslashreplace").decode("ascii"))
-        else:
-            out.append(ch)
-    return "".join(out)
+#: Commands print user data through this (see django_setnx.display).
+escape = printable
 
 
 def char_width(ch):

@@ -18,6 +18,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
 from django_setnx.backends.base import STALE, STATES
+from django_setnx.display import json_line
 from django_setnx.exceptions import LockBackendError
 
 from ._common import (
@@ -97,7 +98,7 @@ class Command(BaseCommand):
         # any number of locks, and every line is a complete document.
         write = self.stdout.write
         for info in infos:
-            write(json.dumps(info.as_dict(), sort_keys=True, ensure_ascii=False))
+            write(json_line(info.as_dict()))
 
     # -- table --------------------------------------------------------------------
 
