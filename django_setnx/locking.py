@@ -563,6 +563,27 @@ class Lock:
         self._stop_renewer()
         self._released(self.backend.release(record, token))
 
+    def _release_if_still_held(self) -> bool:
+        """Release the lock if its record still carries this object's token: True if
+        it did (``lock_released`` is sent). False if the lock was already released
+        or has passed to another owner: not a lost lock, so nothing is sent and
+        nothing raised. For releases that may come after another one of the same
+        acquisition (Celery's revoke and eager paths), where the second is no loss."""
+        if self._token is None:
+            return False
+        if self.lost:  # already reported; free what may be left of it
+            self._release_lost()
+            self._token = None
+            return False
+        record, token = self._held()
+        self._stop_renewer()
+        released = self.backend.release(record, token)
+        self._token = None
+        if released:
+            logger.debug("Released lock %r", self.name)
+            signals.lock_released.send(sender=Lock, lock=self)
+        return released
+
     async def arelease(self) -> None:
         """Async twin of :meth:`release`."""
         if self.lost and self._token is not None:

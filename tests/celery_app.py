@@ -205,6 +205,14 @@ def _register(alias):
         **opts,
     )(crash)
 
+    both_locks_60s = {
+        "lock_name": "celery-test:{key}",
+        "lock_ttl": 60,
+        "once_policy": "raise",
+        "once_name": "celery-once-test:{key}",
+        "once_ttl": 60,
+    }
+
     # Both locks with a long ttl (60 s): the dead-owner tests kill its pool child
     # (SIGKILL, or a hard time_limit given per call) and expect the locks back at once.
     def hang(self, key, log, tag, duration):
@@ -212,11 +220,7 @@ def _register(alias):
 
     app.task(
         name=f"setnx_tests.hang.{alias}",
-        lock_name="celery-test:{key}",
-        lock_ttl=60,
-        once_policy="raise",
-        once_name="celery-once-test:{key}",
-        once_ttl=60,
+        **both_locks_60s,
         **opts,
     )(hang)
 
@@ -229,15 +233,73 @@ def _register(alias):
 
     app.task(
         name=f"setnx_tests.hang_requeue.{alias}",
-        lock_name="celery-test:{key}",
-        lock_ttl=60,
-        once_policy="raise",
-        once_name="celery-once-test:{key}",
-        once_ttl=60,
+        **both_locks_60s,
         acks_late=True,
         reject_on_worker_lost=True,
         **opts,
     )(hang_requeue)
+
+    # As hang, acknowledged late and put back by Celery when killed for its hard time
+    # limit (acks_on_failure_or_timeout=False); the run delivered again lasts 1 s.
+    app.task(
+        name=f"setnx_tests.hang_timeout_requeue.{alias}",
+        **both_locks_60s,
+        acks_late=True,
+        acks_on_failure_or_timeout=False,
+        **opts,
+    )(hang_requeue)
+
+    # As hang, sent again by Celery (retry_on_worker_lost, Celery >= 5.7) when its
+    # pool child is lost; the run sent again lasts 1 s.
+    app.task(
+        name=f"setnx_tests.hang_retry_lost.{alias}",
+        **both_locks_60s,
+        retry_on_worker_lost=True,
+        default_retry_delay=1,
+        max_retries=3,
+        **opts,
+    )(hang_requeue)
+
+    # Both locks; survives SIGUSR1 (revoke(terminate=True, signal="SIGUSR1")): it
+    # records the soft limit, then goes on working for ``duration`` more seconds.
+    def stubborn(self, key, log, tag, duration):
+        from celery.exceptions import SoftTimeLimitExceeded
+
+        record(log, tag, "start", self)
+        try:
+            time.sleep(60)
+        except SoftTimeLimitExceeded:
+            record(log, tag, "soft", self)
+        time.sleep(duration)
+        record(log, tag, "end", self)
+        return tag
+
+    app.task(
+        name=f"setnx_tests.stubborn.{alias}",
+        **both_locks_60s,
+        **opts,
+    )(stubborn)
+
+    # Schedules its retry on ``queue`` (another worker's) without raising, then
+    # works ``duration`` more seconds: the retry must not run meanwhile.
+    def retry_nothrow(self, key, log, tag, duration, queue):
+        record(log, tag, "start", self, attempt=self.request.retries)
+        if self.request.retries == 0:
+            self.retry(countdown=0, throw=False, queue=queue)
+            time.sleep(duration)
+        record(log, tag, "end", self, attempt=self.request.retries)
+        return tag
+
+    app.task(
+        name=f"setnx_tests.retry_nothrow.{alias}",
+        lock_name="celery-test:{key}",
+        lock_ttl=60,
+        on_contention="retry",
+        lock_retry_countdown=0.5,
+        lock_max_retries=20,
+        max_retries=30,
+        **opts,
+    )(retry_nothrow)
 
     # As hang, with a semaphore of two slots as its run lock (lock_limit=2).
     app.task(

@@ -30,6 +30,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django_setnx import lock, locks, semaphore
 from django_setnx.contrib.celery import (
     ONCE_NAME_HEADER,
+    ONCE_ONLY_GRACE,
     ONCE_TOKEN_HEADER,
     AlreadyQueued,
     ExclusiveTask,
@@ -398,6 +399,53 @@ def test_failure_releases_both_locks(alias, name):
     assert result.failed() and isinstance(result.result, RuntimeError)
     assert locks[alias].get(name) is None
     assert locks[alias].get(name + ":once") is None
+
+
+def test_eager_failure_that_propagates_reports_no_lost_lock(alias, name):
+    # task_eager_propagates=True (the usual test setup): the run releases its once
+    # lock, then the exception reaches apply_async, which releases it again: that
+    # second release is no lost lock (it once logged "taken over by another owner"
+    # and sent lock_lost for every failing task).
+    from django_setnx.signals import lock_lost
+
+    eager_app.conf.task_eager_propagates = True
+    lost = []
+
+    def on_lost(sender, lock, **kwargs):
+        lost.append(lock.name)
+
+    lock_lost.connect(on_lost)
+    try:
+
+        @eager_task(once_policy="raise", once_name=name + ":once", lock_backend=alias)
+        def boom():
+            assert held(alias, name + ":once")
+            raise ValueError("boom")
+
+        with pytest.raises(ValueError, match="boom"):
+            boom.delay()
+    finally:
+        eager_app.conf.task_eager_propagates = False
+        lock_lost.disconnect(on_lost)
+    assert lost == []
+    assert locks[alias].get(name + ":once") is None
+
+
+def test_a_naive_eta_is_read_in_the_celery_apps_timezone():
+    # Django sets the process' local time to TIME_ZONE; Celery reads a naive eta in
+    # app.timezone (UTC here). Read as local time, Tokyo's +9 h made the once lock
+    # last once_ttl while the message was due in 150 s.
+    from django.test import override_settings
+
+    from django_setnx.contrib.celery import _delay_seconds
+
+    due = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=150)
+    naive_utc = due.replace(tzinfo=None)
+    with override_settings(TIME_ZONE="Asia/Tokyo"):
+        assert eager_app.timezone == datetime.timezone.utc or str(eager_app.timezone) == "UTC"
+        assert 140 < _delay_seconds(None, naive_utc, eager_app.timezone) <= 150
+        assert 140 < _delay_seconds(None, naive_utc.isoformat(), eager_app.timezone) <= 150
+        assert 140 < _delay_seconds(None, due) <= 150
 
 
 def test_retry_keeps_once_lock_until_exhausted(alias, name):
@@ -1183,6 +1231,111 @@ def test_a_requeued_run_runs_again_and_keeps_its_once_lock(
     assert not held(worker_alias, once_name)
 
 
+@pytest.mark.parametrize("kind", ["hang_timeout_requeue", "hang_retry_lost"])
+def test_a_run_celery_sends_again_keeps_its_once_lock(
+    workers, prefork_worker, worker_alias, tmp_path, kind
+):
+    """Two more ways Celery sends a dead run's message again: ``acks_late`` without
+    ``acks_on_failure_or_timeout`` puts back a run killed for its hard time limit (and
+    still sends ``task_failure``), ``retry_on_worker_lost`` sends a lost run again
+    (Celery >= 5.7). Meanwhile the enqueue-once lock stays held (a duplicate is
+    refused), and the run sent again adopts it and succeeds."""
+    import os
+    import signal
+
+    job = celery_task(kind, worker_alias)
+    key, log = uuid.uuid4().hex, str(tmp_path / "runs.jsonl")
+    once_name = f"celery-once-test:{key}"
+    options = {"time_limit": 2} if kind == "hang_timeout_requeue" else {}
+    job.apply_async((key, log, "first", 60), queue=prefork_worker.queue, **options)
+    wait_until(lambda: started(log, "first"), 30, "the run", [prefork_worker])
+    run = locks[worker_alias].get(f"celery-test:{key}")
+    flag = "celery_requeued_on_timeout" if options else "celery_requeued_if_lost"
+    assert run.owner[flag] is True
+    if not options:
+        os.kill(run.owner["pid"], signal.SIGKILL)
+    wait_for_exit(run.owner["pid"], [prefork_worker])
+    with pytest.raises(AlreadyQueued):
+        job.apply_async((key, log, "duplicate", 0.1), queue=workers[1].queue)
+    # (After a time limit Celery stores the failure before it puts the message back:
+    # the result is ready before the run sent again; the log tells.)
+    wait_until(
+        lambda: any(r["tag"] == "again" and r["event"] == "end" for r in read_log(log)),
+        60,
+        "the run sent again",
+        [prefork_worker],
+    )
+    wait_until(lambda: not held(worker_alias, once_name), 5, "its once lock's release")
+    assert not started(log, "duplicate")
+    worker_log = prefork_worker.log_tail(40000)
+    # Freed by a cleanup, the run sent again would have found it gone and said so.
+    assert f"Freed lock '{once_name}'" not in worker_log
+    assert "expired and was taken over (or removed) before it ran" not in worker_log
+    assert "was lost" not in worker_log
+
+
+def test_a_revoke_that_does_not_kill_leaves_the_run_its_locks(
+    workers, prefork_worker, worker_alias, tmp_path
+):
+    """``revoke(terminate=True, signal="SIGUSR1")``: the run gets SoftTimeLimitExceeded
+    and goes on. Its locks stay its own until it returns (a duplicate is refused, no
+    second run starts), then it releases them; no lock is reported lost."""
+    job = celery_task("stubborn", worker_alias)
+    key, log = uuid.uuid4().hex, str(tmp_path / "runs.jsonl")
+    run_name, once_name = f"celery-test:{key}", f"celery-once-test:{key}"
+    original = job.apply_async((key, log, "first", 3), queue=prefork_worker.queue)
+    wait_until(lambda: started(log, "first"), 30, "the run", [prefork_worker])
+    job.app.control.revoke(original.id, terminate=True, signal="SIGUSR1")
+    wait_until(
+        lambda: any(r["event"] == "soft" for r in read_log(log)),
+        10,
+        "the soft time limit in the run",
+        [prefork_worker],
+    )
+    time.sleep(ONCE_ONLY_GRACE + 0.5)
+    assert held(worker_alias, run_name) and held(worker_alias, once_name)
+    with pytest.raises(AlreadyQueued):
+        job.apply_async((key, log, "duplicate", 0.1), queue=workers[1].queue)
+    wait_until(
+        lambda: any(r["event"] == "end" for r in read_log(log)),
+        15,
+        "the run's end",
+        [prefork_worker],
+    )
+    wait_until(
+        lambda: not held(worker_alias, run_name) and not held(worker_alias, once_name),
+        5,
+        "the run to release its locks",
+        [prefork_worker],
+    )
+    assert not started(log, "duplicate")
+    assert "was lost" not in prefork_worker.log_tail(20000)
+    assert "Freed lock" not in prefork_worker.log_tail(20000)
+
+
+def test_retry_without_throw_keeps_the_run_lock_until_the_body_returns(
+    workers, worker_alias, tmp_path
+):
+    """``self.retry(throw=False)`` sends the retry and the body goes on: the retry
+    (sent to the other worker, due at once) must not run until the body returns."""
+    w1, w2 = workers
+    job = celery_task("retry_nothrow", worker_alias)
+    key, log = uuid.uuid4().hex, str(tmp_path / "runs.jsonl")
+    result = job.apply_async((key, log, "nothrow", 2, w2.queue), queue=w1.queue)
+    wait_until(
+        lambda: len([r for r in read_log(log) if r["event"] == "end"]) == 2,
+        60,
+        "both attempts to end",
+        workers,
+    )
+    (first_start, first_end, first), (second_start, _, second) = runs(log)
+    # (The retry may have met the lock and retried: on_contention="retry".)
+    assert first["retries"] == 0 and second["retries"] >= 1
+    assert second_start >= first_end, "the retry ran while the first attempt still did"
+    assert get(result, workers, timeout=60) == "nothrow"
+    assert not held(worker_alias, f"celery-test:{key}")
+
+
 def test_a_lost_pool_child_frees_its_semaphore_slot_at_once(
     workers, prefork_worker, worker_alias, tmp_path
 ):
@@ -1321,6 +1474,16 @@ def test_revoked_countdown_task_frees_its_once_lock_at_once(workers, worker_alia
     again = job.apply_async((key, log, "again", 0), queue=w1.queue)
     assert get(again, workers) == "again"
     assert not started(log, "later")
+    # The message comes back after the visibility_timeout and is discarded as revoked
+    # (task_revoked releases its once lock a second time): no lost lock is reported,
+    # though the name is another enqueue's by then.
+    wait_until(
+        lambda: f"Discarding revoked task: {job.name}[{result.id}]" in w1.log_tail(40000),
+        20,
+        "the revoked message to be discarded",
+        workers,
+    )
+    assert "was lost" not in w1.log_tail(40000)
 
 
 def _host():

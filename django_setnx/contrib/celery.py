@@ -91,7 +91,10 @@ the task can release exactly that enqueue's lock with the backend's token-checke
 - **not** when a retry was sent (``self.retry()``, ``autoretry_for``, or
   ``on_contention="retry"``): the retry message keeps the headers, the lock is
   extended to cover its countdown, and the run that ends the chain of retries
-  releases it; nor on ``Reject(requeue=True)``.
+  releases it; nor on ``Reject(requeue=True)``. ``self.retry()`` releases the run
+  lock before the retry is sent, so that the retry does not meet it; with
+  ``throw=False`` the body goes on after the call, so the run lock is kept until it
+  returns (a retry due before then meets it, as any other run would).
 
 While the task runs, the worker keeps the once lock extended (every ``once_ttl``/3,
 ``once_auto_renew``), so ``once_ttl`` only has to cover the time a message may wait
@@ -192,6 +195,7 @@ try:
     from celery import signals as celery_signals
     from celery.exceptions import Reject, Retry, TimeLimitExceeded, WorkerLostError
     from celery.utils import uuid
+    from celery.utils.time import maybe_make_aware
 except ImportError as exc:  # pragma: no cover - exercised without celery installed
     raise ImproperlyConfigured(
         "django_setnx.contrib.celery needs Celery (>= 5.3): pip install django-setnx[celery]"
@@ -297,19 +301,20 @@ def _header(request: Any, key: str) -> Any:
 
 
 def _delay_seconds(
-    countdown: float | str | None = None, eta: datetime.datetime | str | None = None
+    countdown: float | str | None = None,
+    eta: datetime.datetime | str | None = None,
+    timezone: datetime.tzinfo | None = None,
 ) -> float:
-    """Seconds until a message with this countdown/eta is due (0 if due now)."""
+    """Seconds until a message with this countdown/eta is due (0 if due now). A naive
+    ``eta`` is read in ``timezone``, the Celery app's (``app.timezone``), as Celery
+    reads it: not in the process' local time, which Django sets to its TIME_ZONE."""
     if countdown is not None:
         return max(float(countdown), 0.0)
     if eta is not None:
-        if isinstance(eta, str):
-            eta = datetime.datetime.fromisoformat(eta)
-        if eta.tzinfo is None:
-            # Celery reads a naive eta in the app's timezone; local time is close enough
-            # for a ttl margin.
-            return max((eta - datetime.datetime.now()).total_seconds(), 0.0)
-        return max((eta - datetime.datetime.now(datetime.timezone.utc)).total_seconds(), 0.0)
+        due = datetime.datetime.fromisoformat(eta) if isinstance(eta, str) else eta
+        if due.tzinfo is None:
+            due = maybe_make_aware(due, timezone or datetime.timezone.utc)
+        return max((due - datetime.datetime.now(datetime.timezone.utc)).total_seconds(), 0.0)
     return 0.0
 
 
@@ -548,7 +553,9 @@ class ExclusiveTaskMixin:
         # The id first, so that the lock's owner record can name it.
         task_id = task_id or uuid()
         name = self.once_lock_name(args, kwargs)
-        ttl = self.once_ttl + _delay_seconds(options.get("countdown"), options.get("eta"))
+        ttl = self.once_ttl + _delay_seconds(
+            options.get("countdown"), options.get("eta"), self.app.timezone
+        )
         lk = Lock(
             name,
             ttl,
@@ -567,9 +574,10 @@ class ExclusiveTaskMixin:
             return cast(Any, super()).apply_async(args, kwargs, task_id, **options)
         except BaseException:
             # Not sent (broker down), or run eagerly and raised: either way no queued
-            # copy holds the lock any more. Token-checked, so never someone else's.
+            # copy holds the lock any more. Token-checked, so never someone else's;
+            # an eager run has released it already, which is no lost lock.
             try:
-                lk.release()
+                lk._release_if_still_held()
             except LockError:
                 logger.warning("Could not release enqueue-once lock %r", name, exc_info=True)
             raise
@@ -744,8 +752,12 @@ class ExclusiveTaskMixin:
             # both if the pool child running it dies (see _PoolChildWatch).
             lk.owner_extra["celery_once_lock"] = [once.backend_alias, once.name]
         if self._requeued_if_lost():
-            # Celery puts the message back if the child dies: its once lock stays.
+            # Celery puts the message back, or sends it again, if the child dies: its
+            # once lock stays.
             lk.owner_extra["celery_requeued_if_lost"] = True
+        if self._requeued_on_timeout():
+            # Likewise when the child is killed for its hard time limit.
+            lk.owner_extra["celery_requeued_on_timeout"] = True
         if self.lock_release_on_commit and deferred_lock(lk) is not None:
             # An earlier run in this transaction holds it until COMMIT: run under it.
             return body()
@@ -768,12 +780,32 @@ class ExclusiveTaskMixin:
         return result
 
     def _requeued_if_lost(self) -> bool:
-        """Whether Celery requeues this task's message when its pool child dies
-        (``acks_late`` with ``reject_on_worker_lost``, per task or app-wide)."""
+        """Whether Celery puts this run's message back, or sends it again, when its
+        pool child dies: ``acks_late`` with ``reject_on_worker_lost``, or (Celery >=
+        5.7) ``retry_on_worker_lost`` with retries left; per task or app-wide."""
         reject = getattr(self, "reject_on_worker_lost", None)
         if reject is None:
             reject = self.app.conf.get("task_reject_on_worker_lost")
-        return bool(getattr(self, "acks_late", False) and reject)
+        if getattr(self, "acks_late", False) and reject:
+            return True
+        retry = getattr(self, "retry_on_worker_lost", None)
+        if retry is None:
+            retry = self.app.conf.get("task_retry_on_worker_lost")
+        max_retries = self.max_retries
+        return bool(retry) and (max_retries is None or self.request.retries < max_retries)
+
+    def _requeued_on_timeout(self) -> bool:
+        """Whether Celery puts this task's message back when its run passes the hard
+        time limit: ``acks_late`` without ``acks_on_timeout`` (Celery >= 5.7; before,
+        ``acks_on_failure_or_timeout``), per task or app-wide."""
+        if not getattr(self, "acks_late", False):
+            return False
+        acks = getattr(self, "acks_on_timeout", None)
+        if acks is None:
+            acks = getattr(self, "acks_on_failure_or_timeout", None)
+        if acks is None:
+            acks = self.app.conf.get("task_acks_on_failure_or_timeout", True)
+        return not acks
 
     @staticmethod
     def _take_run_lock(holder: Any, lk: Lock) -> bool:
@@ -844,7 +876,11 @@ class ExclusiveTaskMixin:
         if not request.called_directly:
             limit = self.max_retries if max_retries is None else max_retries
             if limit is None or request.retries + 1 <= limit:
-                run_lock = getattr(request, _RUN_LOCK_ATTR, None)
+                # With throw=False the body goes on after this call: the run lock is
+                # kept to its end (the retry meets it as any other run would). Not
+                # in eager mode, where Celery runs the retry inside this call.
+                early = throw or request.is_eager
+                run_lock = getattr(request, _RUN_LOCK_ATTR, None) if early else None
                 if run_lock is not None and self._take_run_lock(request, run_lock):
                     try:
                         run_lock.release()
@@ -861,7 +897,7 @@ class ExclusiveTaskMixin:
                     if countdown is None and eta is None:
                         delay = self.default_retry_delay or 0
                     else:
-                        delay = _delay_seconds(countdown, eta)
+                        delay = _delay_seconds(countdown, eta, self.app.timezone)
                     try:
                         once.extend(self.once_ttl + delay)
                     except LockError:
@@ -924,16 +960,16 @@ def _release_once_of(task: ExclusiveTaskMixin, request_like: Any) -> bool:
     once = _once_lock(task, name, task.once_ttl)
     once.take_token(token)
     try:
-        once.release()
+        # Both the revoke command and task_revoked may come here for one message,
+        # and a later enqueue may hold the name by then: no lost lock either way.
+        return once._release_if_still_held()
     except LockError:
         logger.info(
-            "Enqueue-once lock %r of a task that never ran was no longer its own, "
-            "or could not be released",
+            "Enqueue-once lock %r of a task that never ran could not be released",
             name,
             exc_info=True,
         )
         return False
-    return True
 
 
 @cast(
@@ -944,19 +980,23 @@ def _release_once_on_revoke(
     sender: Any = None, request: Any = None, terminated: bool = False, **kwargs: Any
 ) -> None:
     """A revoked or expired message never runs: release its enqueue-once lock. A run
-    terminated by ``revoke(..., terminate=True)`` also frees its run lock, once its
-    pool child has exited (see _free_locks_of_a_dead_run)."""
+    terminated by ``revoke(..., terminate=True)`` has both of its locks freed once its
+    pool child has exited (see _free_locks_of_a_dead_run), not before: a signal that
+    does not kill it (``SIGUSR1``, a handler that unwinds slowly) leaves the run
+    going, and it releases its own locks when it ends."""
     if not isinstance(sender, ExclusiveTaskMixin) or request is None:
         return
     try:
-        _release_once_of(sender, request)
-        if terminated:
+        if not terminated:
+            _release_once_of(sender, request)
+        else:
             _free_locks_of_a_dead_run(
                 sender,
                 request.id,
                 getattr(request, "args", None),
                 getattr(request, "kwargs", None),
                 "it was revoked with terminate=True",
+                pid=getattr(request, "worker_pid", None),
             )
     except Exception:  # a signal handler must never break the worker
         logger.warning("Could not release the locks of a revoked task", exc_info=True)
@@ -985,14 +1025,20 @@ def _free_locks_on_lost_run(
     (TimeLimitExceeded): free that run's locks now rather than after their ttl."""
     if not isinstance(sender, ExclusiveTaskMixin) or not task_id:
         return
+    free_once = True
     if isinstance(exception, WorkerLostError):
+        # (Celery sends no task_failure when it puts the message back or sends it
+        # again: here the message is gone.)
         reason = "its worker process was lost (killed, or out of memory)"
     elif isinstance(exception, TimeLimitExceeded):
         reason = "it passed its hard time limit and its worker process was killed"
+        # Sent even when Celery then puts the message back (acks_late without
+        # acks_on_timeout): that message still holds its enqueue-once lock.
+        free_once = not sender._requeued_on_timeout()
     else:
         return  # an ordinary failure: the run released its own locks
     try:
-        _free_locks_of_a_dead_run(sender, task_id, args, kwargs, reason)
+        _free_locks_of_a_dead_run(sender, task_id, args, kwargs, reason, free_once=free_once)
     except Exception:  # a signal handler must never break the worker
         logger.warning("Could not free the locks of lost task %s", task_id, exc_info=True)
 
@@ -1079,8 +1125,13 @@ def _free_runs_of_dead_child(pid: int) -> None:
             for run in runs:
                 reason = f"{run.owner.get('guards', 'celery task')}: its worker process {pid} died"
                 dead_owners.free(alias, run, reason)
-                if run.owner.get("celery_requeued_if_lost"):
-                    continue  # the message is queued again: its once lock is still its
+                if run.owner.get("celery_requeued_if_lost") or run.owner.get(
+                    "celery_requeued_on_timeout"
+                ):
+                    # The message may be queued again (a lost child, or one killed
+                    # for its time limit: this watch cannot tell which): its once lock
+                    # stays. If Celery does not requeue it, its task_failure frees it.
+                    continue
                 # [alias, name] of the run's enqueue-once lock, or (None, None).
                 once_alias: Any
                 once_name: Any
@@ -1142,16 +1193,20 @@ def _free_locks_of_a_dead_run(
     args: Iterable[Any] | None,
     kwargs: Mapping[str, Any] | None,
     reason: str,
+    *,
+    pid: int | None = None,
+    free_once: bool = True,
 ) -> None:
-    """Free the run lock and the enqueue-once lock of the run ``task_id``, in the
-    background, once the pool child that ran it has exited: only records that name
+    """Free the run lock and (with ``free_once``) the enqueue-once lock of the run
+    ``task_id``, in the background, once the pool child that ran it (``pid`` if
+    known, else the run lock's owner) has exited: only records that name
     ``task_id`` (and, for the run lock, this host), each fencing-checked, so a lock
     that passed to another run is never touched (see :mod:`django_setnx.dead_owners`)."""
     targets: dict[str, tuple[str, list[str]]] = {}
-    for kind, alias, build in (
-        ("run", task.lock_backend, task.run_lock_name),
-        ("once", task._once_backend_alias(), task.once_lock_name),
-    ):
+    kinds = [("run", task.lock_backend, task.run_lock_name)]
+    if free_once:
+        kinds.append(("once", task._once_backend_alias(), task.once_lock_name))
+    for kind, alias, build in kinds:
         try:
             name = build(args or (), kwargs or {})
         except Exception:  # noqa: BLE001 - arguments the name cannot be built from
@@ -1169,13 +1224,16 @@ def _free_locks_of_a_dead_run(
     if targets:
         # Not in a thread: the pool forks the lost child's replacement meanwhile.
         dead_owners.in_cleanup_process(
-            _free_after_exit, targets, task_id, f"task {task.name}[{task_id}]: {reason}"
+            _free_after_exit, targets, task_id, f"task {task.name}[{task_id}]: {reason}", pid
         )
 
 
-def _free_after_exit(targets: dict[str, tuple[str, list[str]]], task_id: str, reason: str) -> None:
+def _free_after_exit(
+    targets: dict[str, tuple[str, list[str]]], task_id: str, reason: str, pid: int | None = None
+) -> None:
     """``targets``: ``{"run"/"once": (alias, record names)}`` of the dead run
-    ``task_id``."""
+    ``task_id``; ``pid``: the pool child that ran it, if known. Nothing is freed
+    while that child runs: the run then releases its own locks when it ends."""
     found: dict[str, tuple[str, LockInfo]] = {}
     for kind, (alias, names) in targets.items():
         for name in names:
@@ -1192,7 +1250,11 @@ def _free_after_exit(targets: dict[str, tuple[str, list[str]]], task_id: str, re
         if not dead_owners.wait_for_exit(run.owner["pid"]):
             return  # still running: a redelivered run in another child, or a slow death
     elif found:
-        time.sleep(ONCE_ONLY_GRACE)
+        if pid is not None:
+            if not dead_owners.wait_for_exit(pid):
+                return  # still running (SIGUSR1, a slow unwind): its own end releases
+        else:
+            time.sleep(ONCE_ONLY_GRACE)
     for alias, info in found.values():
         dead_owners.free(alias, info, reason)
 
@@ -1218,7 +1280,9 @@ def _install_revoke_hook() -> None:
         ids = [task_id] if isinstance(task_id, str) else list(task_id or ())
         for waiting in list(state.scheduled_requests) + list(state.reserved_requests):
             if waiting.id in ids and isinstance(waiting.task, ExclusiveTaskMixin):
-                if waiting in state.active_requests:
+                if waiting in state.active_requests or _started(waiting):
+                    # Running, or terminated by this revoke: task_revoked frees its
+                    # locks once its pool child has exited.
                     continue
                 try:
                     released = _release_once_of(waiting.task, _RequestHeaders(waiting))
@@ -1239,6 +1303,12 @@ def _install_revoke_hook() -> None:
     revoke.__doc__ = original.__doc__
     cast(Any, revoke)._django_setnx = True
     control.Panel.data["revoke"] = revoke
+
+
+def _started(request: Any) -> bool:
+    """Whether a worker Request was handed to a pool process (it may be running, or
+    have been terminated by this very revoke)."""
+    return bool(getattr(request, "time_start", None) or getattr(request, "worker_pid", None))
 
 
 class _RequestHeaders:
