@@ -765,6 +765,25 @@ def test_prepared_statements_asked_of_sqlite_are_reported_as_unused(choice):
 
 
 @pytest.mark.no_db
+@pytest.mark.parametrize("atomic_requests", [True, False])
+def test_an_sqlite_lock_database_with_atomic_requests_is_warned_about(
+    monkeypatch, atomic_requests
+):
+    """Every request's write transaction holds SQLite's one write lock to its commit,
+    so with ATOMIC_REQUESTS on the lock database every lock operation of the other
+    requests waits for it (W021, with the remedy: a file of its own)."""
+    database = {**settings.DATABASES["default"], "ATOMIC_REQUESTS": atomic_requests}
+    monkeypatch.setitem(settings.DATABASES, "shared-sqlite", database)
+    errors = DatabaseBackend.check_params("app", {"OPTIONS": {"DATABASE": "shared-sqlite"}})
+    if atomic_requests:
+        assert [e.id for e in errors] == ["django_setnx.W021"]
+        assert "'app'" in errors[0].msg and "'shared-sqlite'" in errors[0].msg
+        assert "migrate django_setnx --database" in errors[0].hint
+    else:
+        assert errors == []
+
+
+@pytest.mark.no_db
 def test_a_spatialite_database_is_accepted_by_the_check(monkeypatch):
     """GeoDjango's SpatiaLite engine is SQLite (its wrapper's vendor is "sqlite")."""
     engine = "django.contrib.gis.db.backends.spatialite"

@@ -321,6 +321,24 @@ class DatabaseBackend(BaseLockBackend):
                     id="django_setnx.E021",
                 )
             )
+        if ("sqlite" in engine or "spatialite" in engine) and settings.DATABASES[database].get(
+            "ATOMIC_REQUESTS"
+        ):
+            errors.append(
+                checks.Warning(
+                    f"SETNX_LOCKS[{alias!r}] keeps its locks in SQLite database {database!r}, "
+                    f"which has ATOMIC_REQUESTS: SQLite has one writer, so every lock "
+                    f"operation waits while any request's transaction has written (even "
+                    f"acquire(blocking=False), and @locked's 409), and fails with "
+                    f"LockBackendError after OPERATION_TIMEOUT.",
+                    hint=(
+                        "Keep the locks in an SQLite file of their own: add a DATABASES "
+                        "alias (say 'locks'), set OPTIONS['DATABASE'] to it and run "
+                        "`manage.py migrate django_setnx --database locks`."
+                    ),
+                    id="django_setnx.W021",
+                )
+            )
         unused = _prepared_statements_unused(engine, options)
         if unused:
             errors.append(
