@@ -181,9 +181,17 @@ def test_a_database_backends_child_opens_its_own_connection(db_alias, name, fork
     """After a fork, with or without fork hooks (uWSGI's default runs none), the
     child's lock operations run on a connection of its own, never on the session
     its parent opened; the parent's session carries on."""
+    import asyncio
+
+    async def use_async(suffix):
+        async with lock(f"{name}:{suffix}", ttl=10, backend=db_alias, timeout=5):
+            pass
+
     backend = locks[db_alias]
     with lock(name, ttl=10, backend=db_alias, timeout=5):
         pass
+    # The backend's async threads exist in the parent only: the child must get its own.
+    asyncio.run(use_async("parent-async"))
     parents = _session_of(backend)
     read_end, write_end = os.pipe()
     pid = fork()
@@ -192,6 +200,7 @@ def test_a_database_backends_child_opens_its_own_connection(db_alias, name, fork
         try:
             with lock(f"{name}:child", ttl=10, backend=db_alias, timeout=5):
                 pass
+            asyncio.run(asyncio.wait_for(use_async("child-async"), 20))
             outcome = b"1" if _session_of(backend) != parents else b"0"
         finally:
             os.write(write_end, outcome)
