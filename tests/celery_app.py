@@ -260,6 +260,18 @@ def _register(alias):
         **opts,
     )(hang_requeue)
 
+    # As hang_retry_lost, with a 10 s once lock and a 3.5 s countdown (below the test
+    # broker's 4 s visibility_timeout): the resent message's once lock must be
+    # extended to cover the countdown.
+    app.task(
+        name=f"setnx_tests.hang_retry_lost_slow.{alias}",
+        **{**both_locks_60s, "once_ttl": 10},
+        retry_on_worker_lost=True,
+        default_retry_delay=3.5,
+        max_retries=3,
+        **opts,
+    )(hang_requeue)
+
     # Both locks; survives SIGUSR1 (revoke(terminate=True, signal="SIGUSR1")): it
     # records the soft limit, then goes on working for ``duration`` more seconds.
     def stubborn(self, key, log, tag, duration):

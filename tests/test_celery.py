@@ -1274,6 +1274,45 @@ def test_a_run_celery_sends_again_keeps_its_once_lock(
     assert "was lost" not in worker_log
 
 
+def test_a_lost_run_sent_again_later_keeps_its_once_lock_until_it_is_due(
+    workers, prefork_worker, worker_alias, tmp_path
+):
+    """``retry_on_worker_lost`` sends a lost run again from the worker's main process,
+    due in ``default_retry_delay``: the once lock it carries is extended to cover that
+    wait (once_ttl + the countdown, here 10 + 3.5 s), as ``self.retry()`` does, so that
+    no duplicate gets in before the run sent again starts."""
+    import os
+    import signal
+
+    job = celery_task("hang_retry_lost_slow", worker_alias)
+    key, log = uuid.uuid4().hex, str(tmp_path / "runs.jsonl")
+    once_name = f"celery-once-test:{key}"
+    first = job.apply_async((key, log, "first", 60), queue=prefork_worker.queue)
+    wait_until(lambda: started(log, "first"), 30, "the run", [prefork_worker])
+    run = locks[worker_alias].get(f"celery-test:{key}")
+    os.kill(run.owner["pid"], signal.SIGKILL)
+    wait_for_exit(run.owner["pid"], [prefork_worker])
+    wait_until(
+        lambda: f"[{first.id}] retry: Retry in" in prefork_worker.log_tail(40000),
+        30,
+        "Celery to send the lost run again",
+        [prefork_worker],
+    )
+    info = locks[worker_alias].get(once_name)
+    assert info is not None and info.expires_in > 10.5, info  # 10 s at most unextended
+    with pytest.raises(AlreadyQueued):
+        job.apply_async((key, log, "duplicate", 0.1), queue=workers[1].queue)
+    wait_until(
+        lambda: any(r["tag"] == "again" and r["event"] == "end" for r in read_log(log)),
+        40,
+        "the run sent again",
+        [prefork_worker],
+    )
+    wait_until(lambda: not held(worker_alias, once_name), 5, "its once lock's release")
+    assert not started(log, "duplicate")
+    assert "expired and was taken over" not in prefork_worker.log_tail(40000)
+
+
 def test_a_revoke_that_does_not_kill_leaves_the_run_its_locks(
     workers, prefork_worker, worker_alias, tmp_path
 ):

@@ -548,6 +548,7 @@ class ExclusiveTaskMixin:
         headers = options.get("headers") or {}
         if not policy or options.get("retries") or ONCE_TOKEN_HEADER in headers:
             # Off, or a retry/resend of a message that already carries its once lock.
+            self._extend_carried_once(headers, options)
             return cast(Any, super()).apply_async(args, kwargs, task_id, **options)
 
         # The id first, so that the lock's owner record can name it.
@@ -581,6 +582,26 @@ class ExclusiveTaskMixin:
             except LockError:
                 logger.warning("Could not release enqueue-once lock %r", name, exc_info=True)
             raise
+
+    def _extend_carried_once(self, headers: Mapping[str, Any], options: Mapping[str, Any]) -> None:
+        """A message sent again with the enqueue-once lock it carries (a retry; with
+        ``retry_on_worker_lost``, from the worker's main process after a lost pool
+        child, due in ``default_retry_delay``): extend that lock to cover the wait
+        until it is due, as the first enqueue did, so that no duplicate gets in
+        meanwhile. Token-checked and quiet: a lock that expired and passed to another
+        enqueue is left alone (the resent run then says so when it starts)."""
+        token, name = headers.get(ONCE_TOKEN_HEADER), headers.get(ONCE_NAME_HEADER)
+        if not token or not name:
+            return
+        delay = _delay_seconds(options.get("countdown"), options.get("eta"), self.app.timezone)
+        try:
+            locks[self._once_backend_alias()].extend(name, token, self.once_ttl + delay)
+        except LockError:
+            logger.warning(
+                "Could not extend enqueue-once lock %r for a message sent again",
+                name,
+                exc_info=True,
+            )
 
     def _send_duplicate(
         self,
