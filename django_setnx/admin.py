@@ -720,6 +720,7 @@ class LockRecordAdmin(admin.ModelAdmin):
                     name=name,
                     info=outcome.info,
                     user=request.user,
+                    reason=f"force-released in the admin by {request.user.get_username()}",
                 )
                 released.append(f"{alias}: {isolated(name)}")
             elif outcome.status == ReleaseOutcome.CHANGED:

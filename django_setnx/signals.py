@@ -11,9 +11,9 @@ class (``lock_force_released``: the backend class) and these keyword arguments:
 - ``lock_lost``: ``lock``; an ``auto_renew`` renewal found the lock expired and
   taken over, or could not renew it before it expired.
 - ``lock_force_released``: ``backend`` (alias), ``name``, ``info`` (the
-  :class:`~django_setnx.backends.base.LockInfo` removed) and ``user`` (who did it in
-  the admin), or ``user=None`` and ``reason`` (text) when the locks of a dead owner
-  were freed (``django_setnx.dead_owners``).
+  :class:`~django_setnx.backends.base.LockInfo` removed), ``user`` (who did it in the
+  admin, else ``None``) and ``reason`` (text: the admin's force-release and its user,
+  or why the locks of a dead owner were freed, see ``django_setnx.dead_owners``).
 """
 
 from django.dispatch import Signal

@@ -281,6 +281,7 @@ def test_release_through_the_confirmation_page(alias, name, releaser, force_rele
     assert sent["name"] == name
     assert sent["info"].name == name and sent["info"].fencing_token == token
     assert sent["user"] == releaser
+    assert sent["reason"] == f"force-released in the admin by {releaser.get_username()}"
 
 
 @transactional
