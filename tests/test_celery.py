@@ -514,6 +514,24 @@ def test_once_ttl_covers_countdown(alias, name):
     assert len(at_enqueue) == 2 and all(29 < t <= 31 for t in at_enqueue)
 
 
+def test_a_message_sent_again_is_sent_whatever_its_countdown(alias, name):
+    # A message that carries its once lock (a retry, Celery's retry_on_worker_lost)
+    # has that lock extended to cover its countdown, but never past the backend's
+    # MAX_TTL: a countdown that would need more is still sent (ValueError escaped
+    # apply_async before, and the message was never sent again).
+    max_ttl = locks[alias].max_ttl
+
+    @eager_task(once_policy="raise", once_name=name, lock_backend=alias, once_ttl=max_ttl)
+    def job():
+        return "ran"
+
+    carried = lock(name, ttl=10, backend=alias)
+    assert carried.acquire()
+    headers = {ONCE_TOKEN_HEADER: carried._token, ONCE_NAME_HEADER: name}
+    assert job.apply_async(headers=headers, retries=1, countdown=180).get() == "ran"
+    assert locks[alias].get(name) is None  # the run adopted it and released it
+
+
 def test_app_wide_task_class(alias, name):
     app = Celery(
         "setnx_cls", set_as_current=False, task_cls="django_setnx.contrib.celery:ExclusiveTask"

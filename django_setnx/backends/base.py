@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
@@ -638,7 +638,7 @@ class BaseLockBackend:
 
     # -- async twins ------------------------------------------------------------
 
-    def _async_executor(self) -> concurrent.futures.ThreadPoolExecutor | None:
+    def _async_executor(self) -> concurrent.futures.Executor | None:
         """Where the async twins run their blocking calls: None, the event loop's
         default executor. A backend that opens a connection per thread bounds them
         with an executor of its own (see DatabaseBackend)."""
@@ -646,7 +646,9 @@ class BaseLockBackend:
 
     def _in_thread(self, func: Callable[_P, _R]) -> Callable[_P, Coroutine[Any, Any, _R]]:
         """``func`` as a coroutine function that runs it in :meth:`_async_executor`."""
-        return sync_to_async(func, thread_sensitive=False, executor=self._async_executor())
+        # asgiref types its executor as a ThreadPoolExecutor; it only submits to it.
+        executor = cast(concurrent.futures.ThreadPoolExecutor | None, self._async_executor())
+        return sync_to_async(func, thread_sensitive=False, executor=executor)
 
     async def aacquire(
         self, name: str, token: str, ttl: float, owner: dict[str, Any], wait: float | None = 0.0

@@ -96,7 +96,6 @@ connection holds an open *write* transaction still waits for it, and fails with
 the lock before writing, or release it after the commit.
 """
 
-import concurrent.futures
 import contextlib
 import copy
 import functools
@@ -125,6 +124,7 @@ from .base import (
     LockInfo,
     encode_owner,
 )
+from .daemon_threads import DaemonThreads
 from .db_local_wakeups import LocalListener, LocalNotifier, channel_directory
 from .db_local_wakeups import encode as encode_wakeup
 from .db_prepared import MariaDBStatements, PreparedSession
@@ -262,10 +262,9 @@ class DatabaseBackend(BaseLockBackend):
         # its own: a few per process, not one per thread of the loop's executor
         # (up to 32), nor ever a thread of the parent's after a fork.
         async_threads = self.options.get("ASYNC_THREADS", DEFAULT_ASYNC_THREADS)
+        exit_wait = float(self.options.get("OPERATION_TIMEOUT", DEFAULT_OPERATION_TIMEOUT)) + 1
         self._async_threads = PerProcess(
-            lambda: concurrent.futures.ThreadPoolExecutor(
-                max_workers=async_threads, thread_name_prefix=f"django-setnx-{alias}"
-            )
+            lambda: DaemonThreads(async_threads, f"django-setnx-{alias}", exit_wait)
         )
         self._local_notifier = None
         self._local_listener = None

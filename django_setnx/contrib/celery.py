@@ -595,8 +595,11 @@ class ExclusiveTaskMixin:
             return
         delay = _delay_seconds(options.get("countdown"), options.get("eta"), self.app.timezone)
         try:
-            locks[self._once_backend_alias()].extend(name, token, self.once_ttl + delay)
-        except LockError:
+            backend = locks[self._once_backend_alias()]
+            # Never more than the backend takes (MAX_TTL): a shorter lock beats a
+            # message not sent at all.
+            backend.extend(name, token, min(self.once_ttl + delay, backend.max_ttl))
+        except (LockError, ValueError):
             logger.warning(
                 "Could not extend enqueue-once lock %r for a message sent again",
                 name,
@@ -920,8 +923,8 @@ class ExclusiveTaskMixin:
                     else:
                         delay = _delay_seconds(countdown, eta, self.app.timezone)
                     try:
-                        once.extend(self.once_ttl + delay)
-                    except LockError:
+                        once.extend(min(self.once_ttl + delay, once.backend.max_ttl))
+                    except (LockError, ValueError):
                         logger.warning(
                             "Could not extend enqueue-once lock %r for a retry",
                             once.name,
