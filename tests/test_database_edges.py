@@ -10,7 +10,6 @@ Extra DATABASES aliases exist only inside the tests that need them
 other test of the suite.
 """
 
-import asyncio
 import contextlib
 import copy
 import gc
@@ -722,33 +721,6 @@ def test_a_silent_server_fails_the_connect_within_the_timeout(make_backend, temp
         shutil.rmtree(directory, ignore_errors=True)
 
 
-@pytest.mark.parametrize("database_alias", _aliases("postgresql", "mysql", "sqlite"))
-def test_async_callers_share_a_few_threads_and_connections(make_backend, database_alias):
-    """Async calls run their statements in ASYNC_THREADS threads of the backend's own,
-    each with its lock connection: 60 concurrent acquires and releases open no more
-    than that many connections (the loop's default executor has up to 32 threads,
-    and a server's max_connections is shared by every worker process)."""
-    backend = make_backend(database_alias, ASYNC_THREADS=2)
-    before = set(threading.enumerate())
-    names = [f"async-threads:{_token()}" for _ in range(60)]
-    tokens = {name: _token() for name in names}
-
-    async def cycle(name):
-        assert (await backend.aacquire(name, tokens[name], 30, OWNER)).acquired
-        assert (await backend.aget(name)).is_held
-        assert await backend.arelease(name, tokens[name])
-
-    async def main():
-        await asyncio.gather(*(cycle(name) for name in names))
-
-    asyncio.run(main())
-    assert backend._async_executor().threads == 2
-    ours = [t for t in set(threading.enumerate()) - before if t.name.startswith("django-setnx")]
-    assert len(ours) == 2 and all(t.daemon for t in ours)
-    assert len(backend._wrappers) <= 2
-    assert backend.get_many(names) == dict.fromkeys(names)
-
-
 @pytest.mark.no_db
 @pytest.mark.parametrize(
     "options, named",
@@ -763,9 +735,6 @@ def test_async_callers_share_a_few_threads_and_connections(make_backend, databas
         ({"PREPARED_STATEMENTS": 1}, "PREPARED_STATEMENTS"),
         ({"SQLITE_SYNCHRONOUS": "OFF"}, "SQLITE_SYNCHRONOUS"),
         ({"SQLITE_SYNCHRONOUS": 1}, "SQLITE_SYNCHRONOUS"),
-        ({"ASYNC_THREADS": 0}, "ASYNC_THREADS"),
-        ({"ASYNC_THREADS": "4"}, "ASYNC_THREADS"),
-        ({"ASYNC_THREADS": True}, "ASYNC_THREADS"),
     ],
 )
 def test_bad_connection_options_are_named(options, named):

@@ -13,7 +13,6 @@ import signal
 import threading
 import time
 import traceback
-from pathlib import Path
 
 import pytest
 import redis
@@ -182,17 +181,9 @@ def test_a_database_backends_child_opens_its_own_connection(db_alias, name, fork
     """After a fork, with or without fork hooks (uWSGI's default runs none), the
     child's lock operations run on a connection of its own, never on the session
     its parent opened; the parent's session carries on."""
-    import asyncio
-
-    async def use_async(suffix):
-        async with lock(f"{name}:{suffix}", ttl=10, backend=db_alias, timeout=5):
-            pass
-
     backend = locks[db_alias]
     with lock(name, ttl=10, backend=db_alias, timeout=5):
         pass
-    # The backend's async threads exist in the parent only: the child must get its own.
-    asyncio.run(use_async("parent-async"))
     parents = _session_of(backend)
     read_end, write_end = os.pipe()
     pid = fork()
@@ -201,7 +192,6 @@ def test_a_database_backends_child_opens_its_own_connection(db_alias, name, fork
         try:
             with lock(f"{name}:child", ttl=10, backend=db_alias, timeout=5):
                 pass
-            asyncio.run(asyncio.wait_for(use_async("child-async"), 20))
             outcome = b"1" if _session_of(backend) != parents else b"0"
         finally:
             os.write(write_end, outcome)
@@ -211,65 +201,6 @@ def test_a_database_backends_child_opens_its_own_connection(db_alias, name, fork
     assert _session_of(backend) == parents
     with lock(name, ttl=10, backend=db_alias, timeout=5) as lk:
         assert lk.owned()
-
-
-ROOT = Path(__file__).resolve().parent.parent
-
-FORK_AFTER_ASYNC_USE = """
-import asyncio, os, sys, time
-import django
-django.setup()
-from django_setnx import lock
-from tests import workers
-
-alias = sys.argv[1]
-
-async def use(tag):
-    async with lock(f"fork-exit:{os.getpid()}:{tag}", ttl=30, backend=alias, timeout=10):
-        pass
-
-asyncio.run(use("parent"))  # the backend's async threads are up in the parent
-fork = os.fork if sys.argv[2] == "os.fork" else workers.fork_without_hooks
-pid = fork()
-if pid == 0:
-    asyncio.run(use("child"))
-    with lock(f"fork-exit:{os.getpid()}:sync", ttl=30, backend=alias, timeout=10):
-        pass
-    sys.exit(7)  # an ordinary exit: the interpreter's own shutdown
-deadline = time.monotonic() + 30
-while time.monotonic() < deadline:
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-        print("exit", os.waitstatus_to_exitcode(status))
-        break
-    time.sleep(0.05)
-else:
-    os.kill(pid, 9)
-    print("hung")
-asyncio.run(use("parent-again"))
-"""
-
-
-@pytest.mark.parametrize("how", ["os.fork", "no-fork-hooks"])
-def test_a_child_forked_after_async_use_exits(db_alias, how, tmp_path):
-    """The backend's async threads live on after asyncio.run in the parent; a child
-    forked then, with or without fork hooks (uWSGI's default runs none), uses locks
-    and exits normally: it never waits for threads it does not have (a
-    ThreadPoolExecutor's workers would be joined at its exit, for ever)."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "fork_after_async.py"
-    script.write_text(FORK_AFTER_ASYNC_USE)
-    out = subprocess.run(
-        [sys.executable, str(script), db_alias, how],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env={**os.environ, **workers.child_environment(), "PYTHONPATH": str(ROOT)},
-        cwd=str(ROOT),
-    )
-    assert out.stdout.strip() == "exit 7", out.stdout + out.stderr
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import concurrent.futures
 import contextlib
 import datetime
 import json
@@ -24,9 +23,9 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
@@ -36,9 +35,6 @@ from ..exceptions import LockBackendError
 from ..globs import compile_glob
 from ..validation import MAX_LIMIT, MAX_TTL_LIMIT, split_slot, ttl_to_ms, validate_ttl
 from .paging import LockPage, check_ordering, check_window, page_of_stream
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
 
 HELD = "held"
 STALE = "stale"
@@ -611,7 +607,7 @@ class BaseLockBackend:
         """Async twin of :meth:`stop_waiting`."""
         if type(self).stop_waiting is BaseLockBackend.stop_waiting:
             return None
-        return await self._in_thread(self.stop_waiting)(name, token)
+        return await sync_to_async(self.stop_waiting, thread_sensitive=False)(name, token)
 
     async def await_release(
         self,
@@ -638,18 +634,6 @@ class BaseLockBackend:
 
     # -- async twins ------------------------------------------------------------
 
-    def _async_executor(self) -> concurrent.futures.Executor | None:
-        """Where the async twins run their blocking calls: None, the event loop's
-        default executor. A backend that opens a connection per thread bounds them
-        with an executor of its own (see DatabaseBackend)."""
-        return None
-
-    def _in_thread(self, func: Callable[_P, _R]) -> Callable[_P, Coroutine[Any, Any, _R]]:
-        """``func`` as a coroutine function that runs it in :meth:`_async_executor`."""
-        # asgiref types its executor as a ThreadPoolExecutor; it only submits to it.
-        executor = cast(concurrent.futures.ThreadPoolExecutor | None, self._async_executor())
-        return sync_to_async(func, thread_sensitive=False, executor=executor)
-
     async def aacquire(
         self, name: str, token: str, ttl: float, owner: dict[str, Any], wait: float | None = 0.0
     ) -> AcquireResult:
@@ -657,8 +641,7 @@ class BaseLockBackend:
         thread. A caller cancelled while the statement runs does not stop it: when it
         ends, the thread itself undoes it (releases what it won, or withdraws the
         place next in line a refused attempt took), even if the event loop is gone
-        by then (``asyncio.run`` cancels, then waits for the default executor's
-        threads; the interpreter's exit waits for those of a backend's own)."""
+        by then (``asyncio.run`` cancels, then waits for its executor's threads)."""
         result = await self._undone_if_cancelled(
             lambda: self.acquire(name, token, ttl, owner, wait), name, token
         )
@@ -686,7 +669,7 @@ class BaseLockBackend:
                 self._undo_attempt(name, token, result)
             return result
 
-        future = asyncio.get_running_loop().run_in_executor(self._async_executor(), guarded)
+        future = asyncio.get_running_loop().run_in_executor(None, guarded)
         try:
             return await future
         except asyncio.CancelledError:
@@ -721,38 +704,38 @@ class BaseLockBackend:
 
     async def arelease(self, name: str, token: str) -> bool:
         """Async twin of :meth:`release`; returns True if the record was deleted."""
-        return await self._in_thread(self.release)(name, token)
+        return await sync_to_async(self.release, thread_sensitive=False)(name, token)
 
     async def aextend(self, name: str, token: str, ttl: float) -> bool:
         """Async twin of :meth:`extend`; returns True if the expiry was set."""
-        return await self._in_thread(self.extend)(name, token, ttl)
+        return await sync_to_async(self.extend, thread_sensitive=False)(name, token, ttl)
 
     async def aowns(self, name: str, token: str) -> bool:
         """Async twin of :meth:`owns`; returns True if held under ``token``."""
-        return await self._in_thread(self.owns)(name, token)
+        return await sync_to_async(self.owns, thread_sensitive=False)(name, token)
 
     async def aget(self, name: str) -> LockInfo | None:
         """Async twin of :meth:`get`; returns a :class:`LockInfo` or None."""
-        return await self._in_thread(self.get)(name)
+        return await sync_to_async(self.get, thread_sensitive=False)(name)
 
     async def aget_many(self, names: Iterable[str]) -> dict[str, LockInfo | None]:
         """Async twin of :meth:`get_many`; returns ``{name: LockInfo or None}``."""
-        return await self._in_thread(self.get_many)(list(names))
+        return await sync_to_async(self.get_many, thread_sensitive=False)(list(names))
 
     async def adelete(self, name: str, fencing_token: int | None = None) -> LockInfo | None:
         """Async twin of :meth:`delete`; returns the deleted record's :class:`LockInfo`,
         or None."""
-        return await self._in_thread(self.delete)(name, fencing_token)
+        return await sync_to_async(self.delete, thread_sensitive=False)(name, fencing_token)
 
     async def apage(self, **kwargs: Any) -> LockPage:
         """Async twin of :meth:`page` (same keyword arguments); returns a
         :class:`~django_setnx.backends.paging.LockPage`."""
-        return await self._in_thread(self.page)(**kwargs)
+        return await sync_to_async(self.page, thread_sensitive=False)(**kwargs)
 
     async def aclear(self, **kwargs: Any) -> ClearResult:
         """Async twin of :meth:`clear` (same keyword arguments); returns a
         :class:`ClearResult`."""
-        return await self._in_thread(self.clear)(**kwargs)
+        return await sync_to_async(self.clear, thread_sensitive=False)(**kwargs)
 
     # -- helpers for subclasses -------------------------------------------------
 

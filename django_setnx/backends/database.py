@@ -109,11 +109,11 @@ import threading
 import time
 import weakref
 
+from asgiref.sync import sync_to_async
 from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from ..exceptions import LockBackendError
-from ..forksafe import PerProcess
 from ..globs import compile_glob
 from .base import (
     STALE,
@@ -124,7 +124,6 @@ from .base import (
     LockInfo,
     encode_owner,
 )
-from .daemon_threads import DaemonThreads
 from .db_local_wakeups import LocalListener, LocalNotifier, channel_directory
 from .db_local_wakeups import encode as encode_wakeup
 from .db_prepared import MariaDBStatements, PreparedSession
@@ -143,9 +142,6 @@ PURGE_EVERY = 60.0
 
 #: How many rows list() and clear() read per round trip.
 BATCH_SIZE = 500
-#: Default of ``OPTIONS["ASYNC_THREADS"]``: threads per process (and backend) that
-#: run the statements of async callers, each keeping a lock connection of its own.
-DEFAULT_ASYNC_THREADS = 4
 #: How many names get_many() asks for per statement.
 GET_MANY_CHUNK = 500
 
@@ -234,7 +230,6 @@ class DatabaseBackend(BaseLockBackend):
             "STALE_RETENTION",
             "PREPARED_STATEMENTS",
             "LOCAL_WAKEUPS",
-            "ASYNC_THREADS",
         }
     )
 
@@ -258,14 +253,6 @@ class DatabaseBackend(BaseLockBackend):
         # SQLite, MySQL: wake-ups between the processes of this host (db_local_wakeups),
         # known at the first connection; the listener starts with the first waiter.
         self.local_wakeups = self.options.get("LOCAL_WAKEUPS", True)
-        # The threads that run async callers' statements, each with a connection of
-        # its own: a few per process, not one per thread of the loop's executor
-        # (up to 32), nor ever a thread of the parent's after a fork.
-        async_threads = self.options.get("ASYNC_THREADS", DEFAULT_ASYNC_THREADS)
-        exit_wait = float(self.options.get("OPERATION_TIMEOUT", DEFAULT_OPERATION_TIMEOUT)) + 1
-        self._async_threads = PerProcess(
-            lambda: DaemonThreads(async_threads, f"django-setnx-{alias}", exit_wait)
-        )
         self._local_notifier = None
         self._local_listener = None
         self._local_finalizer = None
@@ -858,11 +845,6 @@ class DatabaseBackend(BaseLockBackend):
             delay = min(delay, max(retry_after, 0) + 0.001)
         return max(delay if max_wait is None else min(delay, max_wait), 0)
 
-    def _async_executor(self):
-        """This process' executor for async callers' statements (ASYNC_THREADS
-        threads, each with its own lock connection)."""
-        return self._async_threads.get()
-
     # -- waiting ------------------------------------------------------------------
 
     def wait(self, name, *, token, attempt, max_wait, retry_after):
@@ -884,7 +866,7 @@ class DatabaseBackend(BaseLockBackend):
         held (starting the PostgreSQL listener, once per process, takes one)."""
         ready = self._listener_ready(start=False)
         if ready is None and self._listens():
-            ready = await self._in_thread(self._listener_ready)()
+            ready = await sync_to_async(self._listener_ready, thread_sensitive=False)()
         since, delay = self._wait_plan(token, attempt, max_wait, retry_after, ready)
         if delay > 0:
             self._listen_locally()  # a bind and a thread start, once per process
@@ -1430,8 +1412,8 @@ def _holder_result(token, holder):
 
 def _option_problems(alias, options):
     """Messages for invalid ``OPERATION_TIMEOUT``, ``HEALTH_CHECK_AFTER``,
-    ``STALE_RETENTION``, ``SQLITE_SYNCHRONOUS``, ``LOCAL_WAKEUPS``, ``ASYNC_THREADS``
-    and ``PREPARED_STATEMENTS`` values."""
+    ``STALE_RETENTION``, ``SQLITE_SYNCHRONOUS``, ``LOCAL_WAKEUPS`` and
+    ``PREPARED_STATEMENTS`` values."""
     problems = []
     where = f"SETNX_LOCKS[{alias!r}]['OPTIONS']"
     timeout = options.get("OPERATION_TIMEOUT", DEFAULT_OPERATION_TIMEOUT)
@@ -1461,9 +1443,6 @@ def _option_problems(alias, options):
     local_wakeups = options.get("LOCAL_WAKEUPS", True)
     if not isinstance(local_wakeups, bool):
         problems.append(f"{where}['LOCAL_WAKEUPS'] must be True or False, got {local_wakeups!r}.")
-    threads = options.get("ASYNC_THREADS", DEFAULT_ASYNC_THREADS)
-    if type(threads) is not int or threads < 1:
-        problems.append(f"{where}['ASYNC_THREADS'] must be an int >= 1, got {threads!r}.")
     prepared = options.get("PREPARED_STATEMENTS")
     if prepared is not None and not isinstance(prepared, bool):
         problems.append(
