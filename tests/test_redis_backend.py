@@ -817,7 +817,8 @@ def test_list_and_clear_select_exactly_what_the_glob_matches(make_backend, redis
     every other backend: SCAN MATCH only narrows the scan (to the literal prefix),
     Redis' byte-wise dialect decides nothing, and no key outside the prefix is touched."""
     backend = make_backend()
-    neighbour = make_backend(backend.key_prefix + "}")  # a look-alike prefix next door
+    # Look-alike prefixes next door (braces are not allowed in a prefix).
+    neighbour = make_backend(backend.key_prefix + ":x")
     for n in GLOB_NAMES:
         assert backend.acquire(n, "tok", 30, OWNER).acquired
         assert neighbour.acquire(n, "tok", 30, OWNER).acquired
