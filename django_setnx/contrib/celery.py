@@ -916,20 +916,9 @@ class ExclusiveTaskMixin:
                         )
                 once = getattr(request, _ONCE_ATTR, None)
                 if once is not None:
-                    # Stop the renewer first: it would shorten the expiry set here.
+                    # Stop the renewer: it would shorten the expiry that the retry's
+                    # apply_async sets to cover its countdown (_extend_carried_once).
                     once._stop_renewer()
-                    if countdown is None and eta is None:
-                        delay = self.default_retry_delay or 0
-                    else:
-                        delay = _delay_seconds(countdown, eta, self.app.timezone)
-                    try:
-                        once.extend(min(self.once_ttl + delay, once.backend.max_ttl))
-                    except (LockError, ValueError):
-                        logger.warning(
-                            "Could not extend enqueue-once lock %r for a retry",
-                            once.name,
-                            exc_info=True,
-                        )
                     options["headers"] = {
                         **(options.get("headers") or request.headers or {}),
                         ONCE_TOKEN_HEADER: once._token,
