@@ -10,6 +10,8 @@ Extra DATABASES aliases exist only inside the tests that need them
 other test of the suite.
 """
 
+import asyncio
+import concurrent.futures
 import contextlib
 import copy
 import gc
@@ -663,7 +665,7 @@ def test_a_forked_child_never_ends_the_parents_session(server_alias, name):
 def test_the_lock_connection_carries_the_operation_timeout(db_alias, name, make_backend):
     backend = make_backend(db_alias, OPERATION_TIMEOUT=3)
     assert not backend.owns(name, _token())  # connects
-    raw = backend._local.wrapper.connection
+    raw = backend._state().wrapper.connection
     vendor = _vendor(db_alias)
     if vendor == "postgresql":
         parameters = raw.info.get_parameters()
@@ -721,10 +723,66 @@ def test_a_silent_server_fails_the_connect_within_the_timeout(make_backend, temp
         shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.mark.parametrize("database_alias", _aliases("postgresql", "mysql", "sqlite"))
+def test_async_callers_share_a_few_connections(make_backend, database_alias):
+    """Async calls run their statements in the event loop's default executor (up to
+    32 threads), each on one of the ASYNC_CONNECTIONS connections the process'
+    async callers share: 60 concurrent acquires, reads and releases through 16
+    executor threads open 2 lock connections, not one per thread (a server's
+    max_connections is shared by every worker process). Sync callers keep their own."""
+    backend = make_backend(database_alias, ASYNC_CONNECTIONS=2)
+    names = [f"async-connections:{_token()}" for _ in range(60)]
+    tokens = {name: _token() for name in names}
+    threads_used = set()
+
+    async def cycle(name):
+        assert (await backend.aacquire(name, tokens[name], 30, OWNER)).acquired
+        assert (await backend.aget(name)).is_held
+        assert await backend.arelease(name, tokens[name])
+
+    def note_thread():
+        threads_used.add(threading.get_ident())
+        time.sleep(0.01)  # so that the executor starts its threads, as under load
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(16))
+        await asyncio.gather(*(loop.run_in_executor(None, note_thread) for _ in range(32)))
+        await asyncio.gather(*(cycle(name) for name in names))
+
+    asyncio.run(main())
+    assert len(threads_used) > 2  # the executor had more threads than connections to share
+    assert len(backend._wrappers) == 2
+    assert backend.get_many(names) == dict.fromkeys(names)  # a sync call: this thread's own
+    assert len(backend._wrappers) == 3
+
+
+@pytest.mark.parametrize("database_alias", _aliases("postgresql", "sqlite"))
+def test_an_async_call_that_finds_every_shared_connection_busy_fails_clearly(
+    make_backend, database_alias
+):
+    """A statement that waits OPERATION_TIMEOUT for one of the ASYNC_CONNECTIONS
+    shared connections fails with LockBackendError naming the option, and writes
+    nothing; the connections serve again once one is free."""
+    backend = make_backend(database_alias, ASYNC_CONNECTIONS=1, OPERATION_TIMEOUT=0.3)
+    name = f"async-busy:{_token()}"
+    token = _token()
+    with backend._shared.get().borrowed(5):  # the one connection, lent to another call
+        with pytest.raises(LockBackendError, match=r"ASYNC_CONNECTIONS.*0\.3 s"):
+            asyncio.run(backend.aacquire(name, token, 30, OWNER))
+    assert backend.get(name) is None
+    assert asyncio.run(backend.aacquire(name, token, 30, OWNER)).acquired
+    assert asyncio.run(backend.arelease(name, token))
+
+
 @pytest.mark.no_db
 @pytest.mark.parametrize(
     "options, named",
     [
+        ({"ASYNC_CONNECTIONS": 0}, "ASYNC_CONNECTIONS"),
+        ({"ASYNC_CONNECTIONS": "4"}, "ASYNC_CONNECTIONS"),
+        ({"ASYNC_CONNECTIONS": True}, "ASYNC_CONNECTIONS"),
+        ({"ASYNC_CONNECTIONS": 2.0}, "ASYNC_CONNECTIONS"),
         ({"OPERATION_TIMEOUT": 0}, "OPERATION_TIMEOUT"),
         ({"OPERATION_TIMEOUT": "5"}, "OPERATION_TIMEOUT"),
         ({"OPERATION_TIMEOUT": float("inf")}, "OPERATION_TIMEOUT"),
@@ -1200,7 +1258,7 @@ def test_mariadb_runs_the_lock_statements_prepared_unless_told_not_to(
         # option file may choose another than NAME) and the statement.
         from django_setnx.backends.db_prepared import MariaDBStatements
 
-        session = backend._local.prepared_session
+        session = backend._state().prepared_session
         (database,) = _sql(backend, "SELECT DATABASE()")
         assert session.database == database
         dialect = backend._dialect
@@ -1219,11 +1277,11 @@ def test_a_mariadb_session_that_lost_its_prepared_statements_prepares_them_again
         pytest.skip("prepared statements are MariaDB's only")
     backend = make_backend(MYSQL_ALIASES[0])
     first = _acquire_extend_release(backend, name, times=1)
-    for statement_name in list(backend._local.prepared_session.names):
+    for statement_name in list(backend._state().prepared_session.names):
         _sql(backend, f"DEALLOCATE PREPARE {statement_name}")
     later = _acquire_extend_release(backend, name, times=2)
     assert later[0] > first[-1]
-    assert not backend._local.prepared_session.plain
+    assert not backend._state().prepared_session.plain
     before = _executed_prepared(backend)
     _acquire_extend_release(backend, name, times=1)
     assert _executed_prepared(backend) - before == 4
@@ -1314,13 +1372,13 @@ def test_a_mariadb_server_that_refuses_prepare_gets_plain_statements(name, make_
     prepared = _cursor_refusing_prepare_after(backend, allowed=2)
     with caplog.at_level(logging.WARNING, logger="django_setnx"):
         first = _acquire_extend_release(backend, name, times=2)
-    assert backend._local.prepared_session.plain
+    assert backend._state().prepared_session.plain
     assert "refused PREPARE" in caplog.text
-    session = backend._local.prepared_session
+    session = backend._state().prepared_session
     before = _executed_prepared(backend)
     assert _acquire_extend_release(backend, name, times=1)[0] > first[-1]
     assert _executed_prepared(backend) == before  # plain for this connection's life
-    assert backend._local.prepared_session is session  # the same connection
+    assert backend._state().prepared_session is session  # the same connection
     assert len(prepared) == 2
     for statement in prepared:  # deallocated already: unknown to the session
         with pytest.raises(LockBackendError, match="nknown prepared statement"):
@@ -1345,8 +1403,8 @@ def test_mariadb_statements_are_named_after_the_database_the_connection_uses(
     ) as alias:
         backend = make_backend(alias)
         _acquire_extend_release(backend, name, times=1)
-        assert backend._local.prepared_session.database == real
-        assert backend._local.prepared_session.names == reference._local.prepared_session.names
+        assert backend._state().prepared_session.database == real
+        assert backend._state().prepared_session.names == reference._state().prepared_session.names
 
 
 @needs(MYSQL_ALIASES)
@@ -1372,7 +1430,7 @@ def test_a_proxy_that_starts_moving_the_session_later_gets_nothing_deallocated(n
     backend = make_backend(MYSQL_ALIASES[0])
     sent = _proxy_forgetting_after(backend, kept=2)
     _acquire_extend_release(backend, name, times=2)
-    assert backend._local.prepared_session.plain
+    assert backend._state().prepared_session.plain
     assert not [s for s in sent if s.startswith("DEALLOCATE")]
 
 
@@ -1400,10 +1458,10 @@ def test_a_deallocate_error_after_a_refusal_fails_the_operation_not_the_next(nam
     with pytest.raises(LockBackendError, match="1317"):
         backend.owns(name, token)
     prepared.clear()  # the server takes PREPAREs again
-    before = backend._local.prepared_session
+    before = backend._state().prepared_session
     assert backend.owns(name, token)
-    assert backend._local.prepared_session is not before
-    assert not backend._local.prepared_session.plain and prepared
+    assert backend._state().prepared_session is not before
+    assert not backend._state().prepared_session.plain and prepared
     assert backend.release(name, token)
 
 
@@ -1440,7 +1498,7 @@ def test_a_prepare_behind_a_migration_is_contention_not_a_refusal(name, make_bac
         _sql(reader, "ROLLBACK")
         alter.join(HANG)
         _sql(migrator, "ALTER TABLE {lock} COMMENT = ''")
-    assert not backend._local.prepared_session.plain
+    assert not backend._state().prepared_session.plain
     before = _executed_prepared(backend)
     _acquire_extend_release(backend, name, times=1)
     assert _executed_prepared(backend) - before == 4
@@ -1458,7 +1516,7 @@ def test_a_mariadb_proxy_that_never_keeps_prepared_statements_gets_plain_ones(na
     backend = make_backend(MYSQL_ALIASES[0])
     sent = _proxy_forgetting_after(backend, kept=0)
     tokens = _acquire_extend_release(backend, name, times=3)
-    assert backend._local.prepared_session.plain
+    assert backend._state().prepared_session.plain
     assert len(tokens) == 3
     # Where the statements went, other clients of the database may use the same
     # names: going plain deallocates nothing there.

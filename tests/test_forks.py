@@ -102,16 +102,7 @@ def test_used_then_forked_parent_and_child_race(shared_alias, name, tmp_path):
     try:
         _race(shared_alias, name, str(tmp_path), str(parent_report))
     finally:
-        deadline = time.monotonic() + 120
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                pytest.fail("the forked child did not finish in 120 s")
-            time.sleep(0.05)
+        _wait_or_kill(pid, 120)
 
     parent, child = _read_report(parent_report), _read_report(child_report)
     assert parent["foreign"] == [] and child["foreign"] == [], (parent, child)
@@ -155,6 +146,21 @@ def test_a_forked_child_never_releases_the_parents_streaming_lock(shared_alias, 
     )
     response.close()
     assert not lock(name + "/parent/", backend=shared_alias).locked()
+
+
+def _wait_or_kill(pid, seconds):
+    """Reap the forked child ``pid``; one still running after ``seconds`` hung: it is
+    killed, and the test fails."""
+    deadline = time.monotonic() + seconds
+    while True:
+        done, _status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked child did not finish in {seconds} s")
+        time.sleep(0.05)
 
 
 def _session_of(backend):
@@ -201,6 +207,53 @@ def test_a_database_backends_child_opens_its_own_connection(db_alias, name, fork
     assert _session_of(backend) == parents
     with lock(name, ttl=10, backend=db_alias, timeout=5) as lk:
         assert lk.owned()
+
+
+def _shared_session_of(backend):
+    """The server session of the connection this process' async callers share."""
+    with backend._borrowing_a_connection():
+        return _session_of(backend)
+
+
+@pytest.mark.parametrize(
+    "fork", [os.fork, workers.fork_without_hooks], ids=["os.fork", "no-fork-hooks"]
+)
+def test_a_database_backends_child_shares_connections_of_its_own_with_async_callers(
+    db_alias, name, fork
+):
+    """The connections async callers share (ASYNC_CONNECTIONS) are the parent's: a
+    child forked while another thread of the parent was taking one (it held the
+    pool's lock at the fork), with or without fork hooks, runs its async lock
+    operations on a connection of its own at once; the parent's carries on."""
+    import asyncio
+
+    backend = locks[db_alias]
+
+    async def use(suffix):
+        async with lock(f"{name}:{suffix}", ttl=10, backend=db_alias, timeout=5):
+            pass
+
+    asyncio.run(use("parent"))
+    parents = _shared_session_of(backend)
+    pool_lock = backend._shared.get()._condition
+    read_end, write_end = os.pipe()
+    pool_lock.acquire()  # as another thread of the parent, mid-checkout at the fork
+    try:
+        pid = fork()
+        if pid == 0:  # the child: never return into pytest
+            outcome = b"E"
+            try:
+                asyncio.run(asyncio.wait_for(use("child"), 20))
+                outcome = b"1" if _shared_session_of(backend) != parents else b"0"
+            finally:
+                os.write(write_end, outcome)
+                os._exit(0)
+    finally:
+        pool_lock.release()
+    _wait_or_kill(pid, 60)
+    assert os.read(read_end, 1) == b"1"
+    assert _shared_session_of(backend) == parents
+    asyncio.run(use("parent-again"))
 
 
 @pytest.mark.parametrize(

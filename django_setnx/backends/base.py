@@ -23,9 +23,9 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
@@ -35,6 +35,9 @@ from ..exceptions import LockBackendError
 from ..globs import compile_glob
 from ..validation import MAX_LIMIT, MAX_TTL_LIMIT, split_slot, ttl_to_ms, validate_ttl
 from .paging import LockPage, check_ordering, check_window, page_of_stream
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 HELD = "held"
 STALE = "stale"
@@ -607,7 +610,7 @@ class BaseLockBackend:
         """Async twin of :meth:`stop_waiting`."""
         if type(self).stop_waiting is BaseLockBackend.stop_waiting:
             return None
-        return await sync_to_async(self.stop_waiting, thread_sensitive=False)(name, token)
+        return await self._in_executor(self.stop_waiting)(name, token)
 
     async def await_release(
         self,
@@ -633,6 +636,17 @@ class BaseLockBackend:
         return None
 
     # -- async twins ------------------------------------------------------------
+
+    def _for_executor(self, func: Callable[_P, _R]) -> Callable[_P, _R]:
+        """``func`` as the async twins run it in a thread other than the caller's:
+        here, as it is. A backend with a connection per thread wraps it so that the
+        call borrows one of a few shared connections instead (see DatabaseBackend)."""
+        return func
+
+    def _in_executor(self, func: Callable[_P, _R]) -> Callable[_P, Coroutine[Any, Any, _R]]:
+        """``func`` as a coroutine function that runs it in the event loop's default
+        executor (see :meth:`_for_executor`)."""
+        return sync_to_async(self._for_executor(func), thread_sensitive=False)
 
     async def aacquire(
         self, name: str, token: str, ttl: float, owner: dict[str, Any], wait: float | None = 0.0
@@ -669,7 +683,7 @@ class BaseLockBackend:
                 self._undo_attempt(name, token, result)
             return result
 
-        future = asyncio.get_running_loop().run_in_executor(None, guarded)
+        future = asyncio.get_running_loop().run_in_executor(None, self._for_executor(guarded))
         try:
             return await future
         except asyncio.CancelledError:
@@ -680,7 +694,7 @@ class BaseLockBackend:
                 # It ended just before the cancellation reached us: undo it here, in
                 # a thread (a database backend refuses sync calls in the loop).
                 threading.Thread(
-                    target=self._undo_attempt,
+                    target=self._for_executor(self._undo_attempt),
                     args=(name, token, finished),
                     name="django-setnx-undo-acquire",
                 ).start()
@@ -704,38 +718,38 @@ class BaseLockBackend:
 
     async def arelease(self, name: str, token: str) -> bool:
         """Async twin of :meth:`release`; returns True if the record was deleted."""
-        return await sync_to_async(self.release, thread_sensitive=False)(name, token)
+        return await self._in_executor(self.release)(name, token)
 
     async def aextend(self, name: str, token: str, ttl: float) -> bool:
         """Async twin of :meth:`extend`; returns True if the expiry was set."""
-        return await sync_to_async(self.extend, thread_sensitive=False)(name, token, ttl)
+        return await self._in_executor(self.extend)(name, token, ttl)
 
     async def aowns(self, name: str, token: str) -> bool:
         """Async twin of :meth:`owns`; returns True if held under ``token``."""
-        return await sync_to_async(self.owns, thread_sensitive=False)(name, token)
+        return await self._in_executor(self.owns)(name, token)
 
     async def aget(self, name: str) -> LockInfo | None:
         """Async twin of :meth:`get`; returns a :class:`LockInfo` or None."""
-        return await sync_to_async(self.get, thread_sensitive=False)(name)
+        return await self._in_executor(self.get)(name)
 
     async def aget_many(self, names: Iterable[str]) -> dict[str, LockInfo | None]:
         """Async twin of :meth:`get_many`; returns ``{name: LockInfo or None}``."""
-        return await sync_to_async(self.get_many, thread_sensitive=False)(list(names))
+        return await self._in_executor(self.get_many)(list(names))
 
     async def adelete(self, name: str, fencing_token: int | None = None) -> LockInfo | None:
         """Async twin of :meth:`delete`; returns the deleted record's :class:`LockInfo`,
         or None."""
-        return await sync_to_async(self.delete, thread_sensitive=False)(name, fencing_token)
+        return await self._in_executor(self.delete)(name, fencing_token)
 
     async def apage(self, **kwargs: Any) -> LockPage:
         """Async twin of :meth:`page` (same keyword arguments); returns a
         :class:`~django_setnx.backends.paging.LockPage`."""
-        return await sync_to_async(self.page, thread_sensitive=False)(**kwargs)
+        return await self._in_executor(self.page)(**kwargs)
 
     async def aclear(self, **kwargs: Any) -> ClearResult:
         """Async twin of :meth:`clear` (same keyword arguments); returns a
         :class:`ClearResult`."""
-        return await sync_to_async(self.clear, thread_sensitive=False)(**kwargs)
+        return await self._in_executor(self.clear)(**kwargs)
 
     # -- helpers for subclasses -------------------------------------------------
 

@@ -21,8 +21,9 @@ locked: tombstones are purged once they are FENCING_RETENTION_MS old and stale r
 once they are ``STALE_RETENTION`` old (see ``_purge_if_due``). An acquire is one statement on every
 database (MySQL/MariaDB return the new token through ``LAST_INSERT_ID(x)``).
 
-Every statement runs on a connection of our own (one per thread) in autocommit,
-never on the caller's: a lock taken inside ``transaction.atomic()`` is visible to
+Every statement runs on a connection of our own in autocommit, never on the
+caller's (one per thread for sync callers; async callers share
+``OPTIONS["ASYNC_CONNECTIONS"]`` per process, see db_shared_connections): a lock taken inside ``transaction.atomic()`` is visible to
 other processes at once, survives the caller's rollback, and a contention never
 breaks the caller's transaction. Expiry is judged by the database's clock, in
 integer milliseconds since the epoch.
@@ -73,8 +74,8 @@ HEAD_POLL_MAX, and the others back off to WAITER_MAX_BACKOFF (at most about 20
 statements a second each), never past the holder's expiry; and on SQLite and MySQL
 the processes of one host wake each other's waiters where a PostgreSQL release
 would NOTIFY (``OPTIONS["LOCAL_WAKEUPS"]``, see db_local_wakeups). Async waits await a
-future or ``asyncio.sleep``: a coroutine holds a thread only while one of its
-statements runs.
+future or ``asyncio.sleep``: a coroutine holds a thread (and a shared connection)
+only while one of its statements runs.
 
 SQLite has a single writer. The backend switches an SQLite database to WAL mode
 (``OPTIONS["SQLITE_WAL"]``, default True; the mode is stored in the database file),
@@ -114,6 +115,7 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from ..exceptions import LockBackendError
+from ..forksafe import PerProcess
 from ..globs import compile_glob
 from .base import (
     STALE,
@@ -127,6 +129,7 @@ from .base import (
 from .db_local_wakeups import LocalListener, LocalNotifier, channel_directory
 from .db_local_wakeups import encode as encode_wakeup
 from .db_prepared import MariaDBStatements, PreparedSession
+from .db_shared_connections import AllBusy, ConnectionState, SharedConnections
 from .db_sql import CLAIM_MS, LOCK_TABLE, Dialect
 from .db_wakeups import PostgresListener, Wakeups, channel_name, deliver
 from .paging import LockPage, check_ordering, check_window, complete_ordering
@@ -142,6 +145,9 @@ PURGE_EVERY = 60.0
 
 #: How many rows list() and clear() read per round trip.
 BATCH_SIZE = 500
+#: Default of ``OPTIONS["ASYNC_CONNECTIONS"]``: lock connections per process (and
+#: backend) shared by async callers (see db_shared_connections).
+DEFAULT_ASYNC_CONNECTIONS = 4
 #: How many names get_many() asks for per statement.
 GET_MANY_CHUNK = 500
 
@@ -230,6 +236,7 @@ class DatabaseBackend(BaseLockBackend):
             "STALE_RETENTION",
             "PREPARED_STATEMENTS",
             "LOCAL_WAKEUPS",
+            "ASYNC_CONNECTIONS",
         }
     )
 
@@ -277,11 +284,15 @@ class DatabaseBackend(BaseLockBackend):
         # Prepared statements: decided when the first connection is made. On
         # PostgreSQL psycopg prepares them (_prepared); on MariaDB, _mariadb_prepared
         # does (see db_prepared), with what each connection prepared in
-        # self._local.prepared_session.
+        # its ConnectionState's prepared_session.
         self._prepared = False
         self._mariadb_prepared = None
         self._next_purge = 0.0  # monotonic time of the next purge of old stale rows
+        # self._local.current: the ConnectionState of this thread's lock connection, or
+        # of the shared one its async caller borrowed (see _borrowing_a_connection).
         self._local = threading.local()
+        self._async_connections = self.options.get("ASYNC_CONNECTIONS", DEFAULT_ASYNC_CONNECTIONS)
+        self._shared = PerProcess(lambda: SharedConnections(self._async_connections))
         # The process the connections are of: a fork hook (_forget_connections_after_fork)
         # resets them in a child, and _connection() checks too, for a fork that
         # runs no hook (uWSGI's default).
@@ -363,6 +374,7 @@ class DatabaseBackend(BaseLockBackend):
                 if raw is not None:
                     _abandon_inherited(raw)
         self._local = threading.local()
+        self._shared = PerProcess(lambda: SharedConnections(self._async_connections))
         self._wrappers = weakref.WeakSet()
         # Another thread of the parent may have held it at the fork: it stays held.
         self._wrappers_lock = threading.Lock()
@@ -377,12 +389,46 @@ class DatabaseBackend(BaseLockBackend):
             listener.abandon()  # the parent's socket: never read or removed here
         self._handed_over = set()
 
-    def _new_wrapper(self):
-        """This thread's lock connection (not connected yet)."""
-        wrapper = self._private_wrapper()
-        self._local.wrapper = wrapper
-        self._local.used_at = time.monotonic()
-        return wrapper
+    def _state(self):
+        """The :class:`ConnectionState` this thread's statements run on: its own, or
+        the shared one its async caller borrowed."""
+        state = getattr(self._local, "current", None)
+        if state is None:
+            state = self._local.current = ConnectionState()
+        return state
+
+    def _for_executor(self, func):
+        """``func``, run by an async twin in an executor thread, borrows one of the
+        ASYNC_CONNECTIONS connections that this process' async callers share (see
+        db_shared_connections) instead of opening one for the thread."""
+
+        @functools.wraps(func)
+        def on_a_shared_connection(*args, **kwargs):
+            with self._borrowing_a_connection():
+                return func(*args, **kwargs)
+
+        return on_a_shared_connection
+
+    @contextlib.contextmanager
+    def _borrowing_a_connection(self):
+        if self._pid != os.getpid():  # forked without a fork hook (uWSGI's default)
+            self._forget_connections()
+        local = self._local
+        previous = getattr(local, "current", None)
+        try:
+            with self._shared.get().borrowed(self.operation_timeout) as state:
+                local.current = state
+                try:
+                    yield
+                finally:
+                    local.current = previous
+        except AllBusy:
+            raise LockBackendError(
+                self.alias,
+                f"all {self._async_connections} lock connections of this process' async "
+                f"callers (OPTIONS['ASYNC_CONNECTIONS']) stayed busy for "
+                f"{self.operation_timeout:g} s (OPERATION_TIMEOUT)",
+            ) from None
 
     def _private_wrapper(self):
         from django.db import connections
@@ -422,25 +468,31 @@ class DatabaseBackend(BaseLockBackend):
         trip) and replaced if the server dropped it; a busy one is used as it is."""
         if self._pid != os.getpid():  # forked without a fork hook (uWSGI's default)
             self._forget_connections()
-        wrapper = getattr(self._local, "wrapper", None)
-        if wrapper is None:
-            wrapper = self._new_wrapper()
+        state = self._state()
+        wrapper = state.wrapper
         now = time.monotonic()
-        if (
+        if wrapper is None:
+            wrapper = state.wrapper = self._private_wrapper()
+            if state.shared:
+                # Django refuses a wrapper in a thread other than the one that made
+                # it (e.g. MySQL's server-version query) unless told it is shared.
+                wrapper.inc_thread_sharing()
+        elif (
             wrapper.connection is not None
             and self.health_check_after is not None
-            and now - self._local.used_at >= self.health_check_after
+            and now - state.used_at >= self.health_check_after
             and not _usable(wrapper)
         ):
             self._drop(wrapper)
-        self._local.used_at = now
+        state.used_at = now
         if wrapper.connection is None:
-            self._connect(wrapper)
-        elif getattr(self._local, "sqlite_wal_pending", False):
-            self._sqlite_setup_again(wrapper)
+            self._connect(state)
+        elif state.sqlite_wal_pending:
+            self._sqlite_setup_again(state)
         return wrapper, wrapper.connection
 
-    def _connect(self, wrapper):
+    def _connect(self, state):
+        wrapper = state.wrapper
         try:
             wrapper.ensure_connection()
             connection_class = type(wrapper.connection)
@@ -481,7 +533,7 @@ class DatabaseBackend(BaseLockBackend):
                     # are prepared at once; with this threshold the others of this
                     # connection are too, after 5 runs, as psycopg does by default.)
                     wrapper.connection.prepare_threshold = PREPARE_THRESHOLD
-            self._local.prepared_session = PreparedSession()  # a new connection: none yet
+            state.prepared_session = PreparedSession()  # a new connection: none yet
             cursor = wrapper.connection.cursor()
             try:
                 if wrapper.vendor == "mysql":
@@ -496,9 +548,9 @@ class DatabaseBackend(BaseLockBackend):
                         # The database the statements will be prepared in names them.
                         cursor.execute("SELECT DATABASE()")
                         (database,) = cursor.fetchone()
-                        self._local.prepared_session = PreparedSession(database)
+                        state.prepared_session = PreparedSession(database)
                 elif wrapper.vendor == "sqlite" and self.sqlite_wal:
-                    self._local.sqlite_wal_pending = not self._sqlite_setup(wrapper, cursor)
+                    state.sqlite_wal_pending = not self._sqlite_setup(wrapper, cursor)
             finally:
                 cursor.close()
         except Exception as exc:  # the driver's errors, wrapped by Django or not
@@ -523,17 +575,18 @@ class DatabaseBackend(BaseLockBackend):
             cursor.execute(f"PRAGMA synchronous={synchronous}")
         return True
 
-    def _sqlite_setup_again(self, wrapper):
+    def _sqlite_setup_again(self, state):
         """See _sqlite_setup. Never fails the operation it precedes: a failure other
         than a busy database is logged, and the connection stays as it is."""
+        wrapper = state.wrapper
         try:
             cursor = wrapper.connection.cursor()
             try:
-                self._local.sqlite_wal_pending = not self._sqlite_setup(wrapper, cursor)
+                state.sqlite_wal_pending = not self._sqlite_setup(wrapper, cursor)
             finally:
                 cursor.close()
         except Exception:
-            self._local.sqlite_wal_pending = False
+            state.sqlite_wal_pending = False
             logger.warning("Could not switch %r to WAL mode", self.database, exc_info=True)
 
     def _drop(self, wrapper):
@@ -632,7 +685,9 @@ class DatabaseBackend(BaseLockBackend):
         if self._prepared:
             cursor.execute(statement, params, prepare=True)
         elif self._mariadb_prepared is not None:
-            self._mariadb_prepared.execute(cursor, self._local.prepared_session, statement, params)
+            self._mariadb_prepared.execute(
+                cursor, self._state().prepared_session, statement, params
+            )
         else:
             cursor.execute(statement, params)
 
@@ -1412,8 +1467,8 @@ def _holder_result(token, holder):
 
 def _option_problems(alias, options):
     """Messages for invalid ``OPERATION_TIMEOUT``, ``HEALTH_CHECK_AFTER``,
-    ``STALE_RETENTION``, ``SQLITE_SYNCHRONOUS``, ``LOCAL_WAKEUPS`` and
-    ``PREPARED_STATEMENTS`` values."""
+    ``STALE_RETENTION``, ``SQLITE_SYNCHRONOUS``, ``LOCAL_WAKEUPS``,
+    ``ASYNC_CONNECTIONS`` and ``PREPARED_STATEMENTS`` values."""
     problems = []
     where = f"SETNX_LOCKS[{alias!r}]['OPTIONS']"
     timeout = options.get("OPERATION_TIMEOUT", DEFAULT_OPERATION_TIMEOUT)
@@ -1443,6 +1498,11 @@ def _option_problems(alias, options):
     local_wakeups = options.get("LOCAL_WAKEUPS", True)
     if not isinstance(local_wakeups, bool):
         problems.append(f"{where}['LOCAL_WAKEUPS'] must be True or False, got {local_wakeups!r}.")
+    shared = options.get("ASYNC_CONNECTIONS", DEFAULT_ASYNC_CONNECTIONS)
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 1:
+        problems.append(
+            f"{where}['ASYNC_CONNECTIONS'] must be a whole number >= 1, got {shared!r}."
+        )
     prepared = options.get("PREPARED_STATEMENTS")
     if prepared is not None and not isinstance(prepared, bool):
         problems.append(

@@ -1,0 +1,79 @@
+"""The lock connections that async callers share (database backend).
+
+A sync caller's statements run on a lock connection of its thread's own. An async
+caller's run in a thread of the event loop's default executor, which has up to 32
+threads: one connection per such thread would be up to 32 lock connections per
+worker process, each counted against the server's ``max_connections``, for calls
+that each take a millisecond. So the executor thread borrows one of a few
+connections that every async caller of the process shares (``ASYNC_CONNECTIONS``),
+for the length of one call, and gives it back.
+
+The pool adds no thread. It is one per process (``forksafe.PerProcess``): a forked
+child, with or without fork hooks, never waits on its parent's pool, whose
+condition another thread of the parent may have held at the fork.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+
+class ConnectionState:
+    """One lock connection and what goes with it: the Django wrapper (None until
+    first used), when it was last used (for the idle health check), the statements
+    it prepared (MariaDB), and whether SQLite's switch to WAL mode is still due."""
+
+    __slots__ = ("shared", "wrapper", "used_at", "prepared_session", "sqlite_wal_pending")
+
+    def __init__(self, shared: bool = False) -> None:
+        #: Lent to one thread after another (Django's wrapper must be told so).
+        self.shared = shared
+        self.wrapper: Any = None
+        self.used_at = 0.0
+        self.prepared_session: Any = None
+        self.sqlite_wal_pending = False
+
+
+class AllBusy(Exception):
+    """Every shared connection stayed in use for the whole timeout."""
+
+
+class SharedConnections:
+    """At most ``size`` :class:`ConnectionState` objects, lent one call at a time.
+
+    The most recently returned is lent first, so that under a light load the same
+    one or two connections serve every call and the others stay unopened (or, once
+    idle past ``HEALTH_CHECK_AFTER``, are checked before their next use)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._idle: list[ConnectionState] = []
+        self._made = 0
+        self._condition = threading.Condition(threading.Lock())
+
+    @contextlib.contextmanager
+    def borrowed(self, timeout: float) -> Iterator[ConnectionState]:
+        """Lend a state for the ``with`` block; raises :class:`AllBusy` if none is free
+        within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._condition:
+            while not self._idle and self._made >= self.size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AllBusy
+                self._condition.wait(remaining)
+            if self._idle:
+                state = self._idle.pop()
+            else:
+                state = ConnectionState(shared=True)
+                self._made += 1
+        try:
+            yield state
+        finally:
+            with self._condition:
+                self._idle.append(state)
+                self._condition.notify()
