@@ -60,7 +60,7 @@ from .admin_views import (
 from .backends import paging
 from .backends.base import HELD, STALE, STATES
 from .conf import MAX_NAME_LENGTH
-from .display import isolated, printable
+from .display import isolated, marked_html, printable
 from .exceptions import LockBackendError
 from .globs import compile_glob, escape, search_to_glob
 from .handler import locks
@@ -99,8 +99,15 @@ LOGGED_NAMES = 50
 
 
 def shown(text):
-    """User data as the admin shows it (see django_setnx.display)."""
+    """User data as the admin writes it in plain text (a message, the log; see
+    django_setnx.display)."""
     return printable(text, backslash=False)
+
+
+def shown_html(text):
+    """User data as the admin's pages show it: :func:`shown`, with its escapes
+    marked (see django_setnx.display.marked_html)."""
+    return marked_html(text)
 
 
 def _selection_value(alias, name):
@@ -288,13 +295,13 @@ class LockRecordAdmin(admin.ModelAdmin):
         return {
             "info": info,
             # Escaped where a character could reorder or forge the page (see display).
-            "name": shown(info.display_name),
+            "name": shown_html(info.display_name),
             "backend": info.backend,
             "state": info.state,
-            "host": shown(host),
+            "host": shown_html(host),
             "pid": pid,
-            "thread": shown(thread),
-            "guards": shown(guards),
+            "thread": shown_html(thread),
+            "guards": shown_html(guards),
             "fencing_token": info.fencing_token,
             "acquired_at": display_time(info.acquired_at),
             "expires_at": display_time(info.expires_at),
@@ -315,7 +322,7 @@ class LockRecordAdmin(admin.ModelAdmin):
                 name, _slot, limit = semaphore
                 rows.append(
                     {
-                        "semaphore": shown(name),
+                        "semaphore": shown_html(name),
                         "backend": info.backend,
                         "held": held.get((info.backend, name, limit)),
                         "limit": limit,
@@ -674,7 +681,7 @@ class LockRecordAdmin(admin.ModelAdmin):
                 errors.append(str(exc))
                 continue
             if info is None:
-                gone.append({"alias": alias, "name": shown(name)})
+                gone.append({"alias": alias, "name": shown_html(name)})
             else:
                 row = self._row(info)
                 row["confirm_value"] = json.dumps([alias, name, info.fencing_token])

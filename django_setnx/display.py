@@ -10,6 +10,9 @@ shown escaped, ``repr``-style; everything else as it is.
 import json
 import unicodedata
 
+from django.utils.html import escape, format_html
+from django.utils.safestring import mark_safe
+
 #: Unicode categories never shown raw: controls (newline, ESC, ...), format
 #: characters (bidi overrides, isolates), line/paragraph separators and lone
 #: surrogates.
@@ -37,6 +40,33 @@ def printable(text, *, backslash=True):
         else:
             out.append(ch)
     return "".join(out)
+
+
+def marked_html(text):
+    """HTML for ``printable(text, backslash=False)`` (the admin's form) in which each
+    escape stands out from typed text: ``<span class="setnx-escaped" title="U+000A">
+    \\n</span>``. A name holding a real newline and one typed with a backslash
+    and an ``n`` read the same as text, but no longer look alike on the page.
+    Returns a SafeString; everything else is HTML-escaped."""
+    text = str(text)
+    if text.isprintable():
+        return escape(text)  # always: a name marked safe by its caller is still data
+    out, run = [], []
+    for ch in text:
+        if unicodedata.category(ch) not in UNSAFE_CATEGORIES:
+            run.append(ch)
+            continue
+        out.append(escape("".join(run)))
+        run.clear()
+        out.append(
+            format_html(
+                '<span class="setnx-escaped" title="{}">{}</span>',
+                f"U+{ord(ch):04X}",
+                printable(ch, backslash=False),
+            )
+        )
+    out.append(escape("".join(run)))
+    return mark_safe("".join(out))
 
 
 def isolated(text):

@@ -32,6 +32,7 @@ from django.db import connections
 from django.test import Client, override_settings
 from django.urls import reverse
 from django.utils import timezone, translation
+from django.utils.safestring import mark_safe
 
 from django_setnx import lock, locks, semaphore
 from django_setnx.backends import paging
@@ -416,6 +417,11 @@ def test_bidi_and_control_characters_cannot_reorder_the_page(alias, releaser):
     token = locks[alias].get(name).fencing_token
     client = logged_in(releaser)
     shown = "a\\u202eevil\\u2028\\x85"
+    marked = (
+        'a<span class="setnx-escaped" title="U+202E">\\u202e</span>evil'
+        '<span class="setnx-escaped" title="U+2028">\\u2028</span>'
+        '<span class="setnx-escaped" title="U+0085">\\x85</span>'
+    )
     for response in (
         client.get(list_url()),
         client.get(reverse(RELEASE_URL), {"lock": json.dumps([alias, name])}),
@@ -423,13 +429,34 @@ def test_bidi_and_control_characters_cannot_reorder_the_page(alias, releaser):
         content = response.content.decode()
         assert response.status_code == 200
         assert "\u202e" not in content and "\u2028" not in content and "\x85" not in content
-        assert f"<bdi>{shown}</bdi>" in content
+        assert f"<bdi>{marked}</bdi>" in content
     content = confirmed_release(client, alias, name, token)
     assert locks[alias].get(name) is None
     assert f"Force-released 1 lock: {alias}: \u2068{shown}\u2069." in content
     assert "\u202e" not in content
     entry = LogEntry.objects.latest("pk")
     assert entry.object_repr == f"{alias}: {shown}"
+
+
+@transactional
+def test_a_real_control_character_and_its_typed_escape_look_different(alias, viewer):
+    """A name holding a real newline and one typed with a backslash and an ``n`` both
+    read ``a\\nb`` (the admin keeps backslashes as typed, for the search box), but
+    only the real one is marked as an escape; HTML in a name with an escape is still
+    escaped, marked safe by its caller or not."""
+    prefix = f"marked:{uuid.uuid4().hex[:8]}:"
+    real, typed = f"{prefix}a\nb", f"{prefix}a\\nb"
+    hostile = mark_safe(f"{prefix}<i>x</i>\n<script>")
+    for name in (real, typed, hostile):
+        hold(alias, name)
+    content = logged_in(viewer).get(list_url(q=prefix)).content.decode()
+    assert f'<bdi>{prefix}a<span class="setnx-escaped" title="U+000A">\\n</span>b</bdi>' in content
+    assert f"<bdi>{prefix}a\\nb</bdi>" in content
+    assert (
+        f'<bdi>{prefix}&lt;i&gt;x&lt;/i&gt;<span class="setnx-escaped" title="U+000A">\\n</span>'
+        "&lt;script&gt;</bdi>"
+    ) in content
+    assert "<i>x</i>" not in content
 
 
 # -- listing: pagination, filters, search ------------------------------------------------
