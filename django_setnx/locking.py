@@ -892,11 +892,15 @@ class _Renewer(threading.Thread):
 
     def run(self) -> None:
         lk = self.lock
+        # As the async twins do: a database backend lends this thread one of the
+        # connections shared by its process' async callers for each extend, instead
+        # of a connection of its own per renewed lock (ASYNC_CONNECTIONS).
+        extend = lk.backend._for_executor(lk.backend.extend)
         wait = self.interval
         while not self._stop_event.wait(wait):
             started = time.monotonic()
             try:
-                renewed = lk.backend.extend(self.record, self.token, lk.ttl)
+                renewed = extend(self.record, self.token, lk.ttl)
             except LockError:
                 logger.warning("Could not renew lock %r", lk.name, exc_info=True)
                 left = self.valid_until - time.monotonic()

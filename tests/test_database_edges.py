@@ -757,6 +757,38 @@ def test_async_callers_share_a_few_connections(make_backend, database_alias):
     assert len(backend._wrappers) == 3
 
 
+@pytest.mark.parametrize("database_alias", _aliases("postgresql", "mysql", "sqlite"))
+def test_renewal_threads_share_the_async_callers_connections(database_alias):
+    """Each auto_renew lock has a thread that renews it: its extends borrow one of the
+    ASYNC_CONNECTIONS shared connections, instead of a connection per renewed lock
+    (kept until the garbage collector ran, review r92)."""
+    from django.test import override_settings
+
+    configured = {
+        **settings.SETNX_LOCKS,
+        "renew-shared": {
+            "BACKEND": "django_setnx.backends.database.DatabaseBackend",
+            "OPTIONS": {"DATABASE": database_alias, "ASYNC_CONNECTIONS": 2},
+        },
+    }
+    with override_settings(SETNX_LOCKS=configured):
+        backend = locks["renew-shared"]
+        held = [
+            lock(f"renew-shared:{_token()}", ttl=0.6, backend="renew-shared", auto_renew=True)
+            for _ in range(12)
+        ]
+        for lk in held:
+            assert lk.acquire(blocking=False)  # on this thread's own connection
+        first = {lk.name: backend.get(lk.name).expires_at for lk in held}
+        time.sleep(1.0)  # each is renewed every 0.2 s
+        try:
+            assert all(backend.get(lk.name).expires_at > first[lk.name] for lk in held)
+            assert len(backend._wrappers) == 3  # this thread's, and the 2 shared
+        finally:
+            for lk in held:
+                lk.release()
+
+
 @pytest.mark.parametrize("database_alias", _aliases("postgresql", "sqlite"))
 def test_an_async_call_that_finds_every_shared_connection_busy_fails_clearly(
     make_backend, database_alias

@@ -638,9 +638,10 @@ class BaseLockBackend:
     # -- async twins ------------------------------------------------------------
 
     def _for_executor(self, func: Callable[_P, _R]) -> Callable[_P, _R]:
-        """``func`` as the async twins run it in a thread other than the caller's:
-        here, as it is. A backend with a connection per thread wraps it so that the
-        call borrows one of a few shared connections instead (see DatabaseBackend)."""
+        """``func`` as it is run in a thread other than the caller's (by the async
+        twins, and by the thread that renews an ``auto_renew`` lock): here, as it
+        is. A backend with a connection per thread wraps it so that each call
+        borrows one of a few shared connections instead (see DatabaseBackend)."""
         return func
 
     def _in_executor(self, func: Callable[_P, _R]) -> Callable[_P, Coroutine[Any, Any, _R]]:

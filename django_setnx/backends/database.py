@@ -22,8 +22,9 @@ once they are ``STALE_RETENTION`` old (see ``_purge_if_due``). An acquire is one
 database (MySQL/MariaDB return the new token through ``LAST_INSERT_ID(x)``).
 
 Every statement runs on a connection of our own in autocommit, never on the
-caller's (one per thread for sync callers; async callers share
-``OPTIONS["ASYNC_CONNECTIONS"]`` per process, see db_shared_connections): a lock taken inside ``transaction.atomic()`` is visible to
+caller's (one per thread for sync callers; async callers and the renewal threads
+of ``auto_renew`` locks share ``OPTIONS["ASYNC_CONNECTIONS"]`` per process, see
+db_shared_connections): a lock taken inside ``transaction.atomic()`` is visible to
 other processes at once, survives the caller's rollback, and a contention never
 breaks the caller's transaction. Expiry is judged by the database's clock, in
 integer milliseconds since the epoch.
@@ -75,7 +76,7 @@ statements a second each), never past the holder's expiry; and on SQLite and MyS
 the processes of one host wake each other's waiters where a PostgreSQL release
 would NOTIFY (``OPTIONS["LOCAL_WAKEUPS"]``, see db_local_wakeups). Async waits await a
 future or ``asyncio.sleep``: a coroutine holds a thread (and a shared connection)
-only while one of its statements runs.
+only while one of its calls runs.
 
 SQLite has a single writer. The backend switches an SQLite database to WAL mode
 (``OPTIONS["SQLITE_WAL"]``, default True; the mode is stored in the database file),
@@ -398,8 +399,9 @@ class DatabaseBackend(BaseLockBackend):
         return state
 
     def _for_executor(self, func):
-        """``func``, run by an async twin in an executor thread, borrows one of the
-        ASYNC_CONNECTIONS connections that this process' async callers share (see
+        """``func``, run by an async twin in an executor thread (or by a lock's
+        renewal thread), borrows one of the ASYNC_CONNECTIONS connections that
+        this process' async callers share for the length of the call (see
         db_shared_connections) instead of opening one for the thread."""
 
         @functools.wraps(func)

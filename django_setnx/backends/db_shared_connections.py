@@ -6,7 +6,11 @@ threads: one connection per such thread would be up to 32 lock connections per
 worker process, each counted against the server's ``max_connections``, for calls
 that each take a millisecond. So the executor thread borrows one of a few
 connections that every async caller of the process shares (``ASYNC_CONNECTIONS``),
-for the length of one call, and gives it back.
+for the length of one call (its statements, and a contention's retries), and gives
+it back. The threads that renew ``auto_renew`` locks, one per lock, borrow them too.
+
+A call may wait up to ``OPERATION_TIMEOUT`` for a free connection, and then its
+statements have their own ``OPERATION_TIMEOUT``.
 
 The pool adds no thread. It is one per process (``forksafe.PerProcess``): a forked
 child, with or without fork hooks, never waits on its parent's pool, whose
