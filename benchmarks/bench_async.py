@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Waiting on Redis: asyncio without threads, and waiters that died.
+"""Waiting on Redis: asyncio without threads, and waiters that died; async on databases.
 
     python3 benchmarks/bench_async.py            # full run, about two minutes
     python3 benchmarks/bench_async.py --quick    # fewer iterations
@@ -17,7 +17,12 @@ Prints markdown tables, then the targets with PASS/MISS (a miss never fails the 
    whole queue; target: p99 <= 2x uncontended;
 3. a waiter SIGKILLed while queued (ttl 30 s): the delay between the holder's
    release and the next live caller's acquire; target: <= 1 s (before the handoff
-   claims: the dead waiter's whole ttl).
+   claims: the dead waiter's whole ttl);
+4. databases: 64 coroutines acquire and release names of their own through one
+   database backend, which lends each call one of ``OPTIONS["ASYNC_CONNECTIONS"]``
+   shared connections: pairs per second and the lock connections opened, for 1, 2
+   and 4 (the default) shared connections, next to one per thread of the event
+   loop's default executor (what the backend opened before the option existed).
 """
 
 import argparse
@@ -310,13 +315,80 @@ def section_dead_waiter(cfg, p, results):
     results["dead_waiter_s"] = max(delays)
 
 
+# -- 4. async callers on a database ------------------------------------------------------
+
+DB_COROUTINES = 64
+
+
+def _executor_threads():
+    """How many threads the event loop's default executor may start on this machine."""
+    return min(32, (os.cpu_count() or 1) + 4)
+
+
+def _db_pairs(engine, cfg, connections, pairs_each):
+    """Pairs per second of DB_COROUTINES coroutines, each acquiring and releasing
+    names of its own through a new backend on ``engine`` with ``connections`` shared
+    connections, and how many lock connections that backend opened."""
+    from django_setnx.backends.database import DatabaseBackend
+
+    backend = DatabaseBackend(
+        f"bench-async-{engine}",
+        {"OPTIONS": {"DATABASE": engine, "ASYNC_CONNECTIONS": connections}},
+    )
+    prefix = f"{cfg['name_prefix']}:adb:{connections}"
+    owner = {"host": "bench", "pid": os.getpid(), "thread": "bench"}
+
+    async def pairs(i):
+        for k in range(pairs_each):
+            name, token = f"{prefix}:{i}:{k}", secrets.token_hex(16)
+            check((await backend.aacquire(name, token, TTL, owner)).acquired, "aacquire")
+            check(await backend.arelease(name, token), "arelease")
+
+    async def run():
+        await backend.aget(f"{prefix}:warm-up")
+        t0 = pc()
+        await asyncio.gather(*(pairs(i) for i in range(DB_COROUTINES)))
+        return pc() - t0
+
+    try:
+        elapsed_ns = asyncio.run(run())
+        return DB_COROUTINES * pairs_each / (elapsed_ns / 1e9), len(backend._wrappers)
+    finally:
+        backend.close()
+
+
+def section_database(cfg, p, results):
+    threads = _executor_threads()
+    out(f"## 4. {DB_COROUTINES} coroutines on a database (acquire+release pairs per second)")
+    out()
+    variants = [(1, "1 shared connection"), (2, "2 shared connections")]
+    variants.append((4, "4 shared connections (**default**)"))
+    variants.append((threads, f"one per executor thread ({threads}), as before the option"))
+    rows = []
+    for engine in cfg["engines"]:
+        rates = {n: [] for n, _label in variants}
+        opened = {}
+        # Interleaved rounds: drift and background load hit every variant alike.
+        for _ in range(p["db_rounds"]):
+            for n, _label in variants:
+                rate, opened[n] = _db_pairs(engine, cfg, n, p["db_pairs"])
+                rates[n].append(rate)
+        baseline = median(rates[threads])
+        for n, label in variants:
+            rate = median(rates[n])
+            rows.append([engine, label, f"{rate:,.0f}", f"{rate / baseline:.2f}x", opened[n]])
+    table(
+        ["database", "async callers' connections", "pairs/s", "vs one per thread", "opened"], rows
+    )
+
+
 # -- main -----------------------------------------------------------------------------------
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
-    parser.add_argument("--sections", default="1,2,3", help="comma list (default 1,2,3)")
+    parser.add_argument("--sections", default="1,2,3,4", help="comma list (default 1,2,3,4)")
     args = parser.parse_args()
     sections = {s.strip() for s in args.sections.split(",")}
     if args.quick:
@@ -327,6 +399,8 @@ def main():
             "waiters": 1000,
             "window": 4.0,
             "dead_rounds": 2,
+            "db_rounds": 3,
+            "db_pairs": 10,
         }
     else:
         p = {
@@ -336,6 +410,8 @@ def main():
             "waiters": 1000,
             "window": 8.0,
             "dead_rounds": 5,
+            "db_rounds": 5,
+            "db_pairs": 20,
         }
     notes = []
     cfg = _setup.prepare(notes)
@@ -360,6 +436,9 @@ def main():
             section_waiters(cfg, p, results)
         if "3" in sections:
             section_dead_waiter(cfg, p, results)
+        if "4" in sections:
+            _setup.migrate(cfg, notes)
+            section_database(cfg, p, results)
         rows = []
         if "async_ratio" in results:
             rows.append(
@@ -405,9 +484,10 @@ def main():
                     verdict(results["dead_waiter_s"] <= TARGETS["dead_waiter_s"]),
                 ]
             )
-        out("## Targets")
-        out()
-        table(["what", "measured", "target", ""], rows)
+        if rows:  # section 4 has no target of its own
+            out("## Targets")
+            out()
+            table(["what", "measured", "target", ""], rows)
     finally:
         _setup.teardown(cfg, False, notes)
         for note in notes:
