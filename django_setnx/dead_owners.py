@@ -238,6 +238,11 @@ def in_background(function: Callable[..., object], *args: Any, **kwargs: Any) ->
             function(*args, **kwargs)
         except Exception:  # a background cleanup must never take its host down
             logger.warning("Freeing the locks of a dead owner failed", exc_info=True)
+        finally:
+            # The connections this thread opened: closed now, not at some garbage
+            # collection (one thread per dead worker, in a long-lived arbiter).
+            for backend in locks.all(initialized_only=True):
+                backend._background_thread_done()
 
     thread = threading.Thread(target=run, name="django-setnx-dead-owner", daemon=True)
     thread.start()

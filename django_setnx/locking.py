@@ -211,7 +211,7 @@ class Lock:
     # -- acquire ------------------------------------------------------------------
 
     def _prepare_acquire(
-        self, blocking: bool | None, timeout: object
+        self, blocking: bool | None, timeout: object, *, in_event_loop: bool = False
     ) -> tuple[str, dict[str, Any], float | None]:
         if self._token is not None and not self.lost:
             raise LockError(
@@ -221,7 +221,7 @@ class Lock:
         blocking = self.blocking if blocking is None else bool(blocking)
         timeout = self.timeout if timeout is _UNSET else validate_timeout(timeout)
         if self.lost:  # re-acquiring after a loss: the old renewal must not linger
-            self._stop_renewer()
+            self._stop_renewer(join=not in_event_loop)
             self._token = None
         if not blocking:
             timeout = 0
@@ -292,7 +292,7 @@ class Lock:
 
     async def aacquire(self, blocking: bool | None = None, timeout: object = _UNSET) -> bool:
         """Async twin of :meth:`acquire`; waiting does not block the event loop."""
-        token, owner, deadline = self._prepare_acquire(blocking, timeout)
+        token, owner, deadline = self._prepare_acquire(blocking, timeout, in_event_loop=True)
         calls = _CallClock()
         backend = self.backend
         first = None
@@ -530,16 +530,19 @@ class Lock:
             logger.debug("Could not free lost lock %r", self.name, exc_info=True)
 
     async def _arelease_lost(self) -> None:
-        self._stop_renewer()
+        self._stop_renewer(join=False)
         try:
             await self.backend.arelease(*self._held())
         except LockError:
             logger.debug("Could not free lost lock %r", self.name, exc_info=True)
 
-    def _stop_renewer(self) -> None:
+    def _stop_renewer(self, join: bool = True) -> None:
+        """Stop the renewal thread; with ``join``, wait briefly for an extend in
+        flight. Never from an event loop's thread (``join=False``): the wait would
+        stall every coroutine of the loop, and a late extend is token-checked."""
         renewer, self._renewer = self._renewer, None
         if renewer is not None:
-            renewer.stop()
+            renewer.stop(join=join)
 
     def _released(self, released: bool) -> None:
         self._token = None
@@ -591,7 +594,7 @@ class Lock:
             self._token = None
             raise self._lost_error("release")
         record, token = self._check_held_by_us("release")
-        self._stop_renewer()
+        self._stop_renewer(join=False)
         try:
             released = await self.backend.arelease(record, token)
         except asyncio.CancelledError as cancelled:
@@ -875,10 +878,10 @@ class _Renewer(threading.Thread):
         _watchdog.watch(self, self.valid_until)
         super().start()
 
-    def stop(self) -> None:
+    def stop(self, join: bool = True) -> None:
         self._stop_event.set()
         _watchdog.unwatch(self)
-        if threading.current_thread() is not self:
+        if join and threading.current_thread() is not self:
             # Wait briefly for an extend in flight. Safe to stop waiting: a late
             # extend is token-checked and finds the released record gone.
             self.join(timeout=min(self.lock.ttl, STOP_JOIN_TIMEOUT))
@@ -891,14 +894,22 @@ class _Renewer(threading.Thread):
             self.lock._mark_lost()
 
     def run(self) -> None:
+        try:
+            self._renew_until_stopped()
+        finally:
+            self.lock.backend._background_thread_done()
+
+    def _renew_until_stopped(self) -> None:
         lk = self.lock
-        # As the async twins do: a database backend lends this thread one of the
-        # connections shared by its process' async callers for each extend, instead
-        # of a connection of its own per renewed lock (ASYNC_CONNECTIONS).
-        extend = lk.backend._for_executor(lk.backend.extend)
         wait = self.interval
         while not self._stop_event.wait(wait):
             started = time.monotonic()
+            # A database backend lends this thread one of the connections its async
+            # callers share, if one frees up within half the time left, instead of
+            # opening one per renewed lock (ASYNC_CONNECTIONS); else the thread's
+            # own, closed as it ends. The wait alone never makes the lock lost.
+            patience = max(min(self.interval, self.valid_until - started) / 2, 0.0)
+            extend = lk.backend._for_background(lk.backend.extend, patience)
             try:
                 renewed = extend(self.record, self.token, lk.ttl)
             except LockError:

@@ -789,6 +789,93 @@ def test_renewal_threads_share_the_async_callers_connections(database_alias):
                 lk.release()
 
 
+@pytest.mark.parametrize("database_alias", _aliases("postgresql", "mysql", "sqlite"))
+def test_a_renewal_never_waits_behind_busy_shared_connections(database_alias):
+    """A renewal that finds every shared connection busy (async calls stuck behind a
+    row lock, say) runs on its thread's own connection at once, and the lock is not
+    lost for calls it has nothing to do with (review r93); that connection is
+    closed when the renewal thread ends, not left to the garbage collector."""
+    from django.test import override_settings
+
+    configured = {
+        **settings.SETNX_LOCKS,
+        "renew-busy": {
+            "BACKEND": "django_setnx.backends.database.DatabaseBackend",
+            "OPTIONS": {"DATABASE": database_alias, "ASYNC_CONNECTIONS": 1},
+        },
+    }
+    with override_settings(SETNX_LOCKS=configured):
+        backend = locks["renew-busy"]
+        renewed = lock(f"renew-busy:{_token()}", ttl=0.6, backend="renew-busy", auto_renew=True)
+        with backend._shared.get().borrowed(5):  # the one shared connection, stuck
+            assert renewed.acquire(blocking=False)
+            first = backend.get(renewed.name).expires_at
+            time.sleep(1.2)  # two ttls: lost unless renewed
+            assert renewed.owned() and not renewed.lost
+            assert backend.get(renewed.name).expires_at > first
+            assert len(backend._wrappers) == 2  # this thread's, and the renewal's own
+            gc.disable()  # the renewal's connection is closed by its thread, not by a collection
+            try:
+                renewed.release()  # waits for the renewal thread to end
+                assert len(backend._wrappers) == 1
+            finally:
+                gc.enable()
+
+
+@pytest.mark.parametrize("database_alias", _aliases("postgresql", "sqlite"))
+def test_an_async_release_never_waits_for_the_renewal_in_the_event_loop(database_alias):
+    """arelease() of an auto_renew lock stops its renewal thread without joining it:
+    a renewal waiting for a shared connection (or a slow extend) would stall every
+    coroutine of the loop meanwhile (review r93: 3 s)."""
+    from django.test import override_settings
+
+    configured = {
+        **settings.SETNX_LOCKS,
+        "renew-loop": {
+            "BACKEND": "django_setnx.backends.database.DatabaseBackend",
+            "OPTIONS": {"DATABASE": database_alias, "ASYNC_CONNECTIONS": 1},
+        },
+    }
+
+    def hold_the_shared_connection(pool, taken, seconds):
+        state = pool.take(5)
+        taken.set()
+        time.sleep(seconds)
+        pool.give_back(state)
+
+    async def main(backend):
+        renewed = lock(f"renew-loop:{_token()}", ttl=6, backend="renew-loop", auto_renew=True)
+        assert await renewed.aacquire(blocking=False)
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(1.8)  # the renewal comes at 2 s, and may wait 1 s for a connection
+        taken = threading.Event()
+        holder = threading.Thread(
+            target=hold_the_shared_connection, args=(backend._shared.get(), taken, 1.0)
+        )
+        holder.start()
+        await loop.run_in_executor(None, taken.wait)
+        await asyncio.sleep(0.4)  # the renewal is waiting for the connection now
+        gaps, ticking = [], True
+
+        async def tick():
+            last = loop.time()
+            while ticking:
+                await asyncio.sleep(0.01)
+                gaps.append(loop.time() - last)
+                last = loop.time()
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0.05)
+        await renewed.arelease()  # its own statement waits for the connection, in a thread
+        ticking = False
+        await ticker
+        await loop.run_in_executor(None, holder.join)
+        return max(gaps)
+
+    with override_settings(SETNX_LOCKS=configured):
+        assert asyncio.run(main(locks["renew-loop"])) < 0.3
+
+
 @pytest.mark.parametrize("database_alias", _aliases("postgresql", "sqlite"))
 def test_an_async_call_that_finds_every_shared_connection_busy_fails_clearly(
     make_backend, database_alias

@@ -638,11 +638,23 @@ class BaseLockBackend:
     # -- async twins ------------------------------------------------------------
 
     def _for_executor(self, func: Callable[_P, _R]) -> Callable[_P, _R]:
-        """``func`` as it is run in a thread other than the caller's (by the async
-        twins, and by the thread that renews an ``auto_renew`` lock): here, as it
-        is. A backend with a connection per thread wraps it so that each call
-        borrows one of a few shared connections instead (see DatabaseBackend)."""
+        """``func`` as the async twins run it in a thread other than the caller's:
+        here, as it is. A backend with a connection per thread wraps it so that
+        each call borrows one of a few shared connections instead (see
+        DatabaseBackend)."""
         return func
+
+    def _for_background(self, func: Callable[_P, _R], patience: float) -> Callable[_P, _R]:
+        """``func`` as a thread of ours (the renewal of an ``auto_renew`` lock) runs
+        it: here, as it is. A backend with a connection per thread wraps it so that
+        each call borrows a shared connection if one frees up within ``patience``
+        seconds (see DatabaseBackend). Such a thread calls
+        :meth:`_background_thread_done` as it ends."""
+        return func
+
+    def _background_thread_done(self) -> None:
+        """Called by a thread of ours as it ends: free what it opened (nothing here)."""
+        return None
 
     def _in_executor(self, func: Callable[_P, _R]) -> Callable[_P, Coroutine[Any, Any, _R]]:
         """``func`` as a coroutine function that runs it in the event loop's default

@@ -399,10 +399,10 @@ class DatabaseBackend(BaseLockBackend):
         return state
 
     def _for_executor(self, func):
-        """``func``, run by an async twin in an executor thread (or by a lock's
-        renewal thread), borrows one of the ASYNC_CONNECTIONS connections that
-        this process' async callers share for the length of the call (see
-        db_shared_connections) instead of opening one for the thread."""
+        """``func``, run by an async twin in an executor thread, borrows one of the
+        ASYNC_CONNECTIONS connections that this process' async callers share for
+        the length of the call (see db_shared_connections) instead of opening one
+        for the thread."""
 
         @functools.wraps(func)
         def on_a_shared_connection(*args, **kwargs):
@@ -411,26 +411,60 @@ class DatabaseBackend(BaseLockBackend):
 
         return on_a_shared_connection
 
+    def _for_background(self, func, patience):
+        """``func``, run by a lock's renewal thread: on a shared connection if one is
+        free within ``patience`` seconds, else on the thread's own (see
+        :meth:`_background_thread_done`). A renewal never waits long behind async
+        calls stuck on something else: its lock would be lost."""
+
+        @functools.wraps(func)
+        def on_a_free_connection(*args, **kwargs):
+            with self._borrowing_a_connection(or_own_after=patience):
+                return func(*args, **kwargs)
+
+        return on_a_free_connection
+
+    def _background_thread_done(self):
+        """Close the calling thread's own connection, if it opened one, now rather
+        than whenever the garbage collector finds it."""
+        state = getattr(self._local, "current", None)
+        if state is not None and not state.shared and state.wrapper is not None:
+            wrapper, state.wrapper = state.wrapper, None
+            self._drop(wrapper)
+            with self._wrappers_lock:
+                self._wrappers.discard(wrapper)
+
     @contextlib.contextmanager
-    def _borrowing_a_connection(self):
+    def _borrowing_a_connection(self, *, or_own_after=None):
+        """Run the block on one of the shared connections, waiting for one up to
+        OPERATION_TIMEOUT; with ``or_own_after`` (seconds), on this thread's own
+        connection if none is free by then."""
         if self._pid != os.getpid():  # forked without a fork hook (uWSGI's default)
             self._forget_connections()
+        pool = self._shared.get()
+        or_own = or_own_after is not None
+        try:
+            state = pool.take(
+                min(or_own_after, self.operation_timeout) if or_own else self.operation_timeout
+            )
+        except AllBusy:
+            if not or_own:
+                raise LockBackendError(
+                    self.alias,
+                    f"all {self._async_connections} lock connections of this process' "
+                    f"async callers (OPTIONS['ASYNC_CONNECTIONS']) stayed busy for "
+                    f"{self.operation_timeout:g} s (OPERATION_TIMEOUT)",
+                ) from None
+            yield
+            return
         local = self._local
         previous = getattr(local, "current", None)
+        local.current = state
         try:
-            with self._shared.get().borrowed(self.operation_timeout) as state:
-                local.current = state
-                try:
-                    yield
-                finally:
-                    local.current = previous
-        except AllBusy:
-            raise LockBackendError(
-                self.alias,
-                f"all {self._async_connections} lock connections of this process' async "
-                f"callers (OPTIONS['ASYNC_CONNECTIONS']) stayed busy for "
-                f"{self.operation_timeout:g} s (OPERATION_TIMEOUT)",
-            ) from None
+            yield
+        finally:
+            local.current = previous
+            pool.give_back(state)
 
     def _private_wrapper(self):
         from django.db import connections

@@ -7,7 +7,11 @@ worker process, each counted against the server's ``max_connections``, for calls
 that each take a millisecond. So the executor thread borrows one of a few
 connections that every async caller of the process shares (``ASYNC_CONNECTIONS``),
 for the length of one call (its statements, and a contention's retries), and gives
-it back. The threads that renew ``auto_renew`` locks, one per lock, borrow them too.
+it back. The threads that renew ``auto_renew`` locks, one per lock, borrow them too,
+but wait for one only a sixth of their ttl: a renewal that finds them all busy
+that long (async calls stuck behind a row lock, say) runs on a connection of its
+thread's own, closed when the thread ends, so that its lock is never lost because
+of calls it has nothing to do with.
 
 A call may wait up to ``OPERATION_TIMEOUT`` for a free connection, and then its
 statements have their own ``OPERATION_TIMEOUT``.
@@ -59,10 +63,9 @@ class SharedConnections:
         self._made = 0
         self._condition = threading.Condition(threading.Lock())
 
-    @contextlib.contextmanager
-    def borrowed(self, timeout: float) -> Iterator[ConnectionState]:
-        """Lend a state for the ``with`` block; raises :class:`AllBusy` if none is free
-        within ``timeout`` seconds."""
+    def take(self, timeout: float) -> ConnectionState:
+        """A state to use until :meth:`give_back`; raises :class:`AllBusy` if none is
+        free within ``timeout`` seconds (0: only one free now)."""
         deadline = time.monotonic() + timeout
         with self._condition:
             while not self._idle and self._made >= self.size:
@@ -71,13 +74,20 @@ class SharedConnections:
                     raise AllBusy
                 self._condition.wait(remaining)
             if self._idle:
-                state = self._idle.pop()
-            else:
-                state = ConnectionState(shared=True)
-                self._made += 1
+                return self._idle.pop()
+            self._made += 1
+            return ConnectionState(shared=True)
+
+    def give_back(self, state: ConnectionState) -> None:
+        with self._condition:
+            self._idle.append(state)
+            self._condition.notify()
+
+    @contextlib.contextmanager
+    def borrowed(self, timeout: float) -> Iterator[ConnectionState]:
+        """:meth:`take` for the ``with`` block."""
+        state = self.take(timeout)
         try:
             yield state
         finally:
-            with self._condition:
-                self._idle.append(state)
-                self._condition.notify()
+            self.give_back(state)
