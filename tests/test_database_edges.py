@@ -757,22 +757,29 @@ def test_async_callers_share_a_few_connections(make_backend, database_alias):
     assert len(backend._wrappers) == 3
 
 
+@contextlib.contextmanager
+def _registered(lock_alias, database_alias, **options):
+    """A database lock backend registered in SETNX_LOCKS as ``lock_alias`` (so that
+    ``lock(..., backend=lock_alias)`` uses it) for the ``with`` block; yields it."""
+    from django.test import override_settings
+
+    configured = {
+        **settings.SETNX_LOCKS,
+        lock_alias: {
+            "BACKEND": "django_setnx.backends.database.DatabaseBackend",
+            "OPTIONS": {"DATABASE": database_alias, **options},
+        },
+    }
+    with override_settings(SETNX_LOCKS=configured):
+        yield locks[lock_alias]
+
+
 @pytest.mark.parametrize("database_alias", _aliases("postgresql", "mysql", "sqlite"))
 def test_renewal_threads_share_the_async_callers_connections(database_alias):
     """Each auto_renew lock has a thread that renews it: its extends borrow one of the
     ASYNC_CONNECTIONS shared connections, instead of a connection per renewed lock
     (kept until the garbage collector ran, review r92)."""
-    from django.test import override_settings
-
-    configured = {
-        **settings.SETNX_LOCKS,
-        "renew-shared": {
-            "BACKEND": "django_setnx.backends.database.DatabaseBackend",
-            "OPTIONS": {"DATABASE": database_alias, "ASYNC_CONNECTIONS": 2},
-        },
-    }
-    with override_settings(SETNX_LOCKS=configured):
-        backend = locks["renew-shared"]
+    with _registered("renew-shared", database_alias, ASYNC_CONNECTIONS=2) as backend:
         held = [
             lock(f"renew-shared:{_token()}", ttl=0.6, backend="renew-shared", auto_renew=True)
             for _ in range(12)
@@ -795,17 +802,7 @@ def test_a_renewal_never_waits_behind_busy_shared_connections(database_alias):
     row lock, say) runs on its thread's own connection at once, and the lock is not
     lost for calls it has nothing to do with (review r93); that connection is
     closed when the renewal thread ends, not left to the garbage collector."""
-    from django.test import override_settings
-
-    configured = {
-        **settings.SETNX_LOCKS,
-        "renew-busy": {
-            "BACKEND": "django_setnx.backends.database.DatabaseBackend",
-            "OPTIONS": {"DATABASE": database_alias, "ASYNC_CONNECTIONS": 1},
-        },
-    }
-    with override_settings(SETNX_LOCKS=configured):
-        backend = locks["renew-busy"]
+    with _registered("renew-busy", database_alias, ASYNC_CONNECTIONS=1) as backend:
         renewed = lock(f"renew-busy:{_token()}", ttl=0.6, backend="renew-busy", auto_renew=True)
         with backend._shared.get().borrowed(5):  # the one shared connection, stuck
             assert renewed.acquire(blocking=False)
@@ -827,15 +824,6 @@ def test_an_async_release_never_waits_for_the_renewal_in_the_event_loop(database
     """arelease() of an auto_renew lock stops its renewal thread without joining it:
     a renewal waiting for a shared connection (or a slow extend) would stall every
     coroutine of the loop meanwhile (review r93: 3 s)."""
-    from django.test import override_settings
-
-    configured = {
-        **settings.SETNX_LOCKS,
-        "renew-loop": {
-            "BACKEND": "django_setnx.backends.database.DatabaseBackend",
-            "OPTIONS": {"DATABASE": database_alias, "ASYNC_CONNECTIONS": 1},
-        },
-    }
 
     def hold_the_shared_connection(pool, taken, seconds):
         state = pool.take(5)
@@ -872,8 +860,8 @@ def test_an_async_release_never_waits_for_the_renewal_in_the_event_loop(database
         await loop.run_in_executor(None, holder.join)
         return max(gaps)
 
-    with override_settings(SETNX_LOCKS=configured):
-        assert asyncio.run(main(locks["renew-loop"])) < 0.3
+    with _registered("renew-loop", database_alias, ASYNC_CONNECTIONS=1) as backend:
+        assert asyncio.run(main(backend)) < 0.3
 
 
 @pytest.mark.parametrize("database_alias", _aliases("postgresql", "sqlite"))
