@@ -496,15 +496,16 @@ class Lock:
         assert self._record is not None and self._token is not None
         return self._record, self._token
 
-    def _check_held_by_us(self, action: str) -> tuple[str, str]:
+    def _check_held_by_us(self, action: str, *, free_lost: bool = True) -> tuple[str, str]:
         """``(record name, token)`` of the acquisition this object holds, or raise
-        LockNotOwned (freeing a lost one first, on release)."""
+        LockNotOwned (freeing a lost one first, on release, unless ``free_lost`` is
+        False: from an event loop, where that sync release must not run)."""
         if self._token is None:
             raise LockNotOwned(
                 self.name, f"Cannot {action} lock {self.name!r}: it is not acquired."
             )
         if self.lost:
-            if action == "release":
+            if action == "release" and free_lost:
                 self._release_lost()
             self._token = None
             raise self._lost_error(action)
@@ -593,7 +594,9 @@ class Lock:
             await self._arelease_lost()
             self._token = None
             raise self._lost_error("release")
-        record, token = self._check_held_by_us("release")
+        # free_lost=False: marked lost since the test above (the watchdog's thread),
+        # the record is left to its ttl rather than released by a sync call here.
+        record, token = self._check_held_by_us("release", free_lost=False)
         self._stop_renewer(join=False)
         try:
             released = await self.backend.arelease(record, token)

@@ -801,22 +801,25 @@ def test_a_renewal_never_waits_behind_busy_shared_connections(database_alias):
     """A renewal that finds every shared connection busy (async calls stuck behind a
     row lock, say) runs on its thread's own connection at once, and the lock is not
     lost for calls it has nothing to do with (review r93); that connection is
-    closed when the renewal thread ends, not left to the garbage collector."""
+    closed after the call, not kept idle for the rest of the ttl (review r94)."""
     with _registered("renew-busy", database_alias, ASYNC_CONNECTIONS=1) as backend:
         renewed = lock(f"renew-busy:{_token()}", ttl=0.6, backend="renew-busy", auto_renew=True)
         with backend._shared.get().borrowed(5):  # the one shared connection, stuck
+            gc.disable()
             assert renewed.acquire(blocking=False)
             first = backend.get(renewed.name).expires_at
             time.sleep(1.2)  # two ttls: lost unless renewed
             assert renewed.owned() and not renewed.lost
             assert backend.get(renewed.name).expires_at > first
-            assert len(backend._wrappers) == 2  # this thread's, and the renewal's own
-            gc.disable()  # the renewal's connection is closed by its thread, not by a collection
-            try:
-                renewed.release()  # waits for the renewal thread to end
-                assert len(backend._wrappers) == 1
-            finally:
-                gc.enable()
+            # Only this thread's, but for the instants of a renewal: the renewal's
+            # own connection is closed after each use (by it, not by a collection).
+            counts = []
+            for _ in range(50):
+                counts.append(len(backend._wrappers))
+                time.sleep(0.01)
+            assert min(counts) == 1 and max(counts) <= 2, counts
+            gc.enable()
+            renewed.release()
 
 
 @pytest.mark.parametrize("database_alias", _aliases("postgresql", "sqlite"))

@@ -455,7 +455,12 @@ class DatabaseBackend(BaseLockBackend):
                     f"async callers (OPTIONS['ASYNC_CONNECTIONS']) stayed busy for "
                     f"{self.operation_timeout:g} s (OPERATION_TIMEOUT)",
                 ) from None
-            yield
+            try:
+                yield
+            finally:
+                # The thread's own connection serves this call only: kept, it would
+                # sit idle for the rest of a long ttl (an hour for a Celery task's).
+                self._background_thread_done()
             return
         local = self._local
         previous = getattr(local, "current", None)
