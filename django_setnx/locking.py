@@ -909,8 +909,8 @@ class _Renewer(threading.Thread):
             started = time.monotonic()
             # A database backend lends this thread one of the connections its async
             # callers share, if one frees up within half the time left, instead of
-            # opening one per renewed lock (ASYNC_CONNECTIONS); else the thread's
-            # own, closed as it ends. The wait alone never makes the lock lost.
+            # opening one per renewed lock (ASYNC_CONNECTIONS); else one of the
+            # thread's own for that call. The wait alone never makes the lock lost.
             patience = max(min(self.interval, self.valid_until - started) / 2, 0.0)
             extend = lk.backend._for_background(lk.backend.extend, patience)
             try:
