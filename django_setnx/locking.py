@@ -530,10 +530,10 @@ class Lock:
         except LockError:
             logger.debug("Could not free lost lock %r", self.name, exc_info=True)
 
-    async def _arelease_lost(self) -> None:
+    async def _arelease_lost(self, held: tuple[str, str] | None = None) -> None:
         self._stop_renewer(join=False)
         try:
-            await self.backend.arelease(*self._held())
+            await self.backend.arelease(*(held or self._held()))
         except LockError:
             logger.debug("Could not free lost lock %r", self.name, exc_info=True)
 
@@ -594,9 +594,16 @@ class Lock:
             await self._arelease_lost()
             self._token = None
             raise self._lost_error("release")
-        # free_lost=False: marked lost since the test above (the watchdog's thread),
-        # the record is left to its ttl rather than released by a sync call here.
-        record, token = self._check_held_by_us("release", free_lost=False)
+        held = self._held() if self._token is not None else None
+        try:
+            # free_lost=False: not with a sync call in the event loop.
+            record, token = self._check_held_by_us("release", free_lost=False)
+        except LockNotOwned:
+            if held is not None and self.lost:
+                # Marked lost since the test above (by the watchdog's thread): free
+                # what may be left of it, as that test would have (review r95).
+                await self._arelease_lost(held)
+            raise
         self._stop_renewer(join=False)
         try:
             released = await self.backend.arelease(record, token)

@@ -113,6 +113,35 @@ def test_lost_lock_still_carrying_our_token_is_freed_by_release(alias, lost_even
     assert lost_events[name] and len(lost_events[name]) == 1
 
 
+def test_a_lock_marked_lost_during_arelease_is_freed_without_blocking(alias, lost_events, name):
+    """The watchdog's thread may mark a lock lost between arelease()'s own test of
+    ``lost`` and its check that the lock is held: arelease still raises, frees what
+    is left of the record through the async path (never a sync call in the event
+    loop: SynchronousOnlyOperation on a database), and the renewal stops."""
+    import asyncio
+
+    from django_setnx.locking import Lock
+
+    class LostMidway(Lock):
+        def _check_held_by_us(self, action, **kwargs):
+            self._mark_lost()  # as the watchdog does, from its own thread
+            return super()._check_held_by_us(action, **kwargs)
+
+    async def main():
+        lk = LostMidway(name, ttl=30, backend=alias, auto_renew=True)
+        assert await lk.aacquire()
+        renewer = lk._renewer
+        with pytest.raises(LockNotOwned, match="lost"):
+            await lk.arelease()
+        return renewer
+
+    renewer = asyncio.run(main())
+    assert locks[alias].get(name) is None
+    renewer.join(5)
+    assert not renewer.is_alive()
+    assert len(lost_events[name]) == 1
+
+
 def test_a_forked_child_gets_a_watchdog_of_its_own(private_redis, name):
     """The watchdog thread does not survive a fork (threads never do): a child whose
     own auto-renewed lock hangs still has it marked lost by its expiry."""
