@@ -601,8 +601,10 @@ class Lock:
         except LockNotOwned:
             if held is not None and self.lost:
                 # Marked lost since the test above (by the watchdog's thread): free
-                # what may be left of it, as that test would have (review r95).
-                await self._arelease_lost(held)
+                # what may be left of it, as that test would have (review r95), to its
+                # end even if the caller is cancelled: the token is gone, so no later
+                # call could (review r96).
+                await _shielded(self._arelease_lost(held))
             raise
         self._stop_renewer(join=False)
         try:

@@ -116,8 +116,8 @@ def test_lost_lock_still_carrying_our_token_is_freed_by_release(alias, lost_even
 def test_a_lock_marked_lost_during_arelease_is_freed_without_blocking(alias, lost_events, name):
     """The watchdog's thread may mark a lock lost between arelease()'s own test of
     ``lost`` and its check that the lock is held: arelease still raises, frees what
-    is left of the record through the async path (never a sync call in the event
-    loop: SynchronousOnlyOperation on a database), and the renewal stops."""
+    is left of the record (on SQLite, a sync release in the event loop would raise
+    SynchronousOnlyOperation instead), and the renewal stops."""
     import asyncio
 
     from django_setnx.locking import Lock

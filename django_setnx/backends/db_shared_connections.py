@@ -9,10 +9,10 @@ connections that every async caller of the process shares (``ASYNC_CONNECTIONS``
 for the length of one call (its statements, and a contention's retries), and gives
 it back. The threads that renew ``auto_renew`` locks, one per lock, borrow them too,
 but wait for one at most half the time their lock has left (renewals come every
-third of the ttl, so at most a sixth of it, and never past OPERATION_TIMEOUT): a renewal that finds them all busy
-that long (async calls stuck behind a row lock, say) runs on a connection of its
-thread's own, opened for that call and closed after it, so that its lock is never
-lost because of calls it has nothing to do with.
+third of the ttl, so at most a sixth of it, and never past OPERATION_TIMEOUT): a
+renewal that finds them all busy that long (async calls stuck behind a row lock,
+say) runs on a connection of its thread's own, opened for that call and closed
+after it, so that its lock is never lost because of calls it has nothing to do with.
 
 A call may wait up to ``OPERATION_TIMEOUT`` for a free connection, and then its
 statements have their own ``OPERATION_TIMEOUT``.
