@@ -403,26 +403,22 @@ class DatabaseBackend(BaseLockBackend):
         ASYNC_CONNECTIONS connections that this process' async callers share for
         the length of the call (see db_shared_connections) instead of opening one
         for the thread."""
-
-        @functools.wraps(func)
-        def on_a_shared_connection(*args, **kwargs):
-            with self._borrowing_a_connection():
-                return func(*args, **kwargs)
-
-        return on_a_shared_connection
+        return self._on_a_shared_connection(func)
 
     def _for_background(self, func, patience):
         """``func``, run by a lock's renewal thread: on a shared connection if one is
         free within ``patience`` seconds, else on the thread's own (see
         :meth:`_background_thread_done`). A renewal never waits long behind async
         calls stuck on something else: its lock would be lost."""
+        return self._on_a_shared_connection(func, or_own_after=patience)
 
+    def _on_a_shared_connection(self, func, or_own_after=None):
         @functools.wraps(func)
-        def on_a_free_connection(*args, **kwargs):
-            with self._borrowing_a_connection(or_own_after=patience):
+        def borrowing(*args, **kwargs):
+            with self._borrowing_a_connection(or_own_after=or_own_after):
                 return func(*args, **kwargs)
 
-        return on_a_free_connection
+        return borrowing
 
     def _background_thread_done(self):
         """Close the calling thread's own connection, if it opened one, now rather
