@@ -302,6 +302,33 @@ def test_a_connection_dropped_while_idle_is_replaced_before_use(server_alias, na
 
 @needs(SERVER_ALIASES)
 @pytest.mark.parametrize("server_alias", SERVER_ALIASES)
+def test_a_shared_connection_dropped_while_idle_is_replaced_before_an_async_call(
+    server_alias, name, make_backend
+):
+    """The connections async callers share (ASYNC_CONNECTIONS) keep their own idle
+    time: one the server dropped while idle is checked and replaced before the next
+    async call, which succeeds."""
+    backend = make_backend(server_alias, HEALTH_CHECK_AFTER=0.2, ASYNC_CONNECTIONS=1)
+    killer = make_backend(server_alias)
+    token = _token()
+    assert asyncio.run(backend.aacquire(name, token, 30, OWNER)).acquired
+    assert asyncio.run(backend.arelease(name, token))
+    _session_id(killer)  # connects the killer
+    with backend._borrowing_a_connection():
+        session = _session_id(backend)
+
+    _kill(killer, session)
+    time.sleep(0.3)  # idle for longer than HEALTH_CHECK_AFTER
+    # The check replaced it, not a retry: this query is never retried.
+    with backend._borrowing_a_connection():
+        assert _session_id(backend) != session
+    token = _token()
+    assert asyncio.run(backend.aacquire(name, token, 30, OWNER)).acquired
+    assert asyncio.run(backend.arelease(name, token)) is True
+
+
+@needs(SERVER_ALIASES)
+@pytest.mark.parametrize("server_alias", SERVER_ALIASES)
 def test_a_busy_connection_is_not_checked_and_a_lost_one_is_retried(
     server_alias, name, make_backend
 ):
