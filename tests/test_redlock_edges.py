@@ -5,10 +5,12 @@ fork safety is in tests/test_forks.py.
 """
 
 import builtins
+import contextlib
 import logging
 import math
 import os
 import signal
+import time
 from io import StringIO
 
 import pytest
@@ -23,6 +25,7 @@ if "redis" not in settings.TEST_BACKENDS:
 import redis
 
 from django_setnx import lock, locks
+from django_setnx.backends import redlock_wire as wire
 from django_setnx.backends.redlock import RedlockBackend
 from django_setnx.exceptions import LockBackendError
 from tests.test_redlock import MARKER, OWNER, alias_on, clients, fence_key, lock_key, unique
@@ -72,6 +75,72 @@ def test_no_majority_is_an_error_at_once_naming_each_node_and_why(make_masters):
                 assert f"{label(stopped)}: TimeoutError" in message, message
         finally:
             os.kill(stopped.process.pid, signal.SIGCONT)
+
+
+# -- a slow node does not set the pace of release and extend -----------------------------
+
+
+@contextlib.contextmanager
+def writes_paused(client):
+    """The node answers reads but holds every write (scripts included) until the end
+    of the block, as a node stalled by a slow disk or a long command would."""
+    client.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
+    try:
+        yield
+    finally:
+        client.execute_command("CLIENT", "UNPAUSE")
+
+
+def test_release_and_extend_end_once_a_majority_confirmed(make_masters):
+    """With one node stalled, release and extend return once the other two confirmed
+    (not after NODE_TIMEOUT): the stalled node had not run either when they returned.
+    Its late replies are read and dropped before its connections are used again, so
+    later rounds read their own replies there, and the node catches up."""
+    masters = make_masters(3)
+    name = unique()
+    slow = clients(masters)[2]
+    with alias_on(masters.urls, NODE_TIMEOUT=30) as alias:
+        backend = locks[alias]
+        held = lock(name, ttl=30, backend=alias)
+        assert held.acquire(blocking=False)
+        before = slow.hget(lock_key(name), "expires")
+        with writes_paused(slow):
+            held.extend(60)
+            assert slow.hget(lock_key(name), "expires") == before, "extended before it ran"
+            held.release()
+            assert slow.exists(lock_key(name)) == 1, "released before it ran"
+            assert [due for _, due, _ in backend.nodes[2].server._parked] == [1, 1]
+        for _ in range(3):
+            again = lock(name, ttl=30, backend=alias)
+            assert again.acquire(blocking=False)
+            records = [client.hgetall(lock_key(name)) for client in clients(masters)]
+            assert [r[b"token"] for r in records] == [again._token.encode()] * 3
+            again.release()
+        assert len(backend.nodes[2].server._parked) <= wire.MAX_PARKED
+
+
+def test_a_stalled_node_costs_at_most_max_parked_connections(make_masters):
+    """A node that stays stalled: each release parks one more connection until
+    MAX_PARKED, then a round waits for the oldest, which is closed once its deadline
+    passed (its replies could otherwise reach a later round). The other nodes still
+    decide every operation."""
+    masters = make_masters(3)
+    slow = clients(masters)[2]
+    with alias_on(masters.urls, NODE_TIMEOUT=0.3) as alias:
+        server = locks[alias].nodes[2].server
+        with writes_paused(slow):
+            for _ in range(wire.MAX_PARKED + 2):
+                held = lock(unique(), ttl=30, backend=alias)
+                assert held.acquire(blocking=False)  # the stalled node: a failed "no"
+                held.release()
+                assert len(server._parked) <= wire.MAX_PARKED
+            oldest = server._parked[0][0]
+            time.sleep(0.4)  # every parked connection's deadline passes
+            held = lock(unique(), ttl=30, backend=alias)
+            assert held.acquire(blocking=False)
+            assert oldest.conn._sock is None, "a connection late past its deadline is closed"
+            assert server._parked == []
+        held.release()
 
 
 # -- brand-new masters and trustlocknodes -------------------------------------------------

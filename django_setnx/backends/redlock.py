@@ -415,6 +415,8 @@ class RedlockBackend(BaseLockBackend):
         self._fencing_of = _BoundedMap(FENCING_MEMORY)
         self.scan_timeout = max(MIN_SCAN_TIMEOUT, 4 * self.node_timeout)
         self.quorum = len(self.locations) // 2 + 1
+        # When a round of release or extend may stop waiting (see _round).
+        self._said_one_by_majority = self._majority_said((1).__eq__)
         self.marker_key = f"{self.key_prefix}:{MARKER_SUFFIX}"
         self._match_head = escape(self.key_prefix) + ":{"
         self._nodes = None
@@ -553,7 +555,7 @@ class RedlockBackend(BaseLockBackend):
     #: redis-py clients to measure what the raw sockets are worth.
     _round_trip = staticmethod(wire.round_trip)
 
-    def _round(self, calls, timeout=None, wrong_type_is_a_reply=False):
+    def _round(self, calls, timeout=None, wrong_type_is_a_reply=False, enough=None):
         """Run ``calls`` (``{node index: [(script, keys, args), ...]}``; a plain
         command is ``(None, (command, *args), ())``) on the nodes in parallel and
         return ``{node index: [reply, ...] or wire.Failure}``.
@@ -566,6 +568,18 @@ class RedlockBackend(BaseLockBackend):
         ``wrong_type_is_a_reply`` a WRONGTYPE error stays in its replies (a record
         that cannot be read). The result's ``started`` is taken after connecting,
         before the first write. A call list shared by several nodes is packed once.
+
+        ``enough(results)`` ends the round early once it returns True for the replies
+        in so far (see redlock_wire.round_trip): the nodes not awaited are
+        ``wire.Pending`` in the result. Release and extend pass one that is True
+        once a majority confirmed, so the slowest node of a healthy majority does
+        not set their pace (the node still does the work: its reply is read before
+        its connection is used again). Acquire waits for every node (or
+        ``NODE_TIMEOUT``): the lock's fencing token is the largest that its nodes
+        minted, and the slowest node, whose clock reads latest, usually mints the
+        largest, which the majority view (``_merge``) and a fencing-checked delete
+        then show. Ending early would tell the holder a smaller token than the
+        one every later reader sees.
         """
         nodes = self.nodes
         commands = {}  # id(calls list) -> its commands
@@ -579,13 +593,13 @@ class RedlockBackend(BaseLockBackend):
                 ]
             requests[index] = (nodes[index].server, node_commands)
         replies, started = self._round_trip(
-            requests, self.node_timeout if timeout is None else timeout
+            requests, self.node_timeout if timeout is None else timeout, enough
         )
         results = _Results(replies)
         results.started = started
         missing = {}  # node index -> call numbers that got NOSCRIPT
         for index, node_replies in replies.items():
-            if isinstance(node_replies, wire.Failure):
+            if not isinstance(node_replies, list):  # a Failure, or Pending
                 continue
             for call_no, reply in enumerate(node_replies):
                 if not isinstance(reply, ResponseError):
@@ -637,11 +651,30 @@ class RedlockBackend(BaseLockBackend):
     def _failures(results):
         return [r for r in results.values() if isinstance(r, wire.Failure)]
 
+    @staticmethod
+    def _answered(results):
+        """How many nodes replied (neither failed nor left pending)."""
+        return sum(1 for r in results.values() if isinstance(r, list))
+
+    def _majority_said(self, yes):
+        """An ``enough`` for :meth:`_round`: True once a majority of nodes gave a
+        first reply for which ``yes(reply)`` is true."""
+        quorum = self.quorum
+
+        def enough(results):
+            said = 0
+            for replies in results.values():
+                if isinstance(replies, list) and yes(replies[0]):
+                    said += 1
+            return said >= quorum
+
+        return enough
+
     def _require_majority(self, action, results):
         """Raise LockBackendError naming every node that failed unless a majority of
         all the nodes answered ``results`` (a round on every node)."""
         failed = self._failures(results)
-        answered = len(self.locations) - len(failed)
+        answered = self._answered(results)
         if answered < self.quorum:
             raise LockBackendError(self.alias, self._quorum_message(action, answered, failed))
 
@@ -690,7 +723,7 @@ class RedlockBackend(BaseLockBackend):
             else:
                 remainders.append(int(value))
         failed = self._failures(results)
-        answered = len(self.locations) - len(failed)
+        answered = self._answered(results)
         if answered < self.quorum or answered - len(untrusted) < self.quorum:
             if maybe_ours:
                 self._release_on(name, token, maybe_ours)
@@ -764,9 +797,7 @@ class RedlockBackend(BaseLockBackend):
     def _count(self, results):
         """The number of nodes whose single reply is 1."""
         return sum(
-            1
-            for replies in results.values()
-            if not isinstance(replies, wire.Failure) and replies[0] == 1
+            1 for replies in results.values() if isinstance(replies, list) and replies[0] == 1
         )
 
     def release(self, name, token):
@@ -789,7 +820,8 @@ class RedlockBackend(BaseLockBackend):
                     self.fence_ms,
                     "" if fencing is None else fencing,
                 ),
-            )
+            ),
+            enough=self._said_one_by_majority,
         )
         self._require_majority(action, results)
         released = self._count(results)
@@ -816,7 +848,8 @@ class RedlockBackend(BaseLockBackend):
                 _EXTEND,
                 (self._keys(name)[0],),
                 (token, ttl_ms, self.retention_ms, "" if fencing is None else fencing),
-            )
+            ),
+            enough=self._said_one_by_majority,
         )
         self._require_majority(f"extend {name!r}", results)
         if self._count(results) >= self.quorum and self._valid(results.started, ttl_ms):

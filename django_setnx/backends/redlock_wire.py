@@ -30,6 +30,18 @@ replies.
 **Unread replies.** A connection goes back to its server's stack only after every
 reply of its round was read; one that failed, ran out of time or was interrupted is
 disconnected, so no reply can reach the next round.
+
+**Rounds that end early.** A round may stop waiting once the replies it has settle
+its outcome (``round_trip``'s ``enough``: a majority granted, say), rather than wait
+for the slowest server. Each server still owing replies is reported as
+:class:`Pending`, and its connection is *parked* with the number of replies due and
+the round's deadline. :meth:`Server.take` reads and discards a parked connection's
+late replies before it is used again, and prefers one whose replies are already
+in; while a node stays slow it opens other connections, up to ``MAX_PARKED`` parked
+per server and process, then waits for the oldest (until its deadline at most: one
+whose replies do not come in time is disconnected). A node slower than the others
+costs nobody its pace; a node that stalls costs at most ``MAX_PARKED`` connections,
+then sets the pace again as it did before.
 """
 
 import inspect
@@ -48,6 +60,9 @@ except ImportError:
 #: Shortest wait for a reply: one that has already arrived is still taken after the
 #: deadline.
 MIN_READ_TIMEOUT = 0.0001
+#: Parked connections (late replies due) a server keeps per process before a round
+#: waits for the oldest rather than open another.
+MAX_PARKED = 4
 #: Bytes read from a socket at once on the fast path.
 READ_SIZE = 65536
 
@@ -72,6 +87,19 @@ class Failure:
 
     def __str__(self):
         return f"{self.label}: {self.reason}"
+
+
+class Pending:
+    """A server whose replies a round did not wait for: the replies it had were
+    enough (see ``round_trip``). Whatever the server did is unknown to the caller."""
+
+    __slots__ = ("label",)
+
+    def __init__(self, label):
+        self.label = label
+
+    def __str__(self):
+        return f"{self.label}: not awaited"
 
 
 class _Link:
@@ -105,13 +133,44 @@ class Server:
         self._new_connection = new_connection
         self.fast = hiredis is not None and not tls
         self._idle = []
+        self._parked = []  # (link, replies still due, deadline): see park()
 
     def __repr__(self):
         return f"<Server {self.label}>"
 
     def take(self):
-        """A connected link of this process, idle or new (connecting may raise)."""
+        """A connected link of this process: a parked one whose late replies are in,
+        an idle one, a new one, or else (``MAX_PARKED`` parked) the oldest parked one
+        once its replies came. Connecting may raise."""
         pid = os.getpid()  # not a fork hook's: uWSGI forks without running them
+        link = self._unparked(pid, wait=False)
+        if link is None and len(self._parked) >= MAX_PARKED:
+            link = self._unparked(pid, wait=True)
+        return link or self._idle_or_new(pid)
+
+    def _unparked(self, pid, *, wait):
+        """A parked link drained of its late replies, or None. Without ``wait`` only
+        replies already received are read, each parked link tried once; with it, the
+        oldest is awaited until its deadline. Links of another process, broken or
+        late past their deadline are disconnected."""
+        for _ in range(len(self._parked)):
+            try:
+                link, due, deadline = self._parked.pop(0 if wait else -1)
+            except IndexError:
+                return None
+            if link.conn.pid != pid:
+                link.conn.disconnect()  # inherited across a fork: closes only our copy
+                continue
+            due = _drain(link, due, deadline if wait else None)
+            if due == 0:
+                return link
+            if due is None or (wait or time.monotonic() > deadline):
+                link.conn.disconnect()
+                continue
+            self._parked.insert(0, (link, due, deadline))  # not yet: retried last
+        return None
+
+    def _idle_or_new(self, pid):
         while True:
             try:
                 link = self._idle.pop()  # list.pop/append are atomic: thread-safe
@@ -127,16 +186,22 @@ class Server:
     def give_back(self, link):
         self._idle.append(link)
 
+    def park(self, link, due, deadline):
+        """Keep ``link``, which still owes ``due`` replies by ``deadline``
+        (monotonic), for the next :meth:`take` to drain."""
+        self._parked.append((link, due, deadline))
+
     def drop(self, link):
         link.conn.disconnect()
 
     def close(self):
         idle, self._idle = self._idle, []
-        for link in idle:
+        parked, self._parked = self._parked, []
+        for link in idle + [link for link, _, _ in parked]:
             link.conn.disconnect()
 
 
-def round_trip(requests, timeout):
+def round_trip(requests, timeout, enough=None):
     """Send each server its commands and read every reply, in parallel.
 
     ``requests`` is ``{key: (server, commands)}``, ``commands`` a list of command
@@ -146,6 +211,12 @@ def round_trip(requests, timeout):
     the monotonic time taken after connecting, before the first write. Replies are
     awaited until ``timeout`` seconds after the writes; a server that has not
     answered by then fails.
+
+    ``enough(results)``, if given, is called with the results so far each time a
+    server's replies are all in; once it returns True the round ends, and every
+    server still owing replies is a :class:`Pending` in ``results`` (its connection
+    is parked, see :meth:`Server.park`). Only the fast path ends early; the other
+    reads every reply.
     """
     results = {}
     out = {}  # key -> (server, link, commands): checked out, not given back yet
@@ -159,7 +230,10 @@ def round_trip(requests, timeout):
         started = time.monotonic()
         if out:
             fast = next(iter(out.values()))[0].fast
-            (_exchange_fast if fast else _exchange_redis_py)(out, results, timeout)
+            if fast:
+                _exchange_fast(out, results, timeout, enough)
+            else:
+                _exchange_redis_py(out, results, timeout)
     finally:
         for server, link, _ in out.values():  # interrupted: replies may be unread
             server.drop(link)
@@ -235,9 +309,10 @@ def _send_all(sock, data, deadline):
                 raise redis.exceptions.TimeoutError("could not write the request in time")
 
 
-def _exchange_fast(out, results, timeout):
+def _exchange_fast(out, results, timeout, enough=None):
     """The round on non-blocking sockets: write every request, then one poll over
-    all the sockets until every server's replies are in or the deadline passed."""
+    all the sockets until every server's replies are in (or ``enough`` says the
+    rest need not be awaited) or the deadline passed."""
     cache = {}
     write_deadline = time.monotonic() + timeout
     for key in list(out):
@@ -294,8 +369,40 @@ def _exchange_fast(out, results, timeout):
                 del out[key]
                 server.give_back(link)
                 results[key] = got
+                if pending and enough is not None and enough(results):
+                    for late in pending.values():
+                        server, link, commands = out.pop(late)
+                        server.park(link, len(commands) - len(replies[late]), deadline)
+                        results[late] = Pending(server.label)
+                    return
     for key in list(pending.values()):
         _fail(out, results, key, redis.exceptions.TimeoutError(f"no reply within {timeout:g} s"))
+
+
+def _drain(link, due, deadline):
+    """Read and discard up to ``due`` late replies of a parked fast-path ``link``,
+    waiting until ``deadline`` (monotonic) at most, or not at all if it is None.
+    Returns how many are still due (0: the link is in step again), or None if the
+    connection broke (the caller disconnects it)."""
+    sock, reader = link.sock, link.reader
+    try:
+        while True:
+            while due and reader.gets() is not False:
+                due -= 1
+            if not due:
+                return 0
+            if deadline is None:
+                remaining = 0
+            else:
+                remaining = max(deadline - time.monotonic(), MIN_READ_TIMEOUT)
+            if not _readable({sock.fileno(): sock}, remaining):
+                return due
+            size = sock.recv_into(link.buffer)
+            if not size:
+                return None  # the server closed the connection
+            reader.feed(link.buffer, 0, size)
+    except (*ERRORS, InvalidResponse, ValueError):  # ValueError: a closed socket
+        return None
 
 
 def _exchange_redis_py(out, results, timeout):
