@@ -204,7 +204,10 @@ TRUST_COMMAND = "trustlocknodes"
 # A node without a marker (fresh, or restarted empty) gets one saying "trusted after
 # node_now + MAX_TTL"; a node not trusted yet grants nothing and returns
 # {0, 0, ms until it votes}. Otherwise ACQUIRE runs: {won, fencing or ms until the
-# holder's expiry, 0}.
+# holder's expiry, 0}, on the same reading of the clock (a second TIME costs a
+# command per master and acquire, and the two readings would differ).
+_READ_CLOCK = "local t = redis.call('TIME')\n"
+assert ACQUIRE.count(_READ_CLOCK) == 1
 NODE_ACQUIRE = f"""
 local marker = KEYS[#KEYS]
 local t = redis.call('TIME')
@@ -218,7 +221,7 @@ if after > node_now then
   return {{0, 0, after - node_now}}
 end
 local function acquire()
-{ACQUIRE}
+{ACQUIRE.replace(_READ_CLOCK, "")}
 end
 local reply = acquire()
 if reply.err then
