@@ -13,6 +13,10 @@ a noisy machine hurts every contestant alike):
   raw sockets (hiredis): the least any 3-master lock costs on this machine. On one
   small host this is CPU-bound (each write wakes a server process that competes
   for the same cores), not latency-bound as across a network;
+- **reference, our scripts**: the same raw sockets sending our own two scripts
+  (the node's ``ACQUIRE`` and ``RELEASE``, with the backend's keys and arguments,
+  precomputed): what our Lua costs the servers over the floor's two commands. The
+  rest of the gap, up to "backend alone", is our Python and socket handling;
 - **django-setnx Redlock (Lock API)**: ``lock(name, backend="redlock")`` then
   ``.acquire()`` and ``.release()`` — what an application calls (token, owner
   record, signals included);
@@ -135,6 +139,8 @@ def contestants(urls, run_id):
     raw = _raw_parallel(urls, run_id)
     if raw is not None:
         out["reference: floor's 2 commands on 3 servers in parallel (raw sockets)"] = raw
+        ours = _raw_parallel_our_scripts(urls, run_id, locks["redlock"])
+        out["reference: our 2 scripts on 3 servers in parallel (raw sockets)"] = ours
 
     owner = {"host": "bench", "pid": os.getpid(), "thread": "main"}
     for alias, path in backend_paths.items():
@@ -166,7 +172,10 @@ def contestants(urls, run_id):
     return out
 
 
-def _raw_parallel(urls, run_id):
+def _raw_sockets(urls, scripts):
+    """``(round_trip, shas)`` over one raw hiredis socket per server (None without
+    hiredis): ``round_trip(packed)`` writes ``packed`` to every server, then reads one
+    reply from each. ``scripts`` are loaded on every server first."""
     try:
         import hiredis
     except ImportError:
@@ -176,18 +185,15 @@ def _raw_parallel(urls, run_id):
 
     import redis
 
-    socks, readers = [], []
-    sha = None
+    pairs = []
+    shas = []
     for url in urls:
         parts = urlsplit(url)
-        sha = redis.Redis(host=parts.hostname, port=parts.port).script_load(COMPARE_AND_DELETE)
+        client = redis.Redis(host=parts.hostname, port=parts.port)
+        shas = [client.script_load(script) for script in scripts]
         sock = socket.create_connection((parts.hostname, parts.port))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        socks.append(sock)
-        readers.append(hiredis.Reader())
-    key = f"bench-raw-{run_id}"
-    ttl_ms = TTL * 1000
-    pairs = list(zip(socks, readers))
+        pairs.append((sock, hiredis.Reader()))
 
     def round_trip(command):
         for sock, _ in pairs:
@@ -201,11 +207,52 @@ def _raw_parallel(urls, run_id):
             replies.append(reply)
         return replies
 
+    return round_trip, shas
+
+
+def _raw_parallel(urls, run_id):
+    sockets = _raw_sockets(urls, [COMPARE_AND_DELETE])
+    if sockets is None:
+        return None
+    import hiredis
+
+    round_trip, (sha,) = sockets
+    key = f"bench-raw-{run_id}"
+    ttl_ms = TTL * 1000
+
     def op():
         token = secrets.token_hex(16)
         ok = round_trip(hiredis.pack_command(("SET", key, token, "NX", "PX", ttl_ms)))
         round_trip(hiredis.pack_command(("EVALSHA", sha, 1, key, token)))
         return all(r == b"OK" for r in ok)
+
+    return op
+
+
+def _raw_parallel_our_scripts(urls, run_id, backend):
+    """Our node scripts, with the keys and arguments ``backend`` would send."""
+    import hiredis
+
+    from django_setnx.backends.base import encode_owner
+    from django_setnx.backends.redis_scripts import RELEASE
+    from django_setnx.backends.redlock import NODE_ACQUIRE
+
+    round_trip, (acquire_sha, release_sha) = _raw_sockets(urls, [NODE_ACQUIRE, RELEASE])
+    keys = backend._keys(f"bench-raw-ours-{run_id}")
+    owner = encode_owner({"host": "bench", "pid": os.getpid(), "thread": "main"})
+    ttl_ms = TTL * 1000
+
+    def op():
+        token = secrets.token_hex(16)
+        acquire = (token, ttl_ms, owner, backend.retention_ms, 0, backend.max_ttl_ms)
+        won = round_trip(
+            hiredis.pack_command(
+                ("EVALSHA", acquire_sha, len(keys) + 1, *keys, backend.marker_key, *acquire)
+            )
+        )
+        release = (token, backend.retention_ms, 1000, backend.fence_ms, "")
+        round_trip(hiredis.pack_command(("EVALSHA", release_sha, len(keys), *keys, *release)))
+        return all(reply[0] == 1 for reply in won)
 
     return op
 
