@@ -26,7 +26,7 @@ import redis
 
 from django_setnx import lock, locks
 from django_setnx.backends import redlock_wire as wire
-from django_setnx.backends.redlock import RedlockBackend
+from django_setnx.backends.redlock import _EXTEND, _RELEASE, RedlockBackend
 from django_setnx.exceptions import LockBackendError
 from tests.test_redlock import MARKER, OWNER, alias_on, clients, fence_key, lock_key, unique
 
@@ -109,7 +109,11 @@ def test_release_and_extend_end_once_a_majority_confirmed(make_masters):
             assert slow.hget(lock_key(name), "expires") == before, "extended before it ran"
             held.release()
             assert slow.exists(lock_key(name)) == 1, "released before it ran"
-            assert [due for _, due, _ in backend.nodes[2].server._parked] == [1, 1]
+            owed = [parked.owed for parked in backend.nodes[2].server._parked]
+            assert [[command[1] for command in commands] for commands in owed] == [
+                [_EXTEND.sha],
+                [_RELEASE.sha],
+            ]
         for _ in range(3):
             again = lock(name, ttl=30, backend=alias)
             assert again.acquire(blocking=False)
@@ -134,13 +138,78 @@ def test_a_stalled_node_costs_at_most_max_parked_connections(make_masters):
                 assert held.acquire(blocking=False)  # the stalled node: a failed "no"
                 held.release()
                 assert len(server._parked) <= wire.MAX_PARKED
-            oldest = server._parked[0][0]
+            oldest = server._parked[0].link
             time.sleep(0.4)  # every parked connection's deadline passes
             held = lock(unique(), ttl=30, backend=alias)
             assert held.acquire(blocking=False)
             assert oldest.conn._sock is None, "a connection late past its deadline is closed"
             assert server._parked == []
         held.release()
+
+
+def test_an_error_reply_is_not_a_confirmation(make_masters):
+    """One node refuses writes (NOREPLICAS) while another is slow: the error is not
+    counted among the confirmations, so release waits for the slow node's 1 and
+    returns normally, as when every node was awaited (review r97: an error reply
+    once counted as a 1, ended the round at two answers and raised "only 1 of 3")."""
+    masters = make_masters(3)
+    failing, _, slow = clients(masters)
+    with alias_on(masters.urls, NODE_TIMEOUT=10) as alias:
+        for operation in ("extend", "release"):
+            held = lock(unique(), ttl=30, backend=alias)
+            assert held.acquire(blocking=False)
+            failing.config_set("min-replicas-to-write", 1)
+            try:
+                slow.execute_command("CLIENT", "PAUSE", 300, "WRITE")  # ends by itself
+                getattr(held, operation)()
+            finally:
+                failing.config_set("min-replicas-to-write", 0)
+            if operation == "extend":
+                held.release()
+
+
+def test_a_late_noscript_is_run_again_with_eval(make_masters):
+    """The slow node lost its script cache (SCRIPT FLUSH) before a release that did
+    not wait for it: its late NOSCRIPT means the release did not run there, so it is
+    sent again with EVAL when the connection is drained, and the record goes (review
+    r97: it stayed until its ttl, and so did every later one)."""
+    masters = make_masters(3)
+    name = unique()
+    slow = clients(masters)[2]
+    with alias_on(masters.urls, NODE_TIMEOUT=30) as alias:
+        server = locks[alias].nodes[2].server
+        held = lock(name, ttl=30, backend=alias)
+        assert held.acquire(blocking=False)
+        slow.script_flush()
+        with writes_paused(slow):
+            held.release()
+            assert [p.owed[0][1] for p in server._parked] == [_RELEASE.sha]
+        assert locks[alias].get(unique()) is None  # a round that drains the node first
+        # Sent before that round's own call, on another connection: run first.
+        assert slow.exists(lock_key(name)) == 0, "the release ran with EVAL"
+        again = lock(name, ttl=30, backend=alias)
+        assert again.acquire(blocking=False)
+        again.release()
+
+
+def test_a_late_error_reply_is_logged(make_masters, caplog):
+    """An error that a round did not wait for is nobody's return value: it is
+    logged with the node."""
+    masters = make_masters(3)
+    slow = clients(masters)[2]
+    with alias_on(masters.urls, NODE_TIMEOUT=30) as alias:
+        held = lock(unique(), ttl=30, backend=alias)
+        assert held.acquire(blocking=False)
+        with writes_paused(slow):
+            held.release()
+            slow.config_set("min-replicas-to-write", 1)  # the late release will fail
+        try:
+            with caplog.at_level(logging.WARNING, logger="django_setnx"):
+                assert locks[alias].get(unique()) is None
+        finally:
+            slow.config_set("min-replicas-to-write", 0)
+    [message] = [r.getMessage() for r in caplog.records if "not awaited" in r.getMessage()]
+    assert label(masters.servers[2]) in message and "NOREPLICAS" in message, message
 
 
 # -- brand-new masters and trustlocknodes -------------------------------------------------

@@ -258,6 +258,8 @@ _ACQUIRE, _RELEASE, _EXTEND, _OWNS, _GET, _DELETE, _CLEAR = (
 )
 _TRUST, _STATUS = (_Script(s) for s in (TRUST, NODE_STATUS))
 _ALL_SCRIPTS = (_ACQUIRE, _RELEASE, _EXTEND, _OWNS, _GET, _DELETE, _CLEAR, _TRUST, _STATUS)
+#: ``{sha: text}``: a late NOSCRIPT reply is answered with EVAL (see redlock_wire).
+_SCRIPT_TEXTS = {script.sha: script.text for script in _ALL_SCRIPTS}
 
 
 if redis is not None:
@@ -272,6 +274,12 @@ def _is_no_script(reply):
     return isinstance(reply, NoScriptError) or (
         isinstance(reply, ResponseError) and str(reply).startswith("NOSCRIPT")
     )
+
+
+def _is_one(reply):
+    """True for a script's reply 1 (released, extended); False for anything else, an
+    error reply included."""
+    return type(reply) is int and reply == 1
 
 
 def _is_wrong_type(reply):
@@ -419,7 +427,7 @@ class RedlockBackend(BaseLockBackend):
         self.scan_timeout = max(MIN_SCAN_TIMEOUT, 4 * self.node_timeout)
         self.quorum = len(self.locations) // 2 + 1
         # When a round of release or extend may stop waiting (see _round).
-        self._said_one_by_majority = self._majority_said((1).__eq__)
+        self._said_one_by_majority = self._majority_said(_is_one)
         self.marker_key = f"{self.key_prefix}:{MARKER_SUFFIX}"
         self._match_head = escape(self.key_prefix) + ":{"
         self._nodes = None
@@ -576,8 +584,9 @@ class RedlockBackend(BaseLockBackend):
         in so far (see redlock_wire.round_trip): the nodes not awaited are
         ``wire.Pending`` in the result. Release and extend pass one that is True
         once a majority confirmed, so the slowest node of a healthy majority does
-        not set their pace (the node still does the work: its reply is read before
-        its connection is used again). Acquire waits for every node (or
+        not set their pace (the node still gets the call: its reply is read before
+        its connection is used again, a NOSCRIPT answered with EVAL and any other
+        error logged, see redlock_wire). Acquire waits for every node (or
         ``NODE_TIMEOUT``): the lock's fencing token is the largest that its nodes
         minted, and the slowest node, whose clock reads latest, usually mints the
         largest, which the majority view (``_merge``) and a fencing-checked delete
@@ -596,7 +605,7 @@ class RedlockBackend(BaseLockBackend):
                 ]
             requests[index] = (nodes[index].server, node_commands)
         replies, started = self._round_trip(
-            requests, self.node_timeout if timeout is None else timeout, enough
+            requests, self.node_timeout if timeout is None else timeout, enough, _SCRIPT_TEXTS
         )
         results = _Results(replies)
         results.started = started

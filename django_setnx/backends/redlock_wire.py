@@ -35,16 +35,20 @@ disconnected, so no reply can reach the next round.
 its outcome (``round_trip``'s ``enough``: a majority granted, say), rather than wait
 for the slowest server. Each server still owing replies is reported as
 :class:`Pending`, and its connection is *parked* with the number of replies due and
-the round's deadline. :meth:`Server.take` reads and discards a parked connection's
-late replies before it is used again, and prefers one whose replies are already
-in; while a node stays slow it opens other connections, up to ``MAX_PARKED`` parked
-per server and process, then waits for the oldest (until its deadline at most: one
-whose replies do not come in time is disconnected). A node slower than the others
-costs nobody its pace; a node that stalls costs at most ``MAX_PARKED`` connections,
-then sets the pace again as it did before.
+the round's deadline. :meth:`Server.take` reads a parked connection's late replies
+before it is used again, and prefers one whose replies are already in; while a node
+stays slow it opens other connections, up to ``MAX_PARKED`` parked per server and
+process, then waits for the oldest (until its deadline at most: one whose replies do
+not come in time is disconnected). A node slower than the others costs nobody its
+pace; a node that stalls costs at most ``MAX_PARKED`` parked connections, then sets
+the pace again as it did before (a round may then first wait up to a round's timeout
+for the oldest). A late reply is still looked at: a ``NOSCRIPT`` (the node lost its
+script cache: ``SCRIPT FLUSH``, a restart) means the call did not run, so it is sent
+again with ``EVAL`` on the same connection; any other error is logged.
 """
 
 import inspect
+import logging
 import os
 import select
 import time
@@ -60,6 +64,8 @@ except ImportError:
 #: Shortest wait for a reply: one that has already arrived is still taken after the
 #: deadline.
 MIN_READ_TIMEOUT = 0.0001
+logger = logging.getLogger("django_setnx")
+
 #: Parked connections (late replies due) a server keeps per process before a round
 #: waits for the oldest rather than open another.
 MAX_PARKED = 4
@@ -102,6 +108,24 @@ class Pending:
         return f"{self.label}: not awaited"
 
 
+class _Parked:
+    """A connection left with replies still due (see ``round_trip``'s ``enough``):
+    the commands they answer, in order, the time by which they should all be in,
+    the round's timeout (the deadline of a call sent again), the texts of the
+    scripts that may be sent again with EVAL (``{sha: text}``) and the server's
+    label, for the log."""
+
+    __slots__ = ("deadline", "label", "link", "owed", "scripts", "timeout")
+
+    def __init__(self, link, owed, deadline, timeout, scripts, label):
+        self.link = link
+        self.owed = owed
+        self.deadline = deadline
+        self.timeout = timeout
+        self.scripts = scripts
+        self.label = label
+
+
 class _Link:
     """A connected redis-py connection and, on the fast path, its non-blocking
     socket, our own hiredis reader of it and a buffer to receive into."""
@@ -133,7 +157,7 @@ class Server:
         self._new_connection = new_connection
         self.fast = hiredis is not None and not tls
         self._idle = []
-        self._parked = []  # (link, replies still due, deadline): see park()
+        self._parked = []  # _Parked, oldest first: see park()
 
     def __repr__(self):
         return f"<Server {self.label}>"
@@ -149,25 +173,34 @@ class Server:
         return link or self._idle_or_new(pid)
 
     def _unparked(self, pid, *, wait):
-        """A parked link drained of its late replies, or None. Without ``wait`` only
-        replies already received are read, each parked link tried once; with it, the
-        oldest is awaited until its deadline. Links of another process, broken or
-        late past their deadline are disconnected."""
-        for _ in range(len(self._parked)):
+        """A parked link whose late replies were all read, or None. Without ``wait``
+        each parked link is tried once, reading only replies already received; with
+        it, only the oldest is tried, waiting for its replies until its deadline."""
+        for _ in range(1 if wait else len(self._parked)):
             try:
-                link, due, deadline = self._parked.pop(0 if wait else -1)
+                parked = self._parked.pop(0)
             except IndexError:
                 return None
-            if link.conn.pid != pid:
-                link.conn.disconnect()  # inherited across a fork: closes only our copy
-                continue
-            due = _drain(link, due, deadline if wait else None)
-            if due == 0:
+            link = self._resume(parked, pid, wait)
+            if link is not None:
                 return link
-            if due is None or (wait or time.monotonic() > deadline):
-                link.conn.disconnect()
-                continue
-            self._parked.insert(0, (link, due, deadline))  # not yet: retried last
+        return None
+
+    def _resume(self, parked, pid, wait):
+        """``parked``'s link once its late replies are read, else None: then it is
+        parked again (at the back) if its replies may still come in time, or closed
+        (another process's, broken, or late past its deadline)."""
+        link = parked.link
+        if link.conn.pid != pid:
+            link.conn.disconnect()  # inherited across a fork: closes only our copy
+            return None
+        done = _drain(parked, wait)
+        if done:
+            return link
+        if done is None or wait or time.monotonic() > parked.deadline:
+            link.conn.disconnect()
+            return None
+        self._parked.append(parked)
         return None
 
     def _idle_or_new(self, pid):
@@ -186,10 +219,9 @@ class Server:
     def give_back(self, link):
         self._idle.append(link)
 
-    def park(self, link, due, deadline):
-        """Keep ``link``, which still owes ``due`` replies by ``deadline``
-        (monotonic), for the next :meth:`take` to drain."""
-        self._parked.append((link, due, deadline))
+    def park(self, parked):
+        """Keep a :class:`_Parked` link for a later :meth:`take` to drain."""
+        self._parked.append(parked)
 
     def drop(self, link):
         link.conn.disconnect()
@@ -197,11 +229,11 @@ class Server:
     def close(self):
         idle, self._idle = self._idle, []
         parked, self._parked = self._parked, []
-        for link in idle + [link for link, _, _ in parked]:
+        for link in idle + [entry.link for entry in parked]:
             link.conn.disconnect()
 
 
-def round_trip(requests, timeout, enough=None):
+def round_trip(requests, timeout, enough=None, scripts=None):
     """Send each server its commands and read every reply, in parallel.
 
     ``requests`` is ``{key: (server, commands)}``, ``commands`` a list of command
@@ -216,7 +248,9 @@ def round_trip(requests, timeout, enough=None):
     server's replies are all in; once it returns True the round ends, and every
     server still owing replies is a :class:`Pending` in ``results`` (its connection
     is parked, see :meth:`Server.park`). Only the fast path ends early; the other
-    reads every reply.
+    (TLS, or no hiredis) reads every reply. ``scripts`` (``{sha: text}``) are the
+    scripts whose late ``NOSCRIPT`` replies are answered by sending the same call
+    with EVAL.
     """
     results = {}
     out = {}  # key -> (server, link, commands): checked out, not given back yet
@@ -231,7 +265,7 @@ def round_trip(requests, timeout, enough=None):
         if out:
             fast = next(iter(out.values()))[0].fast
             if fast:
-                _exchange_fast(out, results, timeout, enough)
+                _exchange_fast(out, results, timeout, enough, scripts or {})
             else:
                 _exchange_redis_py(out, results, timeout)
     finally:
@@ -309,7 +343,7 @@ def _send_all(sock, data, deadline):
                 raise redis.exceptions.TimeoutError("could not write the request in time")
 
 
-def _exchange_fast(out, results, timeout, enough=None):
+def _exchange_fast(out, results, timeout, enough=None, scripts=None):
     """The round on non-blocking sockets: write every request, then one poll over
     all the sockets until every server's replies are in (or ``enough`` says the
     rest need not be awaited) or the deadline passed."""
@@ -372,37 +406,65 @@ def _exchange_fast(out, results, timeout, enough=None):
                 if pending and enough is not None and enough(results):
                     for late in pending.values():
                         server, link, commands = out.pop(late)
-                        server.park(link, len(commands) - len(replies[late]), deadline)
+                        owed = list(commands[len(replies[late]) :])
+                        server.park(
+                            _Parked(link, owed, deadline, timeout, scripts or {}, server.label)
+                        )
                         results[late] = Pending(server.label)
                     return
     for key in list(pending.values()):
         _fail(out, results, key, redis.exceptions.TimeoutError(f"no reply within {timeout:g} s"))
 
 
-def _drain(link, due, deadline):
-    """Read and discard up to ``due`` late replies of a parked fast-path ``link``,
-    waiting until ``deadline`` (monotonic) at most, or not at all if it is None.
-    Returns how many are still due (0: the link is in step again), or None if the
-    connection broke (the caller disconnects it)."""
-    sock, reader = link.sock, link.reader
+def _drain(parked, wait):
+    """Read the late replies of a :class:`_Parked` fast-path link (see
+    :func:`_late_error` for an error reply), waiting for them until its deadline if
+    ``wait``, else reading only what has arrived. True once every reply is in (the
+    link is in step again), False if some are still due, None if the connection
+    broke (the caller disconnects it)."""
+    link = parked.link
+    sock, reader, owed = link.sock, link.reader, parked.owed
     try:
         while True:
-            while due and reader.gets() is not False:
-                due -= 1
-            if not due:
-                return 0
-            if deadline is None:
-                remaining = 0
-            else:
-                remaining = max(deadline - time.monotonic(), MIN_READ_TIMEOUT)
+            while owed:
+                reply = reader.gets()
+                if reply is False:
+                    break
+                command = owed.pop(0)
+                if isinstance(reply, ResponseError):
+                    _late_error(parked, command, reply)
+            if not owed:
+                return True
+            remaining = max(parked.deadline - time.monotonic(), MIN_READ_TIMEOUT) if wait else 0
             if not _readable({sock.fileno(): sock}, remaining):
-                return due
+                return False
             size = sock.recv_into(link.buffer)
             if not size:
                 return None  # the server closed the connection
             reader.feed(link.buffer, 0, size)
     except (*ERRORS, InvalidResponse, ValueError):  # ValueError: a closed socket
         return None
+
+
+def _late_error(parked, command, reply):
+    """An error in reply to a call that its round did not wait for. A ``NOSCRIPT``
+    means the call did not run (the node lost its script cache: ``SCRIPT FLUSH``,
+    a restart): it is sent again with EVAL, which caches the script again, on the
+    same connection, and its reply joins the replies owed. Any other error is
+    logged: nobody else will see it."""
+    text = parked.scripts.get(command[1]) if command[0] == "EVALSHA" else None
+    if text is not None and str(reply).startswith("NOSCRIPT"):
+        again = ("EVAL", text, *command[2:])
+        parked.deadline = time.monotonic() + parked.timeout
+        _send_all(parked.link.sock, hiredis.pack_command(again), parked.deadline)
+        parked.owed.append(again)
+        return
+    logger.warning(
+        "Redis node %s answered a call that was not awaited (its majority had "
+        "answered) with an error: %s",
+        parked.label,
+        reply,
+    )
 
 
 def _exchange_redis_py(out, results, timeout):
