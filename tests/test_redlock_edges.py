@@ -192,24 +192,76 @@ def test_a_late_noscript_is_run_again_with_eval(make_masters):
         again.release()
 
 
-def test_a_late_error_reply_is_logged(make_masters, caplog):
+def test_a_late_error_reply_is_logged(make_masters, caplog, monkeypatch):
     """An error that a round did not wait for is nobody's return value: it is
-    logged with the node."""
+    logged with the node, once a minute at most (review r98: once per call)."""
+    monkeypatch.setattr(wire, "_late_errors_logged", {})
     masters = make_masters(3)
     slow = clients(masters)[2]
     with alias_on(masters.urls, NODE_TIMEOUT=30) as alias:
-        held = lock(unique(), ttl=30, backend=alias)
-        assert held.acquire(blocking=False)
+        held = [lock(unique(), ttl=30, backend=alias) for _ in range(3)]
+        for each in held:
+            assert each.acquire(blocking=False)
         with writes_paused(slow):
-            held.release()
-            slow.config_set("min-replicas-to-write", 1)  # the late release will fail
+            for each in held:
+                each.release()
+            slow.config_set("min-replicas-to-write", 1)  # the late releases will fail
         try:
             with caplog.at_level(logging.WARNING, logger="django_setnx"):
-                assert locks[alias].get(unique()) is None
+                for _ in held:
+                    assert locks[alias].get(unique()) is None
         finally:
             slow.config_set("min-replicas-to-write", 0)
     [message] = [r.getMessage() for r in caplog.records if "not awaited" in r.getMessage()]
     assert label(masters.servers[2]) in message and "NOREPLICAS" in message, message
+
+
+def test_a_late_noscript_past_its_rounds_deadline_is_not_run_again(make_masters):
+    """A late NOSCRIPT read after its round's deadline is left undone, as a node
+    that did not answer in time: an extend run then could revive a record that
+    expired since (review r98)."""
+    masters = make_masters(3)
+    name = unique()
+    first, _, slow = clients(masters)
+    with alias_on(masters.urls, NODE_TIMEOUT=0.3) as alias:
+        held = lock(name, ttl=30, backend=alias)
+        assert held.acquire(blocking=False)
+        before = slow.hget(lock_key(name), "expires")
+        slow.script_flush()
+        with writes_paused(slow):
+            held.extend(60)
+        time.sleep(0.5)  # the NOSCRIPT is in; the extend's round deadline has passed
+        assert locks[alias].get(unique()) is None  # drains the node
+        assert slow.hget(lock_key(name), "expires") == before, "extended past its round"
+        assert first.hget(lock_key(name), "expires") != before
+        held.release()
+
+
+def test_parked_connections_are_drained_oldest_first(monkeypatch):
+    """A pass over the parked connections that finds a newer one ready leaves the
+    others in deadline order, and a round that must wait waits for the oldest
+    (review r98: the pass rotated the list)."""
+    ready = set()
+    monkeypatch.setattr(wire, "_drain", lambda parked, wait: parked.label in ready or wait)
+
+    class Conn:
+        pid = os.getpid()
+
+        def disconnect(self):
+            pass
+
+    class Link:
+        conn = Conn()
+
+    server = wire.Server("node", None, tls=False)
+    for age, name in enumerate("ABCD"):
+        server.park(wire._Parked(Link(), [], time.monotonic() + 100 - age, {}, name))
+    assert [p.label for p in server._parked] == ["D", "C", "B", "A"]
+    ready.add("B")
+    assert server._unparked(os.getpid(), wait=False) is not None
+    assert [p.label for p in server._parked] == ["D", "C", "A"]
+    assert server._unparked(os.getpid(), wait=True) is not None
+    assert [p.label for p in server._parked] == ["C", "A"]
 
 
 # -- brand-new masters and trustlocknodes -------------------------------------------------

@@ -34,8 +34,8 @@ disconnected, so no reply can reach the next round.
 **Rounds that end early.** A round may stop waiting once the replies it has settle
 its outcome (``round_trip``'s ``enough``: a majority granted, say), rather than wait
 for the slowest server. Each server still owing replies is reported as
-:class:`Pending`, and its connection is *parked* with the number of replies due and
-the round's deadline. :meth:`Server.take` reads a parked connection's late replies
+:class:`Pending`, and its connection is *parked* with the calls whose replies are
+due and the round's deadline. :meth:`Server.take` reads a parked connection's late replies
 before it is used again, and prefers one whose replies are already in; while a node
 stays slow it opens other connections, up to ``MAX_PARKED`` parked per server and
 process, then waits for the oldest (until its deadline at most: one whose replies do
@@ -44,9 +44,11 @@ pace; a node that stalls costs at most ``MAX_PARKED`` parked connections, then s
 the pace again as it did before (a round may then first wait up to a round's timeout
 for the oldest). A late reply is still looked at: a ``NOSCRIPT`` (the node lost its
 script cache: ``SCRIPT FLUSH``, a restart) means the call did not run, so it is sent
-again with ``EVAL`` on the same connection; any other error is logged.
+again with ``EVAL`` on the same connection if the round's deadline has not passed;
+any other error is logged (see :func:`_late_error`).
 """
 
+import bisect
 import inspect
 import logging
 import os
@@ -65,6 +67,12 @@ except ImportError:
 #: deadline.
 MIN_READ_TIMEOUT = 0.0001
 logger = logging.getLogger("django_setnx")
+
+#: Seconds between two log lines for the same late error (its first word: NOSCRIPT,
+#: NOREPLICAS, OOM, ...) from the same server.
+LATE_ERROR_LOG_EVERY = 60.0
+#: ``{(server label, error kind): monotonic time last logged}``.
+_late_errors_logged: dict[tuple[str, str], float] = {}
 
 #: Parked connections (late replies due) a server keeps per process before a round
 #: waits for the oldest rather than open another.
@@ -110,20 +118,22 @@ class Pending:
 
 class _Parked:
     """A connection left with replies still due (see ``round_trip``'s ``enough``):
-    the commands they answer, in order, the time by which they should all be in,
-    the round's timeout (the deadline of a call sent again), the texts of the
-    scripts that may be sent again with EVAL (``{sha: text}``) and the server's
-    label, for the log."""
+    the commands they answer, in order, the round's deadline (monotonic) by which
+    they should all be in, the texts of the scripts that may be sent again with EVAL
+    (``{sha: text}``) and the server's label, for the log."""
 
-    __slots__ = ("deadline", "label", "link", "owed", "scripts", "timeout")
+    __slots__ = ("deadline", "label", "link", "owed", "scripts")
 
-    def __init__(self, link, owed, deadline, timeout, scripts, label):
+    def __init__(self, link, owed, deadline, scripts, label):
         self.link = link
         self.owed = owed
         self.deadline = deadline
-        self.timeout = timeout
         self.scripts = scripts
         self.label = label
+
+
+def _deadline_of(parked):
+    return parked.deadline
 
 
 class _Link:
@@ -174,13 +184,14 @@ class Server:
 
     def _unparked(self, pid, *, wait):
         """A parked link whose late replies were all read, or None. Without ``wait``
-        each parked link is tried once, reading only replies already received; with
-        it, only the oldest is tried, waiting for its replies until its deadline."""
-        for _ in range(1 if wait else len(self._parked)):
+        each parked link is tried once, oldest first, reading only replies already
+        received; with it, only the oldest is tried, waiting for its replies until
+        its deadline."""
+        for parked in self._parked[:1] if wait else list(self._parked):
             try:
-                parked = self._parked.pop(0)
-            except IndexError:
-                return None
+                self._parked.remove(parked)  # ours now, unless another thread took it
+            except ValueError:
+                continue
             link = self._resume(parked, pid, wait)
             if link is not None:
                 return link
@@ -188,8 +199,8 @@ class Server:
 
     def _resume(self, parked, pid, wait):
         """``parked``'s link once its late replies are read, else None: then it is
-        parked again (at the back) if its replies may still come in time, or closed
-        (another process's, broken, or late past its deadline)."""
+        parked again, in deadline order, if its replies may still come in time, or
+        closed (another process's, broken, or late past its deadline)."""
         link = parked.link
         if link.conn.pid != pid:
             link.conn.disconnect()  # inherited across a fork: closes only our copy
@@ -200,7 +211,7 @@ class Server:
         if done is None or wait or time.monotonic() > parked.deadline:
             link.conn.disconnect()
             return None
-        self._parked.append(parked)
+        bisect.insort(self._parked, parked, key=_deadline_of)
         return None
 
     def _idle_or_new(self, pid):
@@ -221,7 +232,7 @@ class Server:
 
     def park(self, parked):
         """Keep a :class:`_Parked` link for a later :meth:`take` to drain."""
-        self._parked.append(parked)
+        bisect.insort(self._parked, parked, key=_deadline_of)
 
     def drop(self, link):
         link.conn.disconnect()
@@ -407,9 +418,7 @@ def _exchange_fast(out, results, timeout, enough=None, scripts=None):
                     for late in pending.values():
                         server, link, commands = out.pop(late)
                         owed = list(commands[len(replies[late]) :])
-                        server.park(
-                            _Parked(link, owed, deadline, timeout, scripts or {}, server.label)
-                        )
+                        server.park(_Parked(link, owed, deadline, scripts or {}, server.label))
                         results[late] = Pending(server.label)
                     return
     for key in list(pending.values()):
@@ -449,21 +458,34 @@ def _drain(parked, wait):
 def _late_error(parked, command, reply):
     """An error in reply to a call that its round did not wait for. A ``NOSCRIPT``
     means the call did not run (the node lost its script cache: ``SCRIPT FLUSH``,
-    a restart): it is sent again with EVAL, which caches the script again, on the
-    same connection, and its reply joins the replies owed. Any other error is
-    logged: nobody else will see it."""
+    a restart): while the round's deadline has not passed, it is sent again with
+    EVAL, which caches the script again, on the same connection, and its reply joins
+    the replies owed (by the same deadline). Later, the call is left undone, as a
+    node that did not answer its round in time is: an extend run long after its
+    round could revive a record that has expired since. Other errors are logged,
+    at most once a minute per node and kind: nobody else sees them."""
     text = parked.scripts.get(command[1]) if command[0] == "EVALSHA" else None
-    if text is not None and str(reply).startswith("NOSCRIPT"):
+    noscript = str(reply).startswith("NOSCRIPT")
+    if text is not None and noscript and time.monotonic() < parked.deadline:
         again = ("EVAL", text, *command[2:])
-        parked.deadline = time.monotonic() + parked.timeout
         _send_all(parked.link.sock, hiredis.pack_command(again), parked.deadline)
         parked.owed.append(again)
         return
+    kind = str(reply).split(" ", 1)[0]
+    now = time.monotonic()
+    key = (parked.label, kind)
+    last = _late_errors_logged.get(key)
+    if last is not None and now - last < LATE_ERROR_LOG_EVERY:
+        return
+    _late_errors_logged[key] = now
     logger.warning(
-        "Redis node %s answered a call that was not awaited (its majority had "
-        "answered) with an error: %s",
+        "Redis node %s answered a call that was not awaited (its majority had answered "
+        "in time) with an error%s: %s (the same error from this node is logged at most "
+        "once every %g s)",
         parked.label,
+        ", too late to run it again" if noscript else "",
         reply,
+        LATE_ERROR_LOG_EVERY,
     )
 
 
