@@ -216,10 +216,11 @@ def test_a_late_error_reply_is_logged(make_masters, caplog, monkeypatch):
     assert label(masters.servers[2]) in message and "NOREPLICAS" in message, message
 
 
-def test_a_late_noscript_past_its_rounds_deadline_is_not_run_again(make_masters):
-    """A late NOSCRIPT read after its round's deadline is left undone, as a node
-    that did not answer in time: an extend run then could revive a record that
-    expired since (review r98)."""
+def test_a_late_noscript_past_its_rounds_deadline_reruns_a_release_only(make_masters):
+    """A late NOSCRIPT read after its round's deadline: an extend is not run again
+    (it could revive a record that expired since, review r98) but its script is
+    loaded again; a release is run again however late (token-checked, review r99:
+    left undone, it stayed until its ttl there, and so did every later one)."""
     masters = make_masters(3)
     name = unique()
     first, _, slow = clients(masters)
@@ -234,7 +235,14 @@ def test_a_late_noscript_past_its_rounds_deadline_is_not_run_again(make_masters)
         assert locks[alias].get(unique()) is None  # drains the node
         assert slow.hget(lock_key(name), "expires") == before, "extended past its round"
         assert first.hget(lock_key(name), "expires") != before
-        held.release()
+        assert slow.script_exists(_EXTEND.sha) == [True], "loaded again"
+
+        slow.script_flush()
+        with writes_paused(slow):
+            held.release()
+        time.sleep(0.5)
+        assert locks[alias].get(unique()) is None  # drains the node: EVAL sent first
+        assert [c.exists(lock_key(name)) for c in clients(masters)] == [0, 0, 0]
 
 
 def test_parked_connections_are_drained_oldest_first(monkeypatch):
@@ -255,7 +263,7 @@ def test_parked_connections_are_drained_oldest_first(monkeypatch):
 
     server = wire.Server("node", None, tls=False)
     for age, name in enumerate("ABCD"):
-        server.park(wire._Parked(Link(), [], time.monotonic() + 100 - age, {}, name))
+        server.park(wire._Parked(Link(), [], time.monotonic() + 100 - age, 1.0, {}, name))
     assert [p.label for p in server._parked] == ["D", "C", "B", "A"]
     ready.add("B")
     assert server._unparked(os.getpid(), wait=False) is not None

@@ -258,8 +258,10 @@ _ACQUIRE, _RELEASE, _EXTEND, _OWNS, _GET, _DELETE, _CLEAR = (
 )
 _TRUST, _STATUS = (_Script(s) for s in (TRUST, NODE_STATUS))
 _ALL_SCRIPTS = (_ACQUIRE, _RELEASE, _EXTEND, _OWNS, _GET, _DELETE, _CLEAR, _TRUST, _STATUS)
-#: ``{sha: text}``: a late NOSCRIPT reply is answered with EVAL (see redlock_wire).
-_SCRIPT_TEXTS = {script.sha: script.text for script in _ALL_SCRIPTS}
+#: ``{sha: (text, runs late)}``: a late NOSCRIPT reply is answered with EVAL (see
+#: redlock_wire._late_error). A release may run however late: it is token-checked,
+#: and a token is never used twice. Any other call only within its round's deadline.
+_SCRIPT_TEXTS = {script.sha: (script.text, script is _RELEASE) for script in _ALL_SCRIPTS}
 
 
 if redis is not None:

@@ -44,13 +44,15 @@ pace; a node that stalls costs at most ``MAX_PARKED`` parked connections, then s
 the pace again as it did before (a round may then first wait up to a round's timeout
 for the oldest). A late reply is still looked at: a ``NOSCRIPT`` (the node lost its
 script cache: ``SCRIPT FLUSH``, a restart) means the call did not run, so it is sent
-again with ``EVAL`` on the same connection if the round's deadline has not passed;
-any other error is logged (see :func:`_late_error`).
+again with ``EVAL`` on the same connection (a release at any time, another call
+only before its round's deadline, else its script is loaded again); any other error
+is logged (see :func:`_late_error`).
 """
 
 import bisect
 import inspect
 import logging
+import operator
 import os
 import select
 import time
@@ -119,21 +121,25 @@ class Pending:
 class _Parked:
     """A connection left with replies still due (see ``round_trip``'s ``enough``):
     the commands they answer, in order, the round's deadline (monotonic) by which
-    they should all be in, the texts of the scripts that may be sent again with EVAL
-    (``{sha: text}``) and the server's label, for the log."""
+    they should all be in, the round's timeout, the scripts that may be sent again
+    (``{sha: (text, runs late)}``, see :func:`_late_error`) and the server's label,
+    for the log."""
 
-    __slots__ = ("deadline", "label", "link", "owed", "scripts")
+    __slots__ = ("deadline", "label", "link", "owed", "scripts", "timeout")
 
-    def __init__(self, link, owed, deadline, scripts, label):
+    def __init__(self, link, owed, deadline, timeout, scripts, label):
         self.link = link
         self.owed = owed
         self.deadline = deadline
+        self.timeout = timeout
         self.scripts = scripts
         self.label = label
 
 
-def _deadline_of(parked):
-    return parked.deadline
+#: The sort key of parked connections. attrgetter runs in C, so an insort is not
+#: interrupted by another thread (a key written in Python could be, and index past
+#: the end of a list another thread just shortened).
+_deadline_of = operator.attrgetter("deadline")
 
 
 class _Link:
@@ -259,9 +265,9 @@ def round_trip(requests, timeout, enough=None, scripts=None):
     server's replies are all in; once it returns True the round ends, and every
     server still owing replies is a :class:`Pending` in ``results`` (its connection
     is parked, see :meth:`Server.park`). Only the fast path ends early; the other
-    (TLS, or no hiredis) reads every reply. ``scripts`` (``{sha: text}``) are the
-    scripts whose late ``NOSCRIPT`` replies are answered by sending the same call
-    with EVAL.
+    (TLS, or no hiredis) reads every reply. ``scripts`` (``{sha: (text, runs
+    late)}``) are the scripts whose late ``NOSCRIPT`` replies are answered by
+    sending the same call with EVAL (see :func:`_late_error`).
     """
     results = {}
     out = {}  # key -> (server, link, commands): checked out, not given back yet
@@ -418,7 +424,9 @@ def _exchange_fast(out, results, timeout, enough=None, scripts=None):
                     for late in pending.values():
                         server, link, commands = out.pop(late)
                         owed = list(commands[len(replies[late]) :])
-                        server.park(_Parked(link, owed, deadline, scripts or {}, server.label))
+                        server.park(
+                            _Parked(link, owed, deadline, timeout, scripts or {}, server.label)
+                        )
                         results[late] = Pending(server.label)
                     return
     for key in list(pending.values()):
@@ -456,18 +464,28 @@ def _drain(parked, wait):
 
 
 def _late_error(parked, command, reply):
-    """An error in reply to a call that its round did not wait for. A ``NOSCRIPT``
-    means the call did not run (the node lost its script cache: ``SCRIPT FLUSH``,
-    a restart): while the round's deadline has not passed, it is sent again with
-    EVAL, which caches the script again, on the same connection, and its reply joins
-    the replies owed (by the same deadline). Later, the call is left undone, as a
-    node that did not answer its round in time is: an extend run long after its
-    round could revive a record that has expired since. Other errors are logged,
-    at most once a minute per node and kind: nobody else sees them."""
-    text = parked.scripts.get(command[1]) if command[0] == "EVALSHA" else None
-    noscript = str(reply).startswith("NOSCRIPT")
-    if text is not None and noscript and time.monotonic() < parked.deadline:
-        again = ("EVAL", text, *command[2:])
+    """An error in reply to a call that its round did not wait for.
+
+    A ``NOSCRIPT`` means the call did not run: the node lost its script cache
+    (``SCRIPT FLUSH``, a restart). The call is sent again with EVAL, on the same
+    connection, if it still may run: before its round's deadline, or at any time
+    for a script marked so in ``scripts`` (a release: token-checked, and tokens are
+    never reused). Otherwise (an extend long after its round could revive a record
+    that has expired since) the script is only loaded again with ``SCRIPT LOAD``.
+    Either way the node has the script again, and the new reply joins the replies
+    owed, due within a round's timeout from now.
+
+    Other errors are logged, at most once a minute per node and kind: nobody else
+    sees them."""
+    script = parked.scripts.get(command[1]) if command[0] == "EVALSHA" else None
+    if script is not None and str(reply).startswith("NOSCRIPT"):
+        text, runs_late = script
+        now = time.monotonic()
+        if runs_late or now < parked.deadline:
+            again = ("EVAL", text, *command[2:])
+        else:
+            again = ("SCRIPT", "LOAD", text)
+        parked.deadline = max(parked.deadline, now + parked.timeout)
         _send_all(parked.link.sock, hiredis.pack_command(again), parked.deadline)
         parked.owed.append(again)
         return
@@ -480,10 +498,9 @@ def _late_error(parked, command, reply):
     _late_errors_logged[key] = now
     logger.warning(
         "Redis node %s answered a call that was not awaited (its majority had answered "
-        "in time) with an error%s: %s (the same error from this node is logged at most "
+        "in time) with an error: %s (the same error from this node is logged at most "
         "once every %g s)",
         parked.label,
-        ", too late to run it again" if noscript else "",
         reply,
         LATE_ERROR_LOG_EVERY,
     )
