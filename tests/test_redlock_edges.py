@@ -6,6 +6,7 @@ fork safety is in tests/test_forks.py.
 
 import builtins
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -22,6 +23,7 @@ from django.test import override_settings
 if "redis" not in settings.TEST_BACKENDS:
     pytest.skip("redis is not in settings.TEST_BACKENDS", allow_module_level=True)
 
+import hiredis
 import redis
 
 from django_setnx import lock, locks
@@ -243,6 +245,31 @@ def test_a_late_noscript_past_its_rounds_deadline_reruns_a_release_only(make_mas
         time.sleep(0.5)
         assert locks[alias].get(unique()) is None  # drains the node: EVAL sent first
         assert [c.exists(lock_key(name)) for c in clients(masters)] == [0, 0, 0]
+
+
+def test_a_wait_for_a_parked_link_ends_at_its_deadline_even_after_a_resend(make_masters):
+    """A round waiting for a parked link (at MAX_PARKED) waits until the deadline the
+    link had, not for the reply to a call sent again meanwhile (review r100: after
+    a script flush it waited twice NODE_TIMEOUT)."""
+    masters = make_masters(3)
+    client = clients(masters)[0]
+    with alias_on(masters.urls) as alias:
+        server = locks[alias].nodes[0].server
+        link = server.take()
+        script = "return 1"  # not cached: its EVALSHA gets NOSCRIPT at once
+        sha = hashlib.sha1(script.encode()).hexdigest()
+        link.sock.send(hiredis.pack_command(("EVALSHA", sha, 0)))
+        time.sleep(0.2)  # the NOSCRIPT is in
+        parked = wire._Parked(
+            link, [("EVALSHA", sha, 0)], time.monotonic() + 0.3, 30, {sha: (script, True)}, "n"
+        )
+        client.execute_command("CLIENT", "PAUSE", 5000, "WRITE")  # holds the EVAL
+        try:
+            assert wire._drain(parked, wait=True) is False
+            assert [command[0] for command in parked.owed] == ["EVAL"]
+        finally:
+            client.execute_command("CLIENT", "UNPAUSE")
+        link.conn.disconnect()
 
 
 def test_parked_connections_are_drained_oldest_first(monkeypatch):

@@ -438,9 +438,12 @@ def _drain(parked, wait):
     :func:`_late_error` for an error reply), waiting for them until its deadline if
     ``wait``, else reading only what has arrived. True once every reply is in (the
     link is in step again), False if some are still due, None if the connection
-    broke (the caller disconnects it)."""
+    broke (the caller disconnects it). A wait ends at the deadline the link had when
+    it began, even if a call sent again meanwhile owes a reply later: a round never
+    waits more than one round's timeout for a parked link."""
     link = parked.link
     sock, reader, owed = link.sock, link.reader, parked.owed
+    wait_until = parked.deadline
     try:
         while True:
             while owed:
@@ -452,7 +455,7 @@ def _drain(parked, wait):
                     _late_error(parked, command, reply)
             if not owed:
                 return True
-            remaining = max(parked.deadline - time.monotonic(), MIN_READ_TIMEOUT) if wait else 0
+            remaining = max(wait_until - time.monotonic(), MIN_READ_TIMEOUT) if wait else 0
             if not _readable({sock.fileno(): sock}, remaining):
                 return False
             size = sock.recv_into(link.buffer)
