@@ -194,10 +194,9 @@ def test_a_late_noscript_is_run_again_with_eval(make_masters):
         again.release()
 
 
-def test_a_late_error_reply_is_logged(make_masters, caplog, monkeypatch):
+def test_a_late_error_reply_is_logged(make_masters, caplog):
     """An error that a round did not wait for is nobody's return value: it is
     logged with the node, once a minute at most (review r98: once per call)."""
-    monkeypatch.setattr(wire, "_late_errors_logged", {})
     masters = make_masters(3)
     slow = clients(masters)[2]
     with alias_on(masters.urls, NODE_TIMEOUT=30) as alias:
@@ -260,12 +259,11 @@ def test_a_wait_for_a_parked_link_ends_at_its_deadline_even_after_a_resend(make_
         sha = hashlib.sha1(script.encode()).hexdigest()
         link.sock.send(hiredis.pack_command(("EVALSHA", sha, 0)))
         time.sleep(0.2)  # the NOSCRIPT is in
-        parked = wire._Parked(
-            link, [("EVALSHA", sha, 0)], time.monotonic() + 0.3, 30, {sha: (script, True)}, "n"
-        )
+        server.scripts = {**server.scripts, sha: (script, True)}
+        parked = wire._Parked(link, [("EVALSHA", sha, 0)], time.monotonic() + 0.3, 30)
         client.execute_command("CLIENT", "PAUSE", 5000, "WRITE")  # holds the EVAL
         try:
-            assert wire._drain(parked, wait=True) is False
+            assert server._drain(parked, wait=True) is False
             assert [command[0] for command in parked.owed] == ["EVAL"]
         finally:
             client.execute_command("CLIENT", "UNPAUSE")
@@ -277,7 +275,9 @@ def test_parked_connections_are_drained_oldest_first(monkeypatch):
     others in deadline order, and a round that must wait waits for the oldest
     (review r98: the pass rotated the list)."""
     ready = set()
-    monkeypatch.setattr(wire, "_drain", lambda parked, wait: parked.label in ready or wait)
+    monkeypatch.setattr(
+        wire.Server, "_drain", lambda self, parked, wait: parked.link.name in ready or wait
+    )
 
     class Conn:
         pid = os.getpid()
@@ -288,15 +288,18 @@ def test_parked_connections_are_drained_oldest_first(monkeypatch):
     class Link:
         conn = Conn()
 
+        def __init__(self, name):
+            self.name = name
+
     server = wire.Server("node", None, tls=False)
     for age, name in enumerate("ABCD"):
-        server.park(wire._Parked(Link(), [], time.monotonic() + 100 - age, 1.0, {}, name))
-    assert [p.label for p in server._parked] == ["D", "C", "B", "A"]
+        server.park(wire._Parked(Link(name), [], time.monotonic() + 100 - age, 1.0))
+    assert [p.link.name for p in server._parked] == ["D", "C", "B", "A"]
     ready.add("B")
     assert server._unparked(os.getpid(), wait=False) is not None
-    assert [p.label for p in server._parked] == ["D", "C", "A"]
+    assert [p.link.name for p in server._parked] == ["D", "C", "A"]
     assert server._unparked(os.getpid(), wait=True) is not None
-    assert [p.label for p in server._parked] == ["C", "A"]
+    assert [p.link.name for p in server._parked] == ["C", "A"]
 
 
 # -- brand-new masters and trustlocknodes -------------------------------------------------

@@ -259,7 +259,7 @@ _ACQUIRE, _RELEASE, _EXTEND, _OWNS, _GET, _DELETE, _CLEAR = (
 _TRUST, _STATUS = (_Script(s) for s in (TRUST, NODE_STATUS))
 _ALL_SCRIPTS = (_ACQUIRE, _RELEASE, _EXTEND, _OWNS, _GET, _DELETE, _CLEAR, _TRUST, _STATUS)
 #: ``{sha: (text, runs late)}``: a late NOSCRIPT reply is answered with EVAL (see
-#: redlock_wire._late_error). A release may run however late: it is token-checked,
+#: redlock_wire.Server._late_error). A release may run however late: it is token-checked,
 #: and a token is never used twice. Any other call only within its round's deadline.
 _SCRIPT_TEXTS = {script.sha: (script.text, script is _RELEASE) for script in _ALL_SCRIPTS}
 
@@ -330,6 +330,8 @@ class _Node:
             self.label,
             lambda: pool.connection_class(**ck),
             tls=issubclass(pool.connection_class, redis.connection.SSLConnection),
+            scripts=_SCRIPT_TEXTS,
+            on_late_error=self._late_error,
         )
         self._warned = {}  # problem -> monotonic time of its last log message
 
@@ -363,6 +365,20 @@ class _Node:
         if last is None or now - last >= WARN_EVERY:
             self._warned[problem] = now
             logger.log(level, message, *args)
+
+    def _late_error(self, reply):
+        """An error from this node that no round waited for (see redlock_wire)."""
+        self.log_once(
+            ("late error", str(reply).split(" ", 1)[0]),
+            logging.WARNING,
+            "Redlock %r: node %s answered a call that was not awaited (its majority had "
+            "answered in time) with an error: %s (the same error from this node is "
+            "logged at most once every %g s)",
+            self.alias,
+            self.label,
+            reply,
+            WARN_EVERY,
+        )
 
     def close(self):
         self.server.close()
@@ -607,7 +623,7 @@ class RedlockBackend(BaseLockBackend):
                 ]
             requests[index] = (nodes[index].server, node_commands)
         replies, started = self._round_trip(
-            requests, self.node_timeout if timeout is None else timeout, enough, _SCRIPT_TEXTS
+            requests, self.node_timeout if timeout is None else timeout, enough
         )
         results = _Results(replies)
         results.started = started

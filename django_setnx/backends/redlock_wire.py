@@ -46,12 +46,11 @@ for the oldest). A late reply is still looked at: a ``NOSCRIPT`` (the node lost 
 script cache: ``SCRIPT FLUSH``, a restart) means the call did not run, so it is sent
 again with ``EVAL`` on the same connection (a release at any time, another call
 only before its round's deadline, else its script is loaded again); any other error
-is logged (see :func:`_late_error`).
+goes to the server's ``on_late_error`` (see :meth:`Server._late_error`).
 """
 
 import bisect
 import inspect
-import logging
 import operator
 import os
 import select
@@ -68,14 +67,6 @@ except ImportError:
 #: Shortest wait for a reply: one that has already arrived is still taken after the
 #: deadline.
 MIN_READ_TIMEOUT = 0.0001
-logger = logging.getLogger("django_setnx")
-
-#: Seconds between two log lines for the same late error (its first word: NOSCRIPT,
-#: NOREPLICAS, OOM, ...) from the same server.
-LATE_ERROR_LOG_EVERY = 60.0
-#: ``{(server label, error kind): monotonic time last logged}``.
-_late_errors_logged: dict[tuple[str, str], float] = {}
-
 #: Parked connections (late replies due) a server keeps per process before a round
 #: waits for the oldest rather than open another.
 MAX_PARKED = 4
@@ -121,19 +112,15 @@ class Pending:
 class _Parked:
     """A connection left with replies still due (see ``round_trip``'s ``enough``):
     the commands they answer, in order, the round's deadline (monotonic) by which
-    they should all be in, the round's timeout, the scripts that may be sent again
-    (``{sha: (text, runs late)}``, see :func:`_late_error`) and the server's label,
-    for the log."""
+    they should all be in, and the round's timeout (for a call sent again)."""
 
-    __slots__ = ("deadline", "label", "link", "owed", "scripts", "timeout")
+    __slots__ = ("deadline", "link", "owed", "timeout")
 
-    def __init__(self, link, owed, deadline, timeout, scripts, label):
+    def __init__(self, link, owed, deadline, timeout):
         self.link = link
         self.owed = owed
         self.deadline = deadline
         self.timeout = timeout
-        self.scripts = scripts
-        self.label = label
 
 
 #: The sort key of parked connections. attrgetter runs in C, so an insort is not
@@ -166,11 +153,17 @@ class Server:
 
     ``new_connection()`` returns an unconnected redis-py connection (whose connect
     runs its ``redis_connect_func``). ``label`` names the server in errors.
+    ``scripts`` (``{sha: (text, runs late)}``) are the scripts whose late
+    ``NOSCRIPT`` replies are answered by sending the same call with EVAL, and
+    ``on_late_error(reply)`` is told of any other late error reply (see
+    :meth:`_late_error`).
     """
 
-    def __init__(self, label, new_connection, *, tls):
+    def __init__(self, label, new_connection, *, tls, scripts=None, on_late_error=None):
         self.label = label
         self._new_connection = new_connection
+        self.scripts = scripts or {}
+        self.on_late_error = on_late_error
         self.fast = hiredis is not None and not tls
         self._idle = []
         self._parked = []  # _Parked, oldest first: see park()
@@ -211,7 +204,7 @@ class Server:
         if link.conn.pid != pid:
             link.conn.disconnect()  # inherited across a fork: closes only our copy
             return None
-        done = _drain(parked, wait)
+        done = self._drain(parked, wait)
         if done:
             return link
         if done is None or wait or time.monotonic() > parked.deadline:
@@ -219,6 +212,65 @@ class Server:
             return None
         bisect.insort(self._parked, parked, key=_deadline_of)
         return None
+
+    def _drain(self, parked, wait):
+        """Read the late replies of a :class:`_Parked` fast-path link (see
+        :meth:`_late_error` for an error reply), waiting for them until its deadline
+        if ``wait``, else reading only what has arrived. True once every reply is in
+        (the link is in step again), False if some are still due, None if the
+        connection broke (the caller disconnects it). A wait ends at the deadline the
+        link had when it began, even if a call sent again meanwhile owes a reply
+        later: a round never waits more than one round's timeout for a parked link."""
+        link = parked.link
+        sock, reader, owed = link.sock, link.reader, parked.owed
+        wait_until = parked.deadline
+        try:
+            while True:
+                while owed:
+                    reply = reader.gets()
+                    if reply is False:
+                        break
+                    command = owed.pop(0)
+                    if isinstance(reply, ResponseError):
+                        self._late_error(parked, command, reply)
+                if not owed:
+                    return True
+                remaining = max(wait_until - time.monotonic(), MIN_READ_TIMEOUT) if wait else 0
+                if not _readable({sock.fileno(): sock}, remaining):
+                    return False
+                size = sock.recv_into(link.buffer)
+                if not size:
+                    return None  # the server closed the connection
+                reader.feed(link.buffer, 0, size)
+        except (*ERRORS, InvalidResponse, ValueError):  # ValueError: a closed socket
+            return None
+
+    def _late_error(self, parked, command, reply):
+        """An error in reply to a call that its round did not wait for.
+
+        A ``NOSCRIPT`` means the call did not run: the node lost its script cache
+        (``SCRIPT FLUSH``, a restart). The call is sent again with EVAL, on the same
+        connection, if it still may run: before its round's deadline, or at any time
+        for a script marked so in ``scripts`` (a release: token-checked, and tokens
+        are never reused). Otherwise (an extend long after its round could revive a
+        record that has expired since) the script is only loaded again with
+        ``SCRIPT LOAD``. Either way the node has the script again, and the new reply
+        joins the replies owed, due within a round's timeout from now.
+
+        Any other error goes to ``on_late_error``: nobody else sees it."""
+        script = self.scripts.get(command[1]) if command[0] == "EVALSHA" else None
+        if script is not None and str(reply).startswith("NOSCRIPT"):
+            text, runs_late = script
+            now = time.monotonic()
+            if runs_late or now < parked.deadline:
+                again = ("EVAL", text, *command[2:])
+            else:
+                again = ("SCRIPT", "LOAD", text)
+            parked.deadline = max(parked.deadline, now + parked.timeout)
+            _send_all(parked.link.sock, hiredis.pack_command(again), parked.deadline)
+            parked.owed.append(again)
+        elif self.on_late_error is not None:
+            self.on_late_error(reply)
 
     def _idle_or_new(self, pid):
         while True:
@@ -250,7 +302,7 @@ class Server:
             link.conn.disconnect()
 
 
-def round_trip(requests, timeout, enough=None, scripts=None):
+def round_trip(requests, timeout, enough=None):
     """Send each server its commands and read every reply, in parallel.
 
     ``requests`` is ``{key: (server, commands)}``, ``commands`` a list of command
@@ -265,9 +317,7 @@ def round_trip(requests, timeout, enough=None, scripts=None):
     server's replies are all in; once it returns True the round ends, and every
     server still owing replies is a :class:`Pending` in ``results`` (its connection
     is parked, see :meth:`Server.park`). Only the fast path ends early; the other
-    (TLS, or no hiredis) reads every reply. ``scripts`` (``{sha: (text, runs
-    late)}``) are the scripts whose late ``NOSCRIPT`` replies are answered by
-    sending the same call with EVAL (see :func:`_late_error`).
+    (TLS, or no hiredis) reads every reply.
     """
     results = {}
     out = {}  # key -> (server, link, commands): checked out, not given back yet
@@ -282,7 +332,7 @@ def round_trip(requests, timeout, enough=None, scripts=None):
         if out:
             fast = next(iter(out.values()))[0].fast
             if fast:
-                _exchange_fast(out, results, timeout, enough, scripts or {})
+                _exchange_fast(out, results, timeout, enough)
             else:
                 _exchange_redis_py(out, results, timeout)
     finally:
@@ -360,7 +410,7 @@ def _send_all(sock, data, deadline):
                 raise redis.exceptions.TimeoutError("could not write the request in time")
 
 
-def _exchange_fast(out, results, timeout, enough=None, scripts=None):
+def _exchange_fast(out, results, timeout, enough=None):
     """The round on non-blocking sockets: write every request, then one poll over
     all the sockets until every server's replies are in (or ``enough`` says the
     rest need not be awaited) or the deadline passed."""
@@ -424,89 +474,11 @@ def _exchange_fast(out, results, timeout, enough=None, scripts=None):
                     for late in pending.values():
                         server, link, commands = out.pop(late)
                         owed = list(commands[len(replies[late]) :])
-                        server.park(
-                            _Parked(link, owed, deadline, timeout, scripts or {}, server.label)
-                        )
+                        server.park(_Parked(link, owed, deadline, timeout))
                         results[late] = Pending(server.label)
                     return
     for key in list(pending.values()):
         _fail(out, results, key, redis.exceptions.TimeoutError(f"no reply within {timeout:g} s"))
-
-
-def _drain(parked, wait):
-    """Read the late replies of a :class:`_Parked` fast-path link (see
-    :func:`_late_error` for an error reply), waiting for them until its deadline if
-    ``wait``, else reading only what has arrived. True once every reply is in (the
-    link is in step again), False if some are still due, None if the connection
-    broke (the caller disconnects it). A wait ends at the deadline the link had when
-    it began, even if a call sent again meanwhile owes a reply later: a round never
-    waits more than one round's timeout for a parked link."""
-    link = parked.link
-    sock, reader, owed = link.sock, link.reader, parked.owed
-    wait_until = parked.deadline
-    try:
-        while True:
-            while owed:
-                reply = reader.gets()
-                if reply is False:
-                    break
-                command = owed.pop(0)
-                if isinstance(reply, ResponseError):
-                    _late_error(parked, command, reply)
-            if not owed:
-                return True
-            remaining = max(wait_until - time.monotonic(), MIN_READ_TIMEOUT) if wait else 0
-            if not _readable({sock.fileno(): sock}, remaining):
-                return False
-            size = sock.recv_into(link.buffer)
-            if not size:
-                return None  # the server closed the connection
-            reader.feed(link.buffer, 0, size)
-    except (*ERRORS, InvalidResponse, ValueError):  # ValueError: a closed socket
-        return None
-
-
-def _late_error(parked, command, reply):
-    """An error in reply to a call that its round did not wait for.
-
-    A ``NOSCRIPT`` means the call did not run: the node lost its script cache
-    (``SCRIPT FLUSH``, a restart). The call is sent again with EVAL, on the same
-    connection, if it still may run: before its round's deadline, or at any time
-    for a script marked so in ``scripts`` (a release: token-checked, and tokens are
-    never reused). Otherwise (an extend long after its round could revive a record
-    that has expired since) the script is only loaded again with ``SCRIPT LOAD``.
-    Either way the node has the script again, and the new reply joins the replies
-    owed, due within a round's timeout from now.
-
-    Other errors are logged, at most once a minute per node and kind: nobody else
-    sees them."""
-    script = parked.scripts.get(command[1]) if command[0] == "EVALSHA" else None
-    if script is not None and str(reply).startswith("NOSCRIPT"):
-        text, runs_late = script
-        now = time.monotonic()
-        if runs_late or now < parked.deadline:
-            again = ("EVAL", text, *command[2:])
-        else:
-            again = ("SCRIPT", "LOAD", text)
-        parked.deadline = max(parked.deadline, now + parked.timeout)
-        _send_all(parked.link.sock, hiredis.pack_command(again), parked.deadline)
-        parked.owed.append(again)
-        return
-    kind = str(reply).split(" ", 1)[0]
-    now = time.monotonic()
-    key = (parked.label, kind)
-    last = _late_errors_logged.get(key)
-    if last is not None and now - last < LATE_ERROR_LOG_EVERY:
-        return
-    _late_errors_logged[key] = now
-    logger.warning(
-        "Redis node %s answered a call that was not awaited (its majority had answered "
-        "in time) with an error: %s (the same error from this node is logged at most "
-        "once every %g s)",
-        parked.label,
-        reply,
-        LATE_ERROR_LOG_EVERY,
-    )
 
 
 def _exchange_redis_py(out, results, timeout):
