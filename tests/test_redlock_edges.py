@@ -246,6 +246,52 @@ def test_a_late_noscript_past_its_rounds_deadline_reruns_a_release_only(make_mas
         assert [c.exists(lock_key(name)) for c in clients(masters)] == [0, 0, 0]
 
 
+def test_a_forked_child_never_reads_the_parents_late_replies(make_masters, tmp_path):
+    """Connections parked in the parent (a slow master's late replies due) are
+    closed in a forked child, never drained there: the child's rounds get their own
+    replies, and the late replies stay for the parent, which drains its connections
+    and uses them again."""
+    masters = make_masters(3)
+    slow = clients(masters)[2]
+    names = [unique() for _ in range(2)]
+    with alias_on(masters.urls, NODE_TIMEOUT=30) as alias:
+        server = locks[alias].nodes[2].server
+        held = [lock(name, ttl=30, backend=alias) for name in names]
+        for each in held:
+            assert each.acquire(blocking=False)
+        with writes_paused(slow):
+            for each in held:
+                each.release()
+            assert len(server._parked) == 2
+        report = tmp_path / "child.txt"
+        pid = os.fork()  # the late replies are on their way to the shared sockets
+        if pid == 0:  # the child: never return into pytest
+            code = 1
+            try:
+                for _ in range(5):
+                    mine = lock(unique(), ttl=30, backend=alias)
+                    assert mine.acquire(blocking=False) and mine.owned()
+                    mine.release()
+                report.write_text("ok")
+                code = 0
+            except BaseException as exc:  # noqa: BLE001
+                report.write_text(repr(exc))
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            assert time.monotonic() < deadline, "the child hangs"
+            time.sleep(0.05)
+        assert report.read_text() == "ok"
+        for _ in names:
+            link = server._unparked(os.getpid(), wait=True)
+            assert link is not None, "the parent's late replies were read elsewhere"
+            server.give_back(link)
+        assert server._parked == []
+        for client in clients(masters):
+            assert [client.exists(lock_key(name)) for name in names] == [0, 0]
+
+
 def test_a_wait_for_a_parked_link_ends_at_its_deadline_even_after_a_resend(make_masters):
     """A round waiting for a parked link (at MAX_PARKED) waits until the deadline the
     link had, not for the reply to a call sent again meanwhile (review r100: after
