@@ -284,7 +284,8 @@ def test_a_child_forked_while_a_backend_was_being_created_creates_its_own(fork):
 def _forked_child_outcome(fork, hold, run):
     """Fork while another thread of this process is inside ``hold`` (a context
     manager), and run ``run()`` in the child. Returns what the child reported: b"1"
-    if ``run()`` returned, b"" if it hung (ended by an alarm) or failed."""
+    if ``run()`` returned, its traceback if it raised, b"" if it hung (ended by an
+    alarm)."""
     inside, leave = threading.Event(), threading.Event()
 
     def holder():
@@ -295,6 +296,14 @@ def _forked_child_outcome(fork, hold, run):
     thread = threading.Thread(target=holder)
     thread.start()
     inside.wait(10)
+    # Fork once the holder sleeps in leave.wait(), with the GIL released: a thread
+    # forked while taking the GIL back leaves the GIL's own mutex held in a child
+    # that Python's fork hooks did not reinitialise.
+    settled_by = time.monotonic() + 10
+    while not (leave._cond._waiters and not leave._cond._lock.locked()):
+        assert time.monotonic() < settled_by, "the holder never reached leave.wait()"
+        time.sleep(0.001)
+    time.sleep(0.01)
     read_end, write_end = os.pipe()
     pid = fork()
     if pid == 0:  # the child: never return into pytest
@@ -302,13 +311,16 @@ def _forked_child_outcome(fork, hold, run):
             signal.alarm(10)  # a hang ends the child, not the test run
             run()
             os.write(write_end, b"1")
+        except Exception:  # noqa: BLE001 - reported to the parent, which fails
+            os.write(write_end, traceback.format_exc().encode()[-4000:])
         finally:
             os._exit(0)
     os.close(write_end)
     leave.set()
     thread.join()
     os.waitpid(pid, 0)
-    return os.read(read_end, 1)
+    with os.fdopen(read_end, "rb") as reported:
+        return reported.read()
 
 
 def _mark_lost():

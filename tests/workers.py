@@ -300,7 +300,21 @@ def fork_without_hooks():
     ``os.register_at_fork`` hooks do not run in the child. Called through PyDLL,
     which keeps the GIL: through CDLL, which releases it for the call, another
     thread of this process (a listener) could take it at the instant of the fork,
-    and the child would wait for it forever."""
-    import ctypes
+    and the child would wait for it forever.
 
-    return ctypes.PyDLL(None, use_errno=True).fork()
+    The import lock and threading's registry lock are held across the call, as
+    ``os.fork`` holds them: another thread of the test run (one ending, one
+    importing) caught holding either at the fork would leave it held in the
+    child, whose first import or ``Thread.start()`` would then hang now and then,
+    whatever this library does. The tests are about the library's own locks."""
+    import _imp
+    import ctypes
+    import threading
+
+    _imp.acquire_lock()
+    threading._active_limbo_lock.acquire()
+    try:
+        return ctypes.PyDLL(None, use_errno=True).fork()
+    finally:  # in both processes: the child's main thread is the thread that held them
+        threading._active_limbo_lock.release()
+        _imp.release_lock()
