@@ -79,6 +79,52 @@ def test_no_majority_is_an_error_at_once_naming_each_node_and_why(make_masters):
             os.kill(stopped.process.pid, signal.SIGCONT)
 
 
+def test_an_answer_a_silent_node_could_tip_is_an_error_not_a_no(make_masters):
+    """One master lost the record (it answers 0), one does not answer (SIGSTOP): a
+    majority answered, but the silent one may hold the lock, so whether a majority
+    holds it is unknown. Checking, extending and releasing raise LockBackendError
+    naming the silent node. The extend releases nothing (it used to report the lock
+    lost, and delete it on the master that still held it)."""
+    masters = make_masters(3)
+    silent = masters.servers[1]
+    forgot, _, kept = clients(masters)
+    name = unique()
+
+    def unknown(operation, action, what):
+        with pytest.raises(LockBackendError) as raised:
+            operation()
+        message = str(raised.value)
+        assert action in message, message
+        assert "only 1 of 3 nodes confirmed it and 1 did not answer" in message, message
+        assert f"whether a majority {what} is unknown" in message, message
+        assert f"{label(silent)}: TimeoutError" in message, message
+
+    with alias_on(masters.urls, NODE_TIMEOUT=0.2) as alias:
+        held = lock(name, ttl=30, backend=alias)
+        assert held.acquire(blocking=False)
+        forgot.delete(lock_key(name))
+        os.kill(silent.process.pid, signal.SIGSTOP)
+        try:
+            unknown(held.owned, "check", "holds it")
+            unknown(lambda: held.extend(60), "extend", "extended it")
+            assert kept.exists(lock_key(name)) == 1, "released what may still be a lock"
+        finally:
+            os.kill(silent.process.pid, signal.SIGCONT)
+        assert not held.lost, "an unknown answer is not news that the lock was lost"
+        assert held.owned(), "the silent node held it: with the kept one, a majority"
+
+        os.kill(silent.process.pid, signal.SIGSTOP)
+        try:
+            unknown(held.release, "release", "held it")
+        finally:
+            os.kill(silent.process.pid, signal.SIGCONT)
+        # The silent node runs the release it was sent once it goes on.
+        gone_by = time.monotonic() + 5
+        while any(client.exists(lock_key(name)) for client in clients(masters)):
+            assert time.monotonic() < gone_by, "the release never reached the silent node"
+            time.sleep(0.01)
+
+
 # -- a slow node does not set the pace of release and extend -----------------------------
 
 

@@ -830,6 +830,27 @@ class RedlockBackend(BaseLockBackend):
             1 for replies in results.values() if isinstance(replies, list) and replies[0] == 1
         )
 
+    def _majority_confirmed(self, action, results, what):
+        """Whether a majority of the nodes replied 1 to ``action``: True if they did,
+        False if so many replied otherwise that no majority can have. Raises
+        LockBackendError when fewer than a majority answered, or when the nodes
+        that did not answer could have made a majority (``what`` names what is then
+        unknown): a node that timed out may have run the script, so "no" would be a
+        guess, and one that would destroy a lock that is still held."""
+        self._require_majority(action, results)
+        confirmed = self._count(results)
+        if confirmed >= self.quorum:
+            return True
+        failed = self._failures(results)
+        if confirmed + len(failed) >= self.quorum:
+            raise LockBackendError(
+                self.alias,
+                f"{action} failed: only {confirmed} of {len(self.locations)} nodes "
+                f"confirmed it and {len(failed)} did not answer; whether a majority "
+                f"{what} is unknown ({'; '.join(map(str, failed))})",
+            )
+        return False
+
     def release(self, name, token):
         """Release on every node. True if a majority held our token and deleted it;
         False if too many nodes answered that it was not ours for a majority to have
@@ -853,24 +874,13 @@ class RedlockBackend(BaseLockBackend):
             ),
             enough=self._said_one_by_majority,
         )
-        self._require_majority(action, results)
-        released = self._count(results)
-        if released >= self.quorum:
-            return True
-        failed = self._failures(results)
-        if released + len(failed) >= self.quorum:
-            raise LockBackendError(
-                self.alias,
-                f"{action} failed: only {released} of {len(self.locations)} nodes "
-                f"confirmed it and {len(failed)} did not answer; whether a majority "
-                f"held it is unknown ({'; '.join(map(str, failed))})",
-            )
-        return False
+        return self._majority_confirmed(action, results, "held it")
 
     def extend(self, name, token, ttl):
         """Set the expiry to now + ttl on every node holding our token. True if a
         majority did within the validity; else what is left of the lock is released
-        and False returned. LockBackendError if fewer than a majority answered."""
+        and False returned. LockBackendError, releasing nothing, if fewer than a
+        majority answered or the nodes that did not could have made one."""
         ttl_ms = self.check_ttl(ttl)
         fencing = self._fencing_of.get(token)
         results = self._round(
@@ -881,18 +891,18 @@ class RedlockBackend(BaseLockBackend):
             ),
             enough=self._said_one_by_majority,
         )
-        self._require_majority(f"extend {name!r}", results)
-        if self._count(results) >= self.quorum and self._valid(results.started, ttl_ms):
+        extended = self._majority_confirmed(f"extend {name!r}", results, "extended it")
+        if extended and self._valid(results.started, ttl_ms):
             return True
         self._release_on(name, token, range(len(self.locations)))
         return False
 
     def owns(self, name, token):
         """True if a majority of nodes hold ``name`` under ``token``, not expired.
-        LockBackendError if fewer than a majority answered."""
+        LockBackendError if fewer than a majority answered, or the nodes that did
+        not could have made one."""
         results = self._round(self._all(_OWNS, (self._keys(name)[0],), (token,)))
-        self._require_majority(f"check {name!r}", results)
-        return self._count(results) >= self.quorum
+        return self._majority_confirmed(f"check {name!r}", results, "holds it")
 
     # -- records: the majority view ------------------------------------------------
 
