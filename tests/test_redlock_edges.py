@@ -28,7 +28,14 @@ import redis
 
 from django_setnx import lock, locks
 from django_setnx.backends import redlock_wire as wire
-from django_setnx.backends.redlock import _EXTEND, _RELEASE, RedlockBackend
+from django_setnx.backends.redis_scripts import ACQUIRE
+from django_setnx.backends.redlock import (
+    _EXTEND,
+    _READ_CLOCK,
+    _RELEASE,
+    NODE_ACQUIRE,
+    RedlockBackend,
+)
 from django_setnx.exceptions import LockBackendError
 from tests.test_redlock import MARKER, OWNER, alias_on, clients, fence_key, lock_key, unique
 
@@ -123,6 +130,14 @@ def test_an_answer_a_silent_node_could_tip_is_an_error_not_a_no(make_masters):
         while any(client.exists(lock_key(name)) for client in clients(masters)):
             assert time.monotonic() < gone_by, "the release never reached the silent node"
             time.sleep(0.01)
+
+
+def test_a_node_acquire_reads_the_clock_once():
+    """NODE_ACQUIRE wraps ACQUIRE after its own reading of TIME, and strips
+    ACQUIRE's: a change to that line of ACQUIRE would leave a second TIME per master
+    and acquire, and two readings that differ."""
+    assert ACQUIRE.count(_READ_CLOCK) == 1
+    assert NODE_ACQUIRE.count("redis.call('TIME')") == 1
 
 
 # -- a slow node does not set the pace of release and extend -----------------------------

@@ -159,7 +159,7 @@ try:
     import redis
     from redis.backoff import NoBackoff
     from redis.commands import CoreCommands
-    from redis.exceptions import NoScriptError, ResponseError
+    from redis.exceptions import ResponseError
     from redis.retry import Retry
 
     from . import redlock_wire as wire
@@ -206,8 +206,7 @@ TRUST_COMMAND = "trustlocknodes"
 # {0, 0, ms until it votes}. Otherwise ACQUIRE runs: {won, fencing or ms until the
 # holder's expiry, 0}, on the same reading of the clock (a second TIME costs a
 # command per master and acquire, and the two readings would differ).
-_READ_CLOCK = "local t = redis.call('TIME')\n"
-assert ACQUIRE.count(_READ_CLOCK) == 1
+_READ_CLOCK = "local t = redis.call('TIME')\n"  # ACQUIRE's (a test checks it is there)
 NODE_ACQUIRE = f"""
 local marker = KEYS[#KEYS]
 local t = redis.call('TIME')
@@ -268,14 +267,6 @@ if redis is not None:
 
     class EvictionRefused(redis.exceptions.RedisError):
         """A node that may evict keys (not a ConnectionError: never retried)."""
-
-
-def _is_no_script(reply):
-    """True for a NOSCRIPT error reply (redis-py's NoScriptError, or the raw error of
-    the fast path): the script is not cached there, and nothing ran."""
-    return isinstance(reply, NoScriptError) or (
-        isinstance(reply, ResponseError) and str(reply).startswith("NOSCRIPT")
-    )
 
 
 def _is_one(reply):
@@ -634,7 +625,7 @@ class RedlockBackend(BaseLockBackend):
             for call_no, reply in enumerate(node_replies):
                 if not isinstance(reply, ResponseError):
                     continue
-                if _is_no_script(reply):
+                if wire.is_no_script(reply):
                     # Not cached there (SCRIPT FLUSH): nothing ran; EVAL below.
                     missing.setdefault(index, []).append(call_no)
                 elif not (wrong_type_is_a_reply and _is_wrong_type(reply)):

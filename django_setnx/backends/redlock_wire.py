@@ -57,7 +57,7 @@ import select
 import time
 
 import redis
-from redis.exceptions import InvalidResponse, ResponseError
+from redis.exceptions import InvalidResponse, NoScriptError, ResponseError
 
 try:
     import hiredis
@@ -75,6 +75,15 @@ READ_SIZE = 65536
 
 #: What a failing server raises: redis-py's errors, and socket errors it lets through.
 ERRORS = (redis.exceptions.RedisError, OSError)
+
+
+def is_no_script(reply):
+    """True for a NOSCRIPT error reply (redis-py's NoScriptError, or the raw error of
+    the fast path): the script is not cached there, and nothing ran."""
+    return isinstance(reply, NoScriptError) or (
+        isinstance(reply, ResponseError) and str(reply).startswith("NOSCRIPT")
+    )
+
 
 #: redis-py >= 5.1 reads a reply with a per-call timeout.
 _READ_TIMEOUT = (
@@ -259,7 +268,7 @@ class Server:
 
         Any other error goes to ``on_late_error``: nobody else sees it."""
         script = self.scripts.get(command[1]) if command[0] == "EVALSHA" else None
-        if script is not None and str(reply).startswith("NOSCRIPT"):
+        if script is not None and is_no_script(reply):
             text, runs_late = script
             now = time.monotonic()
             if runs_late or now < parked.deadline:
