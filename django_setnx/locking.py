@@ -537,13 +537,13 @@ class Lock:
         except LockError:
             logger.debug("Could not free lost lock %r", self.name, exc_info=True)
 
-    def _stop_renewer(self, join: bool = True) -> None:
+    def _stop_renewer(self, join: bool = True) -> bool:
         """Stop the renewal thread; with ``join``, wait briefly for an extend in
         flight. Never from an event loop's thread (``join=False``): the wait would
-        stall every coroutine of the loop, and a late extend is token-checked."""
+        stall every coroutine of the loop, and a late extend is token-checked.
+        Returns False if the renewer or the watchdog found the lock lost first."""
         renewer, self._renewer = self._renewer, None
-        if renewer is not None:
-            renewer.stop(join=join)
+        return renewer is None or renewer.stop(join=join)
 
     def _released(self, released: bool) -> None:
         self._token = None
@@ -564,7 +564,12 @@ class Lock:
         the release at the end of a ``with`` block (see ``__exit__``).
         """
         record, token = self._check_held_by_us("release")
-        self._stop_renewer()
+        if not self._stop_renewer():
+            # Found lost since the test above (the deadline passed meanwhile): a
+            # lost lock, as if that test had seen it.
+            self._release_lost()
+            self._token = None
+            raise self._lost_error("release")
         self._released(self.backend.release(record, token))
 
     def _release_if_still_held(self) -> bool:
@@ -580,7 +585,10 @@ class Lock:
             self._token = None
             return False
         record, token = self._held()
-        self._stop_renewer()
+        if not self._stop_renewer():  # found lost since the test above
+            self._release_lost()
+            self._token = None
+            return False
         released = self.backend.release(record, token)
         self._token = None
         if released:
@@ -606,7 +614,10 @@ class Lock:
                 # call could (review r96).
                 await _shielded(self._arelease_lost(held))
             raise
-        self._stop_renewer(join=False)
+        if not self._stop_renewer(join=False):  # found lost since the test above
+            await _shielded(self._arelease_lost(held))
+            self._token = None
+            raise self._lost_error("release")
         try:
             released = await self.backend.arelease(record, token)
         except asyncio.CancelledError as cancelled:
@@ -890,19 +901,34 @@ class _Renewer(threading.Thread):
         _watchdog.watch(self, self.valid_until)
         super().start()
 
-    def stop(self, join: bool = True) -> None:
-        self._stop_event.set()
+    def _end(self) -> bool:
+        """End the renewals: True for the first caller only, of stop() and a loss.
+        So a lock is either released by its owner or lost, never both: a release
+        racing the deadline never sends ``lock_released`` after ``lock_lost``."""
+        with _MARK_LOST_GUARD:
+            if self._stop_event.is_set():
+                return False
+            self._stop_event.set()
+            return True
+
+    def stop(self, join: bool = True) -> bool:
+        """Stop renewing. Returns False if the lock was found lost first (``lock_lost``
+        is sent, or about to be, by the thread that found it)."""
+        stopped = self._end()
         _watchdog.unwatch(self)
         if join and threading.current_thread() is not self:
             # Wait briefly for an extend in flight. Safe to stop waiting: a late
             # extend is token-checked and finds the released record gone.
             self.join(timeout=min(self.lock.ttl, STOP_JOIN_TIMEOUT))
+        return stopped
 
     def expired(self) -> None:
         """Called when ``valid_until`` passed without a renewal."""
         _watchdog.unwatch(self)
-        if not self._stop_event.is_set():
-            self._stop_event.set()
+        self._lost()
+
+    def _lost(self) -> None:
+        if self._end():
             self.lock._mark_lost()
 
     def run(self) -> None:
@@ -936,7 +962,7 @@ class _Renewer(threading.Thread):
                 return
             if not renewed:
                 _watchdog.unwatch(self)
-                lk._mark_lost()
+                self._lost()
                 return
             self.valid_until = started + lk.backend.validity(lk.ttl)
             _watchdog.watch(self, self.valid_until)

@@ -142,6 +142,59 @@ def test_a_lock_marked_lost_during_arelease_is_freed_without_blocking(alias, los
     assert len(lost_events[name]) == 1
 
 
+@pytest.mark.parametrize("release", ["release", "arelease", "_release_if_still_held"])
+def test_a_release_racing_the_deadline_is_a_release_or_a_loss_never_both(
+    alias, lost_events, name, release
+):
+    """The renewal's deadline passes between release()'s test of ``lost`` and its
+    stop of the renewal (forced here: the watchdog's call, made at that moment). The
+    lock is lost: ``lock_lost`` is sent once, release raises LockNotOwned (the
+    Celery paths' release reports False), what is left of the record is freed, and
+    ``lock_released`` is not sent after ``lock_lost`` (it was)."""
+    import asyncio
+
+    from django_setnx.locking import Lock
+    from django_setnx.signals import lock_released
+
+    class DeadlineMidway(Lock):
+        def _stop_renewer(self, join=True):
+            if self._renewer is not None:
+                self._renewer.expired()  # the watchdog, from its own thread
+            return super()._stop_renewer(join)
+
+    released = []
+    lock_released.connect(
+        lambda lock, **kw: released.append(lock.name), weak=False, dispatch_uid=name
+    )
+    try:
+        lk = DeadlineMidway(name, ttl=30, backend=alias, auto_renew=True)
+        assert lk.acquire()
+        renewer = lk._renewer
+        if release == "_release_if_still_held":
+            assert lk._release_if_still_held() is False
+        else:
+            with pytest.raises(LockNotOwned, match="lost"):
+                if release == "arelease":
+                    asyncio.run(lk.arelease())
+                else:
+                    lk.release()
+    finally:
+        lock_released.disconnect(dispatch_uid=name)
+    assert len(lost_events[name]) == 1
+    assert released == [], "lock_released after lock_lost"
+    assert locks[alias].get(name) is None, "what was left of the lost lock is freed"
+    renewer.join(5)
+    assert not renewer.is_alive()
+
+    # A stop that comes first wins: the watchdog's late call finds nothing to mark.
+    lk = lock(name, ttl=30, backend=alias, auto_renew=True)
+    assert lk.acquire()
+    renewer = lk._renewer
+    lk.release()
+    renewer.expired()
+    assert not lk.lost and len(lost_events[name]) == 1
+
+
 def test_a_forked_child_gets_a_watchdog_of_its_own(private_redis, name):
     """The watchdog thread does not survive a fork (threads never do): a child whose
     own auto-renewed lock hangs still has it marked lost by its expiry."""
