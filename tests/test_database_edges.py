@@ -707,6 +707,46 @@ def test_the_lock_connection_carries_the_operation_timeout(db_alias, name, make_
         assert _sql(backend, "PRAGMA busy_timeout") == (3000,)
 
 
+def test_close_from_another_thread_never_breaks_a_statement_in_flight(
+    db_alias, name, make_backend
+):
+    """close() (``locks.close_all()``, a settings change) while other threads run
+    lock operations: a connection in use is closed by its own thread once its
+    statement is done, so every operation succeeds. Closed under the statement, the
+    drivers failed it ("connection pointer is NULL", "socket closed"), PyMySQL even
+    with an AttributeError that was no LockBackendError."""
+    backend = make_backend(db_alias)
+    failures, cycles = [], []
+    until = time.monotonic() + 2
+
+    def operate(worker):
+        while time.monotonic() < until:
+            lock_name, token = f"{name}-{worker}-{len(cycles)}", _token()
+            try:
+                assert backend.acquire(lock_name, token, 30, OWNER).acquired
+                assert backend.release(lock_name, token) is True
+            except Exception as exc:  # noqa: BLE001 - what this test counts
+                failures.append(repr(exc))
+            cycles.append(worker)
+
+    workers = [threading.Thread(target=operate, args=(i,)) for i in range(3)]
+    for thread in workers:
+        thread.start()
+    closes = 0
+    while any(thread.is_alive() for thread in workers):
+        backend.close()
+        closes += 1
+        time.sleep(0.002)
+    for thread in workers:
+        thread.join(HANG)
+    assert failures == [], f"{len(failures)} of {len(cycles)} cycles failed: {failures[:5]}"
+    assert len(cycles) > 10 and closes > 10
+    backend.close()
+    assert [wrapper.connection for wrapper in backend._wrappers] == [None] * len(
+        backend._wrappers
+    ), "closed once idle"
+
+
 @pytest.mark.parametrize("waiting_alias", _aliases("mysql", "sqlite"))
 def test_a_lock_held_elsewhere_fails_within_the_timeout(waiting_alias, name, make_backend):
     """Another transaction keeps the lock row (MySQL: a row lock) or the database

@@ -302,6 +302,10 @@ class DatabaseBackend(BaseLockBackend):
         # Every wrapper we opened, to close them all from close() (any thread).
         self._wrappers = weakref.WeakSet()
         self._wrappers_lock = threading.Lock()
+        # Under _wrappers_lock: the wrappers a thread is running statements on (how
+        # many calls deep), and those of them that close() left to that thread.
+        self._in_use = {}
+        self._close_when_done = set()
         _BACKENDS.add(self)
 
     @classmethod
@@ -379,6 +383,8 @@ class DatabaseBackend(BaseLockBackend):
         self._wrappers = weakref.WeakSet()
         # Another thread of the parent may have held it at the fork: it stays held.
         self._wrappers_lock = threading.Lock()
+        self._in_use = {}
+        self._close_when_done = set()
         # The waiting threads were the parent's, and so is the listener (its
         # connection was among the wrappers above).
         self._waiting = {}
@@ -500,33 +506,54 @@ class DatabaseBackend(BaseLockBackend):
         return wrapper
 
     def _connection(self):
-        """This thread's ``(wrapper, raw connection)``, connected. A connection that
-        sat idle for ``health_check_after`` seconds is checked first (one round
-        trip) and replaced if the server dropped it; a busy one is used as it is."""
+        """This thread's ``(wrapper, raw connection)``, connected, and in use until
+        :meth:`_done_with` (close() from another thread leaves it to this one). A
+        connection that sat idle for ``health_check_after`` seconds is checked first
+        (one round trip) and replaced if the server dropped it; a busy one is used
+        as it is."""
         if self._pid != os.getpid():  # forked without a fork hook (uWSGI's default)
             self._forget_connections()
         state = self._state()
         wrapper = state.wrapper
-        now = time.monotonic()
         if wrapper is None:
             wrapper = state.wrapper = self._private_wrapper()
             if state.shared:
                 # Django refuses a wrapper in a thread other than the one that made
                 # it (e.g. MySQL's server-version query) unless told it is shared.
                 wrapper.inc_thread_sharing()
-        elif (
-            wrapper.connection is not None
-            and self.health_check_after is not None
-            and now - state.used_at >= self.health_check_after
-            and not _usable(wrapper)
-        ):
-            self._drop(wrapper)
-        state.used_at = now
-        if wrapper.connection is None:
-            self._connect(state)
-        elif state.sqlite_wal_pending:
-            self._sqlite_setup_again(state)
+        with self._wrappers_lock:
+            self._in_use[wrapper] = self._in_use.get(wrapper, 0) + 1
+        try:
+            now = time.monotonic()
+            if (
+                wrapper.connection is not None
+                and self.health_check_after is not None
+                and now - state.used_at >= self.health_check_after
+                and not _usable(wrapper)
+            ):
+                self._drop(wrapper)
+            state.used_at = now
+            if wrapper.connection is None:
+                self._connect(state)
+            elif state.sqlite_wal_pending:
+                self._sqlite_setup_again(state)
+        except BaseException:
+            self._done_with(wrapper)
+            raise
         return wrapper, wrapper.connection
+
+    def _done_with(self, wrapper):
+        """The end of a use that :meth:`_connection` began: closes the connection if
+        close() was called meanwhile."""
+        with self._wrappers_lock:
+            depth = self._in_use.pop(wrapper) - 1
+            if depth:
+                self._in_use[wrapper] = depth
+                return
+            if wrapper not in self._close_when_done:
+                return
+            self._close_when_done.discard(wrapper)
+        self._drop(wrapper)
 
     def _connect(self, state):
         wrapper = state.wrapper
@@ -654,11 +681,7 @@ class DatabaseBackend(BaseLockBackend):
         while True:
             wrapper, raw = self._connection()
             try:
-                cursor = self._cursor(raw)
-                try:
-                    return work(cursor, self._dialect, raw)
-                finally:
-                    cursor.close()
+                return self._attempt(wrapper, raw, work)
             except wrapper.Database.Error as exc:
                 failure = _classify(wrapper, raw, exc)
                 if failure is not None and (
@@ -697,6 +720,17 @@ class DatabaseBackend(BaseLockBackend):
                 raise LockBackendError(
                     self.alias, f"{action} failed on database {self.database!r}: {exc}"
                 ) from exc
+
+    def _attempt(self, wrapper, raw, work):
+        """One attempt of :meth:`_run`, on a connection :meth:`_connection` gave."""
+        try:
+            cursor = self._cursor(raw)
+            try:
+                return work(cursor, self._dialect, raw)
+            finally:
+                cursor.close()
+        finally:
+            self._done_with(wrapper)
 
     def writes_wait_for_transaction(self, using):
         """True on SQLite when ``using`` is this backend's own database: SQLite has one
@@ -753,6 +787,9 @@ class DatabaseBackend(BaseLockBackend):
         return f"{what}. Another connection kept SQLite's single write lock for longer than that."
 
     def close(self):
+        """Close this backend's connections, from any thread: a connection running a
+        statement in another thread is closed by that thread once the statement is
+        done. Each is opened again at its next use."""
         listener, self._listener = self._listener, None
         if listener is not None and listener.pid == os.getpid():
             listener.close()
@@ -765,8 +802,14 @@ class DatabaseBackend(BaseLockBackend):
         if self._local_notifier is not None:
             self._local_notifier.close()
         with self._wrappers_lock:
-            wrappers = list(self._wrappers)
-        for wrapper in wrappers:
+            # A connection running a statement in another thread is closed by that
+            # thread when the statement is done: closing a driver's connection under
+            # a statement in flight breaks its protocol (PyMySQL interleaves its
+            # QUIT with the reply) or worse (a C driver frees what is in use).
+            in_use = self._close_when_done
+            in_use.update(wrapper for wrapper in self._in_use if wrapper.connection is not None)
+            idle = [wrapper for wrapper in self._wrappers if wrapper not in in_use]
+        for wrapper in idle:
             self._drop(wrapper)
 
     # -- acquire ------------------------------------------------------------------
