@@ -543,7 +543,13 @@ class Lock:
         stall every coroutine of the loop, and a late extend is token-checked.
         Returns False if the renewer or the watchdog found the lock lost first."""
         renewer, self._renewer = self._renewer, None
-        return renewer is None or renewer.stop(join=join)
+        if renewer is None or renewer.stop(join=join):
+            return True
+        if join:
+            # Let lock_lost go out before the owner hears of the loss (and, say,
+            # acquires again, which its receivers would otherwise see instead).
+            renewer.reported.wait(min(self.ttl, STOP_JOIN_TIMEOUT))
+        return False
 
     def _released(self, released: bool) -> None:
         self._token = None
@@ -681,6 +687,10 @@ class Lock:
             if self.lost:
                 return
             self.lost = True
+        self._report_lost()
+
+    def _report_lost(self) -> None:
+        """Log and send ``lock_lost``, once the check-and-set of ``lost`` chose us."""
         logger.warning("Lock %r was lost (fencing token %s)", self.name, self.fencing_token)
         signals.lock_lost.send(sender=Lock, lock=self)
 
@@ -896,19 +906,27 @@ class _Renewer(threading.Thread):
         self.interval = lock.ttl / 3
         self.valid_until = valid_until
         self._stop_event = threading.Event()
+        #: Set once the loss, if the renewal ended in one, has been reported.
+        self.reported = threading.Event()
 
     def start(self) -> None:
         _watchdog.watch(self, self.valid_until)
         super().start()
 
-    def _end(self) -> bool:
-        """End the renewals: True for the first caller only, of stop() and a loss.
-        So a lock is either released by its owner or lost, never both: a release
-        racing the deadline never sends ``lock_released`` after ``lock_lost``."""
+    def _end(self, lost: bool = False) -> bool:
+        """End the renewals: True for the first caller only, of stop() and a loss
+        (``lost``, which marks the lock lost in the same step). So a lock is either
+        released by its owner or lost, never both: a release racing the deadline
+        never sends ``lock_released`` after ``lock_lost``, and finds the lock marked
+        lost as soon as it lost the race."""
         with _MARK_LOST_GUARD:
             if self._stop_event.is_set():
                 return False
             self._stop_event.set()
+            if lost:
+                if self.lock.lost:  # already reported (the owner's extend found it)
+                    return False
+                self.lock.lost = True
             return True
 
     def stop(self, join: bool = True) -> bool:
@@ -928,8 +946,11 @@ class _Renewer(threading.Thread):
         self._lost()
 
     def _lost(self) -> None:
-        if self._end():
-            self.lock._mark_lost()
+        if self._end(lost=True):
+            try:
+                self.lock._report_lost()
+            finally:
+                self.reported.set()
 
     def run(self) -> None:
         try:

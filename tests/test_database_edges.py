@@ -736,7 +736,7 @@ def test_close_from_another_thread_never_breaks_a_statement_in_flight(
     while any(thread.is_alive() for thread in workers):
         backend.close()
         closes += 1
-        time.sleep(0.002)
+        time.sleep(0.0005)
     for thread in workers:
         thread.join(HANG)
     assert failures == [], f"{len(failures)} of {len(cycles)} cycles failed: {failures[:5]}"

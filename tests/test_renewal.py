@@ -195,6 +195,43 @@ def test_a_release_racing_the_deadline_is_a_release_or_a_loss_never_both(
     assert not lk.lost and len(lost_events[name]) == 1
 
 
+def test_a_loss_found_during_release_is_sent_before_release_raises(alias, lost_events, name):
+    """The watchdog's thread claims the loss and is preempted before it sends
+    ``lock_lost``: release() waits for the signal before it raises, so a caller
+    that acquires again at once never has the old loss reported on its new
+    acquisition (``lost`` set and ``lock_lost`` sent with the new token)."""
+    from django_setnx.locking import Lock
+
+    class PreemptedWatchdog(Lock):
+        def _report_lost(self):
+            time.sleep(0.3)  # the watchdog's thread, preempted after its claim
+            super()._report_lost()
+
+        preempt = True
+
+        def _stop_renewer(self, join=True):
+            renewer = self._renewer
+            if renewer is not None and self.preempt:
+                self.preempt = False
+                threading.Thread(target=renewer.expired).start()
+                claimed_by = time.monotonic() + 5
+                while not self.lost:  # the claim marks it lost at once
+                    assert time.monotonic() < claimed_by
+                    time.sleep(0.001)
+            return super()._stop_renewer(join)
+
+    lk = PreemptedWatchdog(name, ttl=30, backend=alias, auto_renew=True)
+    assert lk.acquire()
+    first = lk.fencing_token
+    with pytest.raises(LockNotOwned, match="lost"):
+        lk.release()
+    assert len(lost_events.get(name, [])) == 1, "lock_lost was not sent before release raised"
+    assert lk.acquire()
+    assert lk.fencing_token != first and not lk.lost
+    lk.release()
+    assert len(lost_events[name]) == 1
+
+
 def test_a_forked_child_gets_a_watchdog_of_its_own(private_redis, name):
     """The watchdog thread does not survive a fork (threads never do): a child whose
     own auto-renewed lock hangs still has it marked lost by its expiry."""

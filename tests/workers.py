@@ -302,10 +302,10 @@ def fork_without_hooks():
     thread of this process (a listener) could take it at the instant of the fork,
     and the child would wait for it forever.
 
-    The import lock and threading's registry lock are held across the call, as
-    ``os.fork`` holds them: another thread of the test run (one ending, one
-    importing) caught holding either at the fork would leave it held in the
-    child, whose first import or ``Thread.start()`` would then hang now and then,
+    The import lock and threading's registry lock are held across the call
+    (``os.fork`` holds the first, and resets the second in the child): another
+    thread of the test run (one ending, one importing) caught holding either at
+    the fork would leave it held in the child, whose first import or ``Thread.start()`` would then hang now and then,
     whatever this library does. The tests are about the library's own locks."""
     import _imp
     import ctypes

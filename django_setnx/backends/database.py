@@ -432,9 +432,9 @@ class DatabaseBackend(BaseLockBackend):
         state = getattr(self._local, "current", None)
         if state is not None and not state.shared and state.wrapper is not None:
             wrapper, state.wrapper = state.wrapper, None
-            self._drop(wrapper)
-            with self._wrappers_lock:
+            with self._wrappers_lock:  # not in use: close() could be closing it too
                 self._wrappers.discard(wrapper)
+                self._drop(wrapper)
 
     @contextlib.contextmanager
     def _borrowing_a_connection(self, *, or_own_after=None):
@@ -549,11 +549,9 @@ class DatabaseBackend(BaseLockBackend):
             depth = self._in_use.pop(wrapper) - 1
             if depth:
                 self._in_use[wrapper] = depth
-                return
-            if wrapper not in self._close_when_done:
-                return
-            self._close_when_done.discard(wrapper)
-        self._drop(wrapper)
+            elif wrapper in self._close_when_done:
+                self._close_when_done.discard(wrapper)
+                self._drop(wrapper)
 
     def _connect(self, state):
         wrapper = state.wrapper
@@ -654,7 +652,10 @@ class DatabaseBackend(BaseLockBackend):
             logger.warning("Could not switch %r to WAL mode", self.database, exc_info=True)
 
     def _drop(self, wrapper):
-        """Close the wrapper's connection (from any thread); the next use reconnects."""
+        """Close the wrapper's connection; the next use reconnects. Only by the thread
+        using it (see :meth:`_connection`), or under ``_wrappers_lock`` when no
+        thread does: a connection must never be closed under a statement in flight,
+        nor by two threads at once."""
         raw, wrapper.connection = wrapper.connection, None
         if raw is not None:
             with contextlib.suppress(Exception):  # it is being discarded because it failed
@@ -680,57 +681,59 @@ class DatabaseBackend(BaseLockBackend):
         reconnected = False
         while True:
             wrapper, raw = self._connection()
+            # In use until _done_with, errors handled included: close() from another
+            # thread must not close it before this thread is done with it.
             try:
-                return self._attempt(wrapper, raw, work)
-            except wrapper.Database.Error as exc:
-                failure = _classify(wrapper, raw, exc)
-                if failure is not None and (
-                    _timed_out(wrapper, raw, exc)
-                    or (
-                        failure is _DISCONNECTED
-                        and time.monotonic() - started >= self.operation_timeout
-                    )
-                ):
-                    # No answer in time: whether the statement ran is unknown, and a
-                    # retry would double the wait. The caller hears of it now.
-                    failure = None
-                if failure is _CONTENTION:
-                    if (
-                        contention_retries < CONTENTION_RETRIES
-                        and time.monotonic() - started < self.operation_timeout
-                    ):
-                        ceiling = min(
-                            CONTENTION_MAX_BACKOFF, CONTENTION_BACKOFF * 2**contention_retries
+                try:
+                    cursor = self._cursor(raw)
+                    try:
+                        return work(cursor, self._dialect, raw)
+                    finally:
+                        cursor.close()
+                except wrapper.Database.Error as exc:
+                    failure = _classify(wrapper, raw, exc)
+                    if failure is not None and (
+                        _timed_out(wrapper, raw, exc)
+                        or (
+                            failure is _DISCONNECTED
+                            and time.monotonic() - started >= self.operation_timeout
                         )
-                        time.sleep(random.uniform(0, ceiling))
-                        contention_retries += 1
+                    ):
+                        # No answer in time: whether the statement ran is unknown, and a
+                        # retry would double the wait. The caller hears of it now.
+                        failure = None
+                    if failure is _CONTENTION:
+                        if (
+                            contention_retries < CONTENTION_RETRIES
+                            and time.monotonic() - started < self.operation_timeout
+                        ):
+                            ceiling = min(
+                                CONTENTION_MAX_BACKOFF, CONTENTION_BACKOFF * 2**contention_retries
+                            )
+                            time.sleep(random.uniform(0, ceiling))
+                            contention_retries += 1
+                            continue
+                        raise LockBackendError(
+                            self.alias,
+                            self._contention_message(
+                                action,
+                                wrapper,
+                                exc,
+                                contention_retries,
+                                time.monotonic() - started,
+                            ),
+                        ) from exc
+                    self._drop(wrapper)
+                    if failure is _DISCONNECTED and retry is not False and not reconnected:
+                        reconnected = True
+                        if retry is not True:
+                            work = retry
                         continue
                     raise LockBackendError(
-                        self.alias,
-                        self._contention_message(
-                            action, wrapper, exc, contention_retries, time.monotonic() - started
-                        ),
+                        self.alias, f"{action} failed on database {self.database!r}: {exc}"
                     ) from exc
-                self._drop(wrapper)
-                if failure is _DISCONNECTED and retry is not False and not reconnected:
-                    reconnected = True
-                    if retry is not True:
-                        work = retry
-                    continue
-                raise LockBackendError(
-                    self.alias, f"{action} failed on database {self.database!r}: {exc}"
-                ) from exc
-
-    def _attempt(self, wrapper, raw, work):
-        """One attempt of :meth:`_run`, on a connection :meth:`_connection` gave."""
-        try:
-            cursor = self._cursor(raw)
-            try:
-                return work(cursor, self._dialect, raw)
             finally:
-                cursor.close()
-        finally:
-            self._done_with(wrapper)
+                self._done_with(wrapper)
 
     def writes_wait_for_transaction(self, using):
         """True on SQLite when ``using`` is this backend's own database: SQLite has one
@@ -802,15 +805,16 @@ class DatabaseBackend(BaseLockBackend):
         if self._local_notifier is not None:
             self._local_notifier.close()
         with self._wrappers_lock:
-            # A connection running a statement in another thread is closed by that
-            # thread when the statement is done: closing a driver's connection under
-            # a statement in flight breaks its protocol (PyMySQL interleaves its
-            # QUIT with the reply) or worse (a C driver frees what is in use).
-            in_use = self._close_when_done
-            in_use.update(wrapper for wrapper in self._in_use if wrapper.connection is not None)
-            idle = [wrapper for wrapper in self._wrappers if wrapper not in in_use]
-        for wrapper in idle:
-            self._drop(wrapper)
+            # A connection that another thread is using (connecting it included) is
+            # closed by that thread when it is done: closing a driver's connection
+            # under a statement in flight breaks its protocol (PyMySQL interleaves
+            # its QUIT with the reply) or worse (SQLite's frees what is in use). The
+            # idle ones are closed under the lock, so that no thread takes one into
+            # use meanwhile.
+            self._close_when_done.update(self._in_use)
+            for wrapper in list(self._wrappers):
+                if wrapper not in self._in_use:
+                    self._drop(wrapper)
 
     # -- acquire ------------------------------------------------------------------
 
