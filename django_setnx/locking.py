@@ -524,7 +524,10 @@ class Lock:
     # another holder's lock; a failure changes nothing for the caller.
 
     def _release_lost(self) -> None:
-        self._stop_renewer()
+        # No wait for the renewal: it found the loss, or hangs (a lock_lost receiver
+        # releasing from the watchdog's thread would hold up every other lock's
+        # report), and a late extend is token-checked.
+        self._stop_renewer(join=False)
         try:
             self.backend.release(*self._held())
         except LockError:
@@ -543,13 +546,7 @@ class Lock:
         stall every coroutine of the loop, and a late extend is token-checked.
         Returns False if the renewer or the watchdog found the lock lost first."""
         renewer, self._renewer = self._renewer, None
-        if renewer is None or renewer.stop(join=join):
-            return True
-        if join:
-            # Let lock_lost go out before the owner hears of the loss (and, say,
-            # acquires again, which its receivers would otherwise see instead).
-            renewer.reported.wait(min(self.ttl, STOP_JOIN_TIMEOUT))
-        return False
+        return renewer is None or renewer.stop(join=join)
 
     def _released(self, released: bool) -> None:
         self._token = None
@@ -906,8 +903,6 @@ class _Renewer(threading.Thread):
         self.interval = lock.ttl / 3
         self.valid_until = valid_until
         self._stop_event = threading.Event()
-        #: Set once the loss, if the renewal ended in one, has been reported.
-        self.reported = threading.Event()
 
     def start(self) -> None:
         _watchdog.watch(self, self.valid_until)
@@ -947,10 +942,7 @@ class _Renewer(threading.Thread):
 
     def _lost(self) -> None:
         if self._end(lost=True):
-            try:
-                self.lock._report_lost()
-            finally:
-                self.reported.set()
+            self.lock._report_lost()
 
     def run(self) -> None:
         try:

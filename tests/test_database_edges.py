@@ -747,6 +747,34 @@ def test_close_from_another_thread_never_breaks_a_statement_in_flight(
     ), "closed once idle"
 
 
+@needs(POSTGRES)
+def test_close_from_another_thread_while_the_listen_thread_waits(name):
+    """Waiters keep PostgreSQL's LISTEN thread running while another thread calls
+    close() every 0.5 ms: the listener's connection is closed by its own thread
+    (closed from the other one under its wait, psycopg freed it in use and the
+    process crashed), and every wait ends."""
+    failures, rounds = [], []
+    until = time.monotonic() + 3
+
+    def contend(worker):
+        while time.monotonic() < until:
+            try:
+                with lock(f"{name}-{worker % 2}", ttl=5, backend="postgres", timeout=5):
+                    time.sleep(0.002)
+            except Exception as exc:  # noqa: BLE001 - what this test counts
+                failures.append(repr(exc))
+            rounds.append(worker)
+
+    workers = [threading.Thread(target=contend, args=(i,)) for i in range(4)]
+    for thread in workers:
+        thread.start()
+    while any(thread.is_alive() for thread in workers):
+        locks["postgres"].close()
+        time.sleep(0.0005)
+    assert failures == [], f"{len(failures)} of {len(rounds)} rounds failed: {failures[:5]}"
+    assert len(rounds) > 10
+
+
 @pytest.mark.parametrize("waiting_alias", _aliases("mysql", "sqlite"))
 def test_a_lock_held_elsewhere_fails_within_the_timeout(waiting_alias, name, make_backend):
     """Another transaction keeps the lock row (MySQL: a row lock) or the database

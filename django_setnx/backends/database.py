@@ -116,7 +116,7 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 
 from ..exceptions import LockBackendError
-from ..forksafe import PerProcess
+from ..forksafe import ForkSafeLock, PerProcess
 from ..globs import compile_glob
 from .base import (
     STALE,
@@ -371,30 +371,37 @@ class DatabaseBackend(BaseLockBackend):
 
     def _forget_connections(self):
         """In a forked child (see ``_forget_connections_after_fork``): never use the
-        parent's connections again, and never close them either."""
-        self._pid = os.getpid()
-        with contextlib.suppress(Exception):
-            for wrapper in list(self._wrappers):
-                raw, wrapper.connection = wrapper.connection, None
-                if raw is not None:
-                    _abandon_inherited(raw)
-        self._local = threading.local()
-        self._shared = PerProcess(lambda: SharedConnections(self._async_connections))
-        self._wrappers = weakref.WeakSet()
-        # Another thread of the parent may have held it at the fork: it stays held.
-        self._wrappers_lock = threading.Lock()
-        self._in_use = {}
-        self._close_when_done = set()
-        # The waiting threads were the parent's, and so is the listener (its
-        # connection was among the wrappers above).
-        self._waiting = {}
-        self._wakeups = Wakeups()
-        self._wakeups.is_ours = self._waiting.__contains__
-        self._listener = None
-        listener, self._local_listener = self._local_listener, None
-        if listener is not None:
-            listener.abandon()  # the parent's socket: never read or removed here
-        self._handed_over = set()
+        parent's connections again, and never close them either. Without a fork
+        hook, the child's threads that use the backend first all come here: one
+        does the work, and the pid changes last, so that none of them goes on with
+        the parent's state meanwhile."""
+        with _FORGET_GUARD:  # one lock per process: never one a parent thread held
+            if self._pid == os.getpid():
+                return  # another thread of this child did it
+            with contextlib.suppress(Exception):
+                for wrapper in list(self._wrappers):
+                    raw, wrapper.connection = wrapper.connection, None
+                    if raw is not None:
+                        _abandon_inherited(raw)
+            self._local = threading.local()
+            self._shared = PerProcess(lambda: SharedConnections(self._async_connections))
+            self._wrappers = weakref.WeakSet()
+            # Another thread of the parent may have held it at the fork: it stays held.
+            self._wrappers_lock = threading.Lock()
+            self._in_use = {}
+            self._close_when_done = set()
+            # The waiting threads were the parent's, and so is the listener.
+            self._waiting = {}
+            self._wakeups = Wakeups()
+            self._wakeups.is_ours = self._waiting.__contains__
+            listener, self._listener = self._listener, None
+            if listener is not None:
+                listener.abandon(_abandon_inherited)
+            listener, self._local_listener = self._local_listener, None
+            if listener is not None:
+                listener.abandon()  # the parent's socket: never read or removed here
+            self._handed_over = set()
+            self._pid = os.getpid()
 
     def _state(self):
         """The :class:`ConnectionState` this thread's statements run on: its own, or
@@ -473,7 +480,7 @@ class DatabaseBackend(BaseLockBackend):
             local.current = previous
             pool.give_back(state)
 
-    def _private_wrapper(self):
+    def _private_wrapper(self, register=True):
         from django.db import connections
         from django.utils.connection import ConnectionDoesNotExist
 
@@ -501,8 +508,9 @@ class DatabaseBackend(BaseLockBackend):
 
             options["client_flag"] = options["client_flag"] | CLIENT.FOUND_ROWS
         wrapper = base.__class__(settings_dict, alias=self.database)
-        with self._wrappers_lock:
-            self._wrappers.add(wrapper)
+        if register:  # for close() and a fork
+            with self._wrappers_lock:
+                self._wrappers.add(wrapper)
         return wrapper
 
     def _connection(self):
@@ -1076,9 +1084,10 @@ class DatabaseBackend(BaseLockBackend):
         )
 
     def _listen_connection(self):
-        """A new autocommit psycopg connection for the listener, made like ours (its
-        wrapper is registered, so close() and a fork handle it too)."""
-        wrapper = self._private_wrapper()
+        """A new autocommit psycopg connection for the listener, made like ours. Not
+        registered with the others: the listener's thread alone closes it (see
+        PostgresListener.close), and a fork abandons it through the listener."""
+        wrapper = self._private_wrapper(register=False)
         wrapper.ensure_connection()
         return wrapper.connection
 
@@ -1914,6 +1923,9 @@ _BACKENDS: weakref.WeakSet[DatabaseBackend] = weakref.WeakSet()
 #: In a forked child, the connections inherited from the parent: kept referenced and
 #: never closed, so that no finalizer says goodbye to the server on their behalf.
 _INHERITED: list[object] = []
+
+
+_FORGET_GUARD = ForkSafeLock()
 
 
 def _forget_connections_after_fork():

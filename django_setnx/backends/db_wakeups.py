@@ -44,8 +44,9 @@ logger = logging.getLogger("django_setnx")
 #: A listener that failed is started again at most this often (seconds).
 RESTART_AFTER = 1.0
 #: How long the listener blocks for notifications before it looks whether it should
-#: stop (seconds): the delay of ``close()``, never of a wake-up.
-LISTEN_BLOCK = 1.0
+#: stop (seconds): the wait of ``close()``, never the delay of a wake-up. An idle
+#: listener loops this often, with no statement sent.
+LISTEN_BLOCK = 0.2
 #: Wake-up times are remembered this long (seconds) for the waiters on their way; older ones
 #: are dropped once there are more than WOKEN_KEEP of them.
 WOKEN_TTL = 10.0
@@ -369,6 +370,7 @@ class PostgresListener:
         self._stop = threading.Event()
         self._thread = None
         self._connection = None
+        self._closed = False
 
     def ensure_running(self, timeout):
         """Start the listener unless it runs; returns True once it listens, False if
@@ -377,6 +379,8 @@ class PostgresListener:
         if self._ready.is_set() and self._thread is not None and self._thread.is_alive():
             return True
         with self._lock:
+            if self._closed:
+                return False  # a waiter that took it before close(): it polls once
             if self._thread is not None and self._thread.is_alive():
                 thread = self._thread
             else:
@@ -394,13 +398,16 @@ class PostgresListener:
         return self._ready.wait(timeout) and thread.is_alive()
 
     def close(self):
-        """Stop listening (the thread ends within LISTEN_BLOCK) and close the
-        connection."""
-        self._stop.set()
-        connection, self._connection = self._connection, None
-        if connection is not None:
-            with contextlib.suppress(Exception):
-                connection.close()
+        """Stop listening: the thread ends within LISTEN_BLOCK and closes its
+        connection itself, which this waits for (from another thread). Closed from
+        here while the thread waits on it or runs a statement, psycopg would free a
+        connection in use and crash the process."""
+        with self._lock:  # a thread made under it is started under it
+            self._closed = True
+            self._stop.set()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(LISTEN_BLOCK + 1)
 
     def abandon(self, abandon_connection):
         """In a forked child: never use the parent's connection (``abandon_connection``
