@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import copy
 import gc
+import itertools
 import logging
 import os
 import secrets
@@ -707,29 +708,22 @@ def test_the_lock_connection_carries_the_operation_timeout(db_alias, name, make_
         assert _sql(backend, "PRAGMA busy_timeout") == (3000,)
 
 
-def test_close_from_another_thread_never_breaks_a_statement_in_flight(
-    db_alias, name, make_backend
-):
-    """close() (``locks.close_all()``, a settings change) while other threads run
-    lock operations: a connection in use is closed by its own thread once its
-    statement is done, so every operation succeeds. Closed under the statement, the
-    drivers failed it ("connection pointer is NULL", "socket closed"), PyMySQL even
-    with an AttributeError that was no LockBackendError."""
-    backend = make_backend(db_alias)
-    failures, cycles = [], []
-    until = time.monotonic() + 2
+def _close_in_a_loop(backend, work, threads, seconds):
+    """Run ``work()`` over and over in ``threads`` threads for ``seconds`` while this
+    thread calls ``backend.close()`` every 0.5 ms. Returns ``(the repr of every
+    exception work raised, how many calls of work ended, how many closes)``."""
+    failures, calls = [], []
+    until = time.monotonic() + seconds
 
-    def operate(worker):
+    def repeat():
         while time.monotonic() < until:
-            lock_name, token = f"{name}-{worker}-{len(cycles)}", _token()
             try:
-                assert backend.acquire(lock_name, token, 30, OWNER).acquired
-                assert backend.release(lock_name, token) is True
-            except Exception as exc:  # noqa: BLE001 - what this test counts
+                work()
+            except Exception as exc:  # noqa: BLE001 - what the tests count
                 failures.append(repr(exc))
-            cycles.append(worker)
+            calls.append(1)
 
-    workers = [threading.Thread(target=operate, args=(i,)) for i in range(3)]
+    workers = [threading.Thread(target=repeat) for _ in range(threads)]
     for thread in workers:
         thread.start()
     closes = 0
@@ -739,8 +733,27 @@ def test_close_from_another_thread_never_breaks_a_statement_in_flight(
         time.sleep(0.0005)
     for thread in workers:
         thread.join(HANG)
-    assert failures == [], f"{len(failures)} of {len(cycles)} cycles failed: {failures[:5]}"
-    assert len(cycles) > 10 and closes > 10
+    return failures, len(calls), closes
+
+
+def test_close_from_another_thread_never_breaks_a_statement_in_flight(
+    db_alias, name, make_backend
+):
+    """close() (``locks.close_all()``, a settings change) while other threads run
+    lock operations: a connection in use is closed by its own thread once its
+    statement is done, so every operation succeeds. Closed under the statement, the
+    drivers failed it ("connection pointer is NULL", "socket closed"), PyMySQL even
+    with an AttributeError that was no LockBackendError."""
+    backend = make_backend(db_alias)
+
+    def cycle():
+        lock_name, token = f"{name}-{secrets.token_hex(4)}", _token()
+        assert backend.acquire(lock_name, token, 30, OWNER).acquired
+        assert backend.release(lock_name, token) is True
+
+    failures, cycles, closes = _close_in_a_loop(backend, cycle, threads=3, seconds=2)
+    assert failures == [], f"{len(failures)} of {cycles} cycles failed: {failures[:5]}"
+    assert cycles > 10 and closes > 10
     backend.close()
     assert [wrapper.connection for wrapper in backend._wrappers] == [None] * len(
         backend._wrappers
@@ -753,26 +766,15 @@ def test_close_from_another_thread_while_the_listen_thread_waits(name):
     close() every 0.5 ms: the listener's connection is closed by its own thread
     (closed from the other one under its wait, psycopg freed it in use and the
     process crashed), and every wait ends."""
-    failures, rounds = [], []
-    until = time.monotonic() + 3
+    names = itertools.cycle([f"{name}-0", f"{name}-1"])
 
-    def contend(worker):
-        while time.monotonic() < until:
-            try:
-                with lock(f"{name}-{worker % 2}", ttl=5, backend="postgres", timeout=5):
-                    time.sleep(0.002)
-            except Exception as exc:  # noqa: BLE001 - what this test counts
-                failures.append(repr(exc))
-            rounds.append(worker)
+    def contend():
+        with lock(next(names), ttl=5, backend="postgres", timeout=5):
+            time.sleep(0.002)
 
-    workers = [threading.Thread(target=contend, args=(i,)) for i in range(4)]
-    for thread in workers:
-        thread.start()
-    while any(thread.is_alive() for thread in workers):
-        locks["postgres"].close()
-        time.sleep(0.0005)
-    assert failures == [], f"{len(failures)} of {len(rounds)} rounds failed: {failures[:5]}"
-    assert len(rounds) > 10
+    failures, rounds, _ = _close_in_a_loop(locks["postgres"], contend, threads=4, seconds=3)
+    assert failures == [], f"{len(failures)} of {rounds} rounds failed: {failures[:5]}"
+    assert rounds > 10
 
 
 @pytest.mark.parametrize("waiting_alias", _aliases("mysql", "sqlite"))
