@@ -684,12 +684,15 @@ class Lock:
             if self.lost:
                 return
             self.lost = True
-        self._report_lost()
+            fencing_token = self.fencing_token
+        self._report_lost(fencing_token)
 
-    def _report_lost(self) -> None:
-        """Log and send ``lock_lost``, once the check-and-set of ``lost`` chose us."""
-        logger.warning("Lock %r was lost (fencing token %s)", self.name, self.fencing_token)
-        signals.lock_lost.send(sender=Lock, lock=self)
+    def _report_lost(self, fencing_token: int | None) -> None:
+        """Log and send ``lock_lost`` for the acquisition of ``fencing_token``, once
+        the check-and-set of ``lost`` chose us. The token is passed, not read from
+        this object: a report that comes late may find it acquired again."""
+        logger.warning("Lock %r was lost (fencing token %s)", self.name, fencing_token)
+        signals.lock_lost.send(sender=Lock, lock=self, fencing_token=fencing_token)
 
     # -- inspection ---------------------------------------------------------------
 
@@ -900,6 +903,7 @@ class _Renewer(threading.Thread):
         super().__init__(name=f"django-setnx renew {lock.name[:40]}", daemon=True)
         self.lock = lock
         self.record, self.token = lock._held()
+        self.fencing_token = lock.fencing_token  # of the acquisition it renews
         self.interval = lock.ttl / 3
         self.valid_until = valid_until
         self._stop_event = threading.Event()
@@ -942,7 +946,7 @@ class _Renewer(threading.Thread):
 
     def _lost(self) -> None:
         if self._end(lost=True):
-            self.lock._report_lost()
+            self.lock._report_lost(self.fencing_token)
 
     def run(self) -> None:
         try:

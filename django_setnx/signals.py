@@ -8,8 +8,10 @@ class (``lock_force_released``: the backend class) and these keyword arguments:
 - ``lock_contended``: ``lock`` and ``retry_after`` (seconds until the holder's
   expiry as the backend sees it, or ``None``), once per acquire that had to wait or
   gave up.
-- ``lock_lost``: ``lock``; an ``auto_renew`` renewal found the lock expired and
-  taken over, or could not renew it before it expired.
+- ``lock_lost``: ``lock`` and ``fencing_token`` (the lost acquisition's: read it
+  rather than ``lock.fencing_token``, since by the time a receiver runs the Lock
+  object may have been acquired again); an ``auto_renew`` renewal found the lock
+  expired and taken over, or could not renew it before it expired.
 - ``lock_force_released``: ``backend`` (alias), ``name``, ``info`` (the
   :class:`~django_setnx.backends.base.LockInfo` removed), ``user`` (who did it in the
   admin, else ``None``) and ``reason`` (text: the admin's force-release and its user,

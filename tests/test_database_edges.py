@@ -40,6 +40,7 @@ from django_setnx.backends import database
 from django_setnx.backends.database import DatabaseBackend
 from django_setnx.exceptions import LockBackendError
 from django_setnx.models import LockRecord
+from tests import workers
 
 OWNER = {"host": "test", "pid": 1, "thread": "MainThread"}
 #: Long enough for any operation here to end; only a hang goes past it.
@@ -127,6 +128,14 @@ def _sql(backend, statement, params=()):
         return cursor.fetchone() if cursor.description else None
 
     return backend._run("test", work, retry=False)
+
+
+def _raw_connection(backend):
+    """The driver connection of the backend's connection for this thread, for a test
+    to use directly (not counted as in use: see DatabaseBackend._connection)."""
+    wrapper, raw = backend._connection()
+    backend._done_with(wrapper)
+    return raw
 
 
 def _vendor(db_alias):
@@ -533,7 +542,7 @@ def test_processes_that_name_one_database_differently_share_its_channel(
             token = _token()
             assert renamed.acquire(name, token, 30, OWNER).acquired
             assert renamed.release(name, token)
-            _, raw = renamed._connection()
+            raw = _raw_connection(renamed)
             if proxy is not None:
                 assert raw.info.dbname == "app_alias"  # what the client knows it by
             assert renamed._channel == direct._channel
@@ -624,7 +633,7 @@ def test_a_statement_time_limit_met_while_a_row_is_locked_is_contention(
         limit = "SELECT @@max_statement_time" if vendor == "mysql" else "SHOW statement_timeout"
         assert _sql(backend, limit)[0] in (0.1, "100ms")  # in force on our connection
         other = make_backend(server_alias)
-        wrapper, raw = other._connection()
+        raw = _raw_connection(other)
         cursor = raw.cursor()
         cursor.execute("START TRANSACTION" if vendor == "mysql" else "BEGIN")
         cursor.execute(
@@ -660,12 +669,17 @@ def test_backends_share_one_fork_hook_and_are_not_kept_alive(monkeypatch):
 
 @needs(SERVER_ALIASES)
 @pytest.mark.parametrize("server_alias", SERVER_ALIASES)
-def test_a_forked_child_never_ends_the_parents_session(server_alias, name):
+@pytest.mark.parametrize(
+    "fork", [os.fork, workers.fork_without_hooks], ids=["os.fork", "no-fork-hooks"]
+)
+def test_a_forked_child_never_ends_the_parents_session(server_alias, name, fork):
+    """Whatever the child does with the backend, close() first (uWSGI's child, with
+    no fork hook, used to close the parent's connections and end its sessions)."""
     backend = locks[server_alias]
     token = _token()
     assert backend.acquire(name, token, 30, OWNER).acquired
     session = _session_id(backend)
-    pid = os.fork()
+    pid = fork()
     if pid == 0:  # the child: whatever it does with the backend, the parent's
         code = 1  # session must survive
         try:
@@ -1232,7 +1246,7 @@ def test_sqlite_lock_connection_commits_without_an_fsync_unless_told(
     options = {} if choice is None else {"SQLITE_SYNCHRONOUS": choice}
     backend = make_backend("default", **options)
     assert backend.acquire(name, "tok", 30, OWNER).acquired
-    _, raw = backend._connection()
+    raw = _raw_connection(backend)
     assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert raw.execute("PRAGMA synchronous").fetchone()[0] == expected
     with connections["default"].cursor() as cursor:
@@ -1278,7 +1292,7 @@ def test_a_new_sqlite_database_written_by_the_callers_transaction_says_why(
         token = _token()
         assert backend.acquire(name, token, 30, OWNER).acquired
         assert backend.release(name, token)
-        _, raw = backend._connection()
+        raw = _raw_connection(backend)
         assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         with transaction.atomic(using=alias):
             list(LockRecord.objects.using(alias).all())  # a read: SQLite's shared lock

@@ -276,6 +276,32 @@ def _lapse_next_in_line(backend_alias, name):
 
 
 @pytest.mark.parametrize("backend_alias", PG)
+def test_a_listener_closed_while_a_new_one_starts_leaves_the_new_one_in_charge(
+    backend_alias, name
+):
+    """close() lets the old LISTEN thread end while a waiter starts a new listener:
+    the old thread's cleanup leaves the new one's stand-in timing alone (it reset
+    it, so every stand-in was woken at once, a statement per handoff)."""
+    backend = locks[backend_alias]
+    with lock(name, ttl=5, backend=backend_alias):
+        pass
+    for _ in range(5):
+        backend.close()
+        assert backend._listener_ready()
+        old = backend._listener
+        closing = threading.Thread(target=backend.close)
+        closing.start()
+        while backend._listener is old:
+            time.sleep(0.0005)
+        assert backend._listener_ready()  # a waiter, while the old thread ends
+        closing.join()
+        new = backend._listener
+        assert new is not old and new._thread.is_alive() and new.ready_at is not None
+        assert backend._wakeups.stand_in_after == database.STAND_IN_AFTER
+    backend.close()
+
+
+@pytest.mark.parametrize("backend_alias", PG)
 def test_a_listener_the_server_dropped_never_strands_its_waiters(backend_alias, name, monkeypatch):
     """pg_terminate_backend on the LISTEN connection: the waiters are woken, poll
     until it is back, and get the lock when it is released."""

@@ -167,6 +167,7 @@ def _session_of(backend):
     """The server session of this thread's lock connection (SQLite: the connection
     object, which SQLite says never to use across a fork)."""
     wrapper, raw = backend._connection()
+    backend._done_with(wrapper)  # used here directly, single-threaded
     if wrapper.vendor == "sqlite":
         return id(raw)
     query = (

@@ -200,7 +200,8 @@ def test_a_loss_reported_late_never_marks_the_next_acquisition_lost(alias, lost_
     ``lock_lost``; meanwhile the owner's release() raises and the owner acquires
     again with the same Lock. The late report only sends the signal: the new
     acquisition is not marked lost (the claim marked the old one, in one step), and
-    it is released normally."""
+    it is released normally, and the report names the lost acquisition's fencing
+    token (its receivers may read the Lock object after it was acquired again)."""
     from django_setnx.locking import Lock
 
     sent = threading.Event()
@@ -208,9 +209,9 @@ def test_a_loss_reported_late_never_marks_the_next_acquisition_lost(alias, lost_
     class PreemptedWatchdog(Lock):
         preempt = True
 
-        def _report_lost(self):
+        def _report_lost(self, fencing_token):
             time.sleep(0.3)  # the watchdog's thread, preempted after its claim
-            super()._report_lost()
+            super()._report_lost(fencing_token)
             sent.set()
 
         def _stop_renewer(self, join=True):
@@ -224,13 +225,24 @@ def test_a_loss_reported_late_never_marks_the_next_acquisition_lost(alias, lost_
                     time.sleep(0.001)
             return super()._stop_renewer(join)
 
-    lk = PreemptedWatchdog(name, ttl=30, backend=alias, auto_renew=True)
-    assert lk.acquire()
-    with pytest.raises(LockNotOwned, match="lost"):
-        lk.release()
-    assert lk.acquire()
-    assert sent.wait(5)
+    reported = []
+    lock_lost.connect(
+        lambda lock, fencing_token, **kw: reported.append(fencing_token),
+        weak=False,
+        dispatch_uid=name,
+    )
+    try:
+        lk = PreemptedWatchdog(name, ttl=30, backend=alias, auto_renew=True)
+        assert lk.acquire()
+        first = lk.fencing_token
+        with pytest.raises(LockNotOwned, match="lost"):
+            lk.release()
+        assert lk.acquire()
+        assert sent.wait(5)
+    finally:
+        lock_lost.disconnect(dispatch_uid=name)
     assert not lk.lost and lk.owned(), "the old loss was pinned on the new acquisition"
+    assert reported == [first] != [lk.fencing_token], "the report names the lost acquisition"
     lk.release()
     assert len(lost_events[name]) == 1
 

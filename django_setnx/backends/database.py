@@ -801,6 +801,9 @@ class DatabaseBackend(BaseLockBackend):
         """Close this backend's connections, from any thread: a connection running a
         statement in another thread is closed by that thread once the statement is
         done. Each is opened again at its next use."""
+        if self._pid != os.getpid():  # a child forked without a fork hook (uWSGI)
+            self._forget_connections()  # the parent's: never closed from here
+            return
         listener, self._listener = self._listener, None
         if listener is not None and listener.pid == os.getpid():
             listener.close()

@@ -120,10 +120,27 @@ class Wakeups:
         #: a PostgresListener runs, whose thread wakes the stand-ins when due
         #: (:meth:`wake_due_stand_ins`).
         self.stand_in_after = None
+        self._stand_ins_woken_by = None  # the listener that set stand_in_after
         # name -> monotonic time its stand-in is due, in that order (each is
         # now + stand_in_after, and a name is popped before it is added again): the
         # first is the next due, so waking them is O(1) each however many wait.
         self._stand_ins = {}
+
+    def stand_ins_woken_by(self, listener, after):
+        """``listener``'s thread wakes the stand-ins from now on, ``after`` seconds
+        after their claims."""
+        with self._lock:
+            self._stand_ins_woken_by, self.stand_in_after = listener, after
+
+    def stand_ins_no_longer_woken_by(self, listener):
+        """``listener`` stopped: if it was the one waking the stand-ins, they are
+        woken at once again; returns whether it was (a listener that replaced it
+        meanwhile keeps its own setting)."""
+        with self._lock:
+            if self._stand_ins_woken_by is not listener:
+                return False
+            self._stand_ins_woken_by = self.stand_in_after = None
+            return True
 
     def wait(self, name, timeout, since, rank=(0,), token=None):
         """Block up to ``timeout`` seconds for a wake-up of ``name``; returns at once
@@ -422,7 +439,7 @@ class PostgresListener:
             connection = self._connection = self.connect()
             connection.execute(f"LISTEN {self.channel}")
             self.ready_at = time.monotonic()
-            self.wakeups.stand_in_after = self.stand_in_after  # this thread wakes them
+            self.wakeups.stand_ins_woken_by(self, self.stand_in_after)
             self._ready.set()
             while not self._stop.is_set():
                 # One notification at a time, so that the stand-ins (see
@@ -443,11 +460,13 @@ class PostgresListener:
                 )
         finally:
             self.ready_at = None
-            self.wakeups.stand_in_after = None  # nobody would wake them: at once again
+            # Nobody would wake them: at once again, unless a newer listener does.
+            still_ours = self.wakeups.stand_ins_no_longer_woken_by(self)
             self._ready.set()  # nobody waits for a start that failed
             if self._connection is connection:
                 self._connection = None
             if connection is not None:
                 with contextlib.suppress(Exception):
                     connection.close()
-            self.wakeups.wake_all()
+            if still_ours:
+                self.wakeups.wake_all()
