@@ -302,6 +302,41 @@ def test_a_listener_closed_while_a_new_one_starts_leaves_the_new_one_in_charge(
 
 
 @pytest.mark.parametrize("backend_alias", PG)
+def test_a_listener_that_connects_after_its_replacement_leaves_it_in_charge(
+    backend_alias, name, monkeypatch
+):
+    """A listener still connecting when close() gave up waiting for it (a slow
+    server), then a new one started by a waiter: the old one's connect returns
+    last, and it must not take the stand-in timing over from the new one."""
+    backend = locks[backend_alias]
+    with lock(name, ttl=5, backend=backend_alias):
+        pass
+    backend.close()
+    connect, gate = backend._listen_connection, threading.Event()
+
+    def slow_connect():
+        gate.wait(10)
+        return connect()
+
+    monkeypatch.setattr(backend, "_listen_connection", slow_connect)
+    threading.Thread(target=backend._listener_ready, daemon=True).start()
+    started_by = time.monotonic() + 10
+    while backend._listener is None or backend._listener._thread is None:
+        assert time.monotonic() < started_by
+        time.sleep(0.001)
+    old = backend._listener
+    backend.close()  # gives up waiting for the thread stuck connecting
+    monkeypatch.setattr(backend, "_listen_connection", connect)
+    assert backend._listener_ready()
+    gate.set()
+    old._thread.join(10)
+    assert not old._thread.is_alive()
+    assert backend._listener._thread.is_alive()
+    assert backend._wakeups.stand_in_after == database.STAND_IN_AFTER
+    backend.close()
+
+
+@pytest.mark.parametrize("backend_alias", PG)
 def test_a_listener_the_server_dropped_never_strands_its_waiters(backend_alias, name, monkeypatch):
     """pg_terminate_backend on the LISTEN connection: the waiters are woken, poll
     until it is back, and get the lock when it is released."""

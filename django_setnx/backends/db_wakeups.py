@@ -32,6 +32,7 @@ does not exist there, and its connection is never touched: see
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import logging
 import os
 import threading
@@ -128,9 +129,12 @@ class Wakeups:
 
     def stand_ins_woken_by(self, listener, after):
         """``listener``'s thread wakes the stand-ins from now on, ``after`` seconds
-        after their claims."""
+        after their claims, unless a newer listener does already (an old one whose
+        connect returned late, after close() gave up waiting for it)."""
         with self._lock:
-            self._stand_ins_woken_by, self.stand_in_after = listener, after
+            current = self._stand_ins_woken_by
+            if current is None or listener.generation >= current.generation:
+                self._stand_ins_woken_by, self.stand_in_after = listener, after
 
     def stand_ins_no_longer_woken_by(self, listener):
         """``listener`` stopped: if it was the one waking the stand-ins, they are
@@ -362,6 +366,9 @@ def deliver(wakeups, payload, stand_in=True):
         wakeups.wake_one(payload)  # also cancels a stand-in: the claim was taken
 
 
+_GENERATIONS = itertools.count()
+
+
 class PostgresListener:
     """``LISTEN`` on ``channel`` over a connection of its own, in a daemon thread,
     waking ``wakeups`` for each notified name.
@@ -379,6 +386,7 @@ class PostgresListener:
         self.wakeups = wakeups
         self.connect = connect
         self.stand_in_after = stand_in_after  # see Wakeups.stand_in_after
+        self.generation = next(_GENERATIONS)  # a later listener has a larger one
         self.pid = os.getpid()
         self.ready_at = None
         self.failed_at = None
