@@ -1432,6 +1432,235 @@ def test_prepared_statements_are_prepared_when_asked(choice, prepared, name, mak
     assert (count >= 3) is prepared, count
 
 
+# -- PostgreSQL: the hot statements through the migrations' functions ------------------
+
+
+def _functions_of():
+    """This version's functions on PostgreSQL (acquire and release first)."""
+    from django_setnx.backends.db_functions import functions
+    from django_setnx.backends.db_sql import Dialect
+
+    return functions(Dialect("postgresql", connections["postgres"].ops.quote_name, False))
+
+
+def _admin_wrapper(make_backend):
+    """A Django connection in autocommit (a lock backend's own) on the PostgreSQL test
+    database, for DDL the backends see at once."""
+    admin = make_backend("postgres", PREPARED_STATEMENTS=False)
+    _sql(admin, "SELECT 1")
+    return admin._state().wrapper
+
+
+@needs(POSTGRES)
+def test_the_latest_functions_migration_lists_this_versions_functions():
+    """The functions are named after their SQL: a change to the acquire or release
+    statement needs a migration that makes the new ones (and lists them), or every
+    database migrated before would keep sending the statements as text."""
+    import sys
+
+    from django.db.migrations.loader import MigrationLoader
+
+    from django_setnx.backends.db_functions import installed_names
+
+    loader = MigrationLoader(None, ignore_no_migrations=True)
+    listed = [
+        sys.modules[type(migration).__module__].FUNCTIONS
+        for (app, _), migration in sorted(loader.disk_migrations.items())
+        if app == "django_setnx" and hasattr(sys.modules[type(migration).__module__], "FUNCTIONS")
+    ]
+    connection = connections["postgres"]
+    current = [f.name for f in _functions_of()]
+    assert listed and list(listed[-1]) == current, (
+        f"the functions' SQL changed: add a migration that runs create_functions and "
+        f"lists FUNCTIONS = {tuple(current)}"
+    )
+    assert installed_names(connection) == sorted(current)
+
+
+@needs(POSTGRES)
+def test_postgres_runs_acquire_and_release_through_the_functions(name, make_backend):
+    """Without prepared statements, a connection that finds the functions calls them
+    (the server then plans the statements once per session): with a function that
+    refuses to run in its place, its operation fails."""
+    acquire, release = _functions_of()[:2]
+    backend = make_backend("postgres")
+    first = _acquire_extend_release(backend, name, times=2)
+    assert backend._state().functions is True
+    wrapper = _admin_wrapper(make_backend)
+    token = _token()
+    with _refusing(wrapper, acquire):
+        with pytest.raises(LockBackendError, match=f"{acquire.name} called"):
+            backend.acquire(name, token, 30, OWNER)
+    assert backend.acquire(name, token, 30, OWNER).fencing_token > first[-1]
+    with _refusing(wrapper, release):
+        with pytest.raises(LockBackendError, match=f"{release.name} called"):
+            backend.release(name, token)
+    assert backend.release(name, token)
+    assert backend._state().functions is True
+
+
+@contextlib.contextmanager
+def _refusing(wrapper, function):
+    """``function`` replaced by one that raises "<its name> called", while inside."""
+    from django_setnx.backends.db_functions import create_functions
+
+    with wrapper.cursor() as cursor:
+        cursor.execute(
+            f"CREATE OR REPLACE FUNCTION {function.signature} RETURNS {function.returns} "
+            f"LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION '{function.name} called'; END $$"
+        )
+    try:
+        yield
+    finally:
+        create_functions(wrapper)
+
+
+@needs(POSTGRES)
+def test_postgres_queues_and_hands_over_through_the_functions(name, make_backend):
+    """The statements of a contended acquire and release go through their functions
+    too: a refused caller queues, takes the lock when it is left to it, and the
+    holder's release leaves it to that waiter."""
+    _, _, acquire_queued, release_any, queue_and_holder = _functions_of()
+    wrapper = _admin_wrapper(make_backend)
+    holder, waiter = make_backend("postgres"), make_backend("postgres")
+    held = _token()
+    assert holder.acquire(name, held, 30, OWNER).acquired
+    with _refusing(wrapper, queue_and_holder):
+        with pytest.raises(LockBackendError, match=f"{queue_and_holder.name} called"):
+            waiter.acquire(name, _token(), 30, OWNER, wait=5)
+    waiting = _token()
+    assert not waiter.acquire(name, waiting, 30, OWNER, wait=5).acquired  # queued
+    with _refusing(wrapper, release_any):
+        with pytest.raises(LockBackendError, match=f"{release_any.name} called"):
+            holder.release(name, held)
+    assert holder.release(name, held)  # left to the waiter
+    with _refusing(wrapper, acquire_queued):
+        with pytest.raises(LockBackendError, match=f"{acquire_queued.name} called"):
+            waiter.acquire(name, waiting, 30, OWNER, wait=5)
+    won = waiter.acquire(name, waiting, 30, OWNER, wait=5)
+    assert won.acquired
+    assert waiter.release(name, waiting)
+
+
+@needs(POSTGRES)
+@pytest.mark.parametrize("mode", ["functions", "text", "prepared"])
+def test_postgres_hands_over_alike_through_functions_text_and_prepared_statements(
+    mode, name, make_backend
+):
+    """The functions run the statements the backend otherwise sends as text (or
+    prepared): a holder, a queued waiter, a release that leaves it the lock, a
+    takeover by the waiter, each with the same outcome and a larger fencing token."""
+    options = {"PREPARED_STATEMENTS": True} if mode == "prepared" else {}
+    holder, waiter = make_backend("postgres", **options), make_backend("postgres", **options)
+    for backend in (holder, waiter):
+        _sql(backend, "SELECT 1")
+        if mode == "text":
+            backend._state().functions = False  # as a connection that found none
+    held, waiting = _token(), _token()
+    first = holder.acquire(name, held, 30, OWNER)
+    refused = waiter.acquire(name, waiting, 30, OWNER, wait=5)
+    assert not refused.acquired and 29 < refused.retry_after <= 30
+    assert _sql(holder, "SELECT next_token FROM {lock} WHERE name = %s", (name,)) == (waiting,)
+    assert holder.release(name, held)
+    assert not holder.acquire(name, _token(), 30, OWNER).acquired  # left to the waiter
+    won = waiter.acquire(name, waiting, 30, OWNER, wait=5)
+    assert won.acquired and won.fencing_token > first.fencing_token
+    assert waiter.release(name, waiting)
+    assert not waiter.release(name, waiting)
+    assert waiter._state().functions is (mode == "functions")
+
+
+@needs(POSTGRES)
+def test_a_connection_whose_functions_were_dropped_sends_the_statements_as_text(
+    name, make_backend, caplog
+):
+    """Another version's migration (a rolling deploy) or a reversed one may drop the
+    functions under a running process: its next call fails before anything ran, and
+    the connection goes back to the statements, with one warning. A connection made
+    while they are missing sends text from the start; one made after migrate calls
+    them again."""
+    from django_setnx.backends.db_functions import create_functions, drop_functions
+
+    backend = make_backend("postgres")
+    first = _acquire_extend_release(backend, name, times=1)
+    assert backend._state().functions is True
+    wrapper = _admin_wrapper(make_backend)
+    try:
+        drop_functions(wrapper)
+        with caplog.at_level(logging.WARNING, logger="django_setnx"):
+            tokens = _acquire_extend_release(backend, name, times=2)
+        assert tokens[0] > first[-1]
+        assert backend._state().functions is False
+        warned = [r.getMessage() for r in caplog.records if "functions are gone" in r.getMessage()]
+        assert len(warned) == 1, warned
+        fresh = make_backend("postgres")
+        _acquire_extend_release(fresh, name, times=1)
+        assert fresh._state().functions is False
+    finally:
+        create_functions(wrapper)
+    again = make_backend("postgres")
+    _acquire_extend_release(again, name, times=1)
+    assert again._state().functions is True
+
+
+@needs(POSTGRES)
+def test_another_versions_functions_are_never_called_and_migrating_replaces_them(
+    name, make_backend
+):
+    """A database migrated by another version has functions of other SQL under other
+    names: this version sends text there, and its migration drops them."""
+    from django_setnx.backends.db_functions import (
+        create_functions,
+        drop_functions,
+        installed_names,
+    )
+
+    wrapper = _admin_wrapper(make_backend)
+    other = "django_setnx_acquire_000000000000"
+    try:
+        drop_functions(wrapper)
+        with wrapper.cursor() as cursor:
+            cursor.execute(
+                f"CREATE FUNCTION {other}(text, text, text, bigint) RETURNS SETOF bigint "
+                "LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'another version'; END $$"
+            )
+        backend = make_backend("postgres")
+        _acquire_extend_release(backend, name, times=2)
+        assert backend._state().functions is False
+        create_functions(wrapper)
+        assert installed_names(wrapper) == sorted(f.name for f in _functions_of())
+    finally:
+        create_functions(wrapper)
+
+
+@needs(POSTGRES)
+def test_a_role_that_may_not_execute_the_functions_sends_the_statements_as_text(
+    name, make_backend, temporary_database
+):
+    """Functions are created executable by anyone unless the schema's default
+    privileges say otherwise: a lock role without EXECUTE sends text."""
+    role = f"setnx_noexec_{secrets.token_hex(4)}"
+    wrapper = _admin_wrapper(make_backend)
+    every = _functions_of()
+    with wrapper.cursor() as cursor:
+        cursor.execute(f"CREATE ROLE {role} LOGIN")
+        cursor.execute(f"GRANT ALL ON {LockRecord._meta.db_table} TO {role}")
+        for function in every:
+            cursor.execute(f"REVOKE EXECUTE ON FUNCTION {function.signature} FROM PUBLIC")
+    try:
+        with temporary_database("postgres", "limited", USER=role):
+            backend = make_backend("limited")
+            _acquire_extend_release(backend, name, times=2)
+            assert backend._state().functions is False
+            backend.close()
+    finally:
+        with wrapper.cursor() as cursor:
+            for function in every:
+                cursor.execute(f"GRANT EXECUTE ON FUNCTION {function.signature} TO PUBLIC")
+            cursor.execute(f"REVOKE ALL ON {LockRecord._meta.db_table} FROM {role}")
+            cursor.execute(f"DROP ROLE {role}")
+
+
 MYSQL_ALIASES = _aliases("mysql")
 
 

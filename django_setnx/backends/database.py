@@ -127,6 +127,7 @@ from .base import (
     LockInfo,
     encode_owner,
 )
+from .db_functions import PostgresFunctions
 from .db_local_wakeups import LocalListener, LocalNotifier, channel_directory
 from .db_local_wakeups import encode as encode_wakeup
 from .db_prepared import MariaDBStatements, PreparedSession
@@ -288,6 +289,9 @@ class DatabaseBackend(BaseLockBackend):
         # its ConnectionState's prepared_session.
         self._prepared = False
         self._mariadb_prepared = None
+        # PostgreSQL without prepared statements: the hot statements run through the
+        # functions the migrations made, where a connection finds them (db_functions).
+        self._postgres_functions = None
         self._next_purge = 0.0  # monotonic time of the next purge of old stale rows
         # self._local.current: the ConnectionState of this thread's lock connection, or
         # of the shared one its async caller borrowed (see _borrowing_a_connection).
@@ -588,6 +592,8 @@ class DatabaseBackend(BaseLockBackend):
                     )
                 if wrapper.vendor == "postgresql":
                     self._prepared = prepared
+                    if not prepared:
+                        self._postgres_functions = PostgresFunctions(dialect)
                 elif prepared:
                     self._mariadb_prepared = MariaDBStatements(wrapper.Database.Error)
                 if self.local_wakeups:
@@ -604,6 +610,7 @@ class DatabaseBackend(BaseLockBackend):
                     # connection are too, after 5 runs, as psycopg does by default.)
                     wrapper.connection.prepare_threshold = PREPARE_THRESHOLD
             state.prepared_session = PreparedSession()  # a new connection: none yet
+            state.functions = False
             cursor = wrapper.connection.cursor()
             try:
                 if wrapper.vendor == "mysql":
@@ -619,6 +626,10 @@ class DatabaseBackend(BaseLockBackend):
                         cursor.execute("SELECT DATABASE()")
                         (database,) = cursor.fetchone()
                         state.prepared_session = PreparedSession(database)
+                elif self._postgres_functions is not None:
+                    # Once per connection: a migration may have made (or dropped)
+                    # them since the last one.
+                    state.functions = self._postgres_functions.available(cursor)
                 elif wrapper.vendor == "sqlite" and self.sqlite_wal:
                     state.sqlite_wal_pending = not self._sqlite_setup(wrapper, cursor)
             finally:
@@ -762,7 +773,8 @@ class DatabaseBackend(BaseLockBackend):
     def _execute(self, cursor, statement, params):
         """Run one of the hot statements (acquire, release, extend, ...): prepared once
         per connection when ``PREPARED_STATEMENTS`` is on (PostgreSQL through psycopg,
-        MariaDB through db_prepared), so the server parses (and plans) it once
+        MariaDB through db_prepared), else on PostgreSQL through the function that
+        runs it, if any (db_functions), so the server parses (and plans) it once
         instead of on every call."""
         if self._prepared:
             cursor.execute(statement, params, prepare=True)
@@ -770,6 +782,8 @@ class DatabaseBackend(BaseLockBackend):
             self._mariadb_prepared.execute(
                 cursor, self._state().prepared_session, statement, params
             )
+        elif self._postgres_functions is not None:
+            self._postgres_functions.execute(cursor, self._state(), statement, params)
         else:
             cursor.execute(statement, params)
 
@@ -871,7 +885,8 @@ class DatabaseBackend(BaseLockBackend):
             elif wait != 0 and sql.queue_and_holder is not None:
                 # Refused, will retry (PostgreSQL): queue and read the holder at once.
                 waiter = self._waiter(token, attempted_at)
-                cursor.execute(
+                self._execute(
+                    cursor,
                     sql.queue_and_holder,
                     (*self._queue_params(name, token, waiter), token, waiter.since_ms, name),
                 )

@@ -34,9 +34,17 @@ from typing import Any
 class ConnectionState:
     """One lock connection and what goes with it: the Django wrapper (None until
     first used), when it was last used (for the idle health check), the statements
-    it prepared (MariaDB), and whether SQLite's switch to WAL mode is still due."""
+    it prepared (MariaDB), whether it calls django-setnx's functions (PostgreSQL, see
+    db_functions), and whether SQLite's switch to WAL mode is still due."""
 
-    __slots__ = ("shared", "wrapper", "used_at", "prepared_session", "sqlite_wal_pending")
+    __slots__ = (
+        "shared",
+        "wrapper",
+        "used_at",
+        "prepared_session",
+        "functions",
+        "sqlite_wal_pending",
+    )
 
     def __init__(self, shared: bool = False) -> None:
         #: Lent to one thread after another (Django's wrapper must be told so).
@@ -44,6 +52,7 @@ class ConnectionState:
         self.wrapper: Any = None
         self.used_at = 0.0
         self.prepared_session: Any = None
+        self.functions = False
         self.sqlite_wal_pending = False
 
 

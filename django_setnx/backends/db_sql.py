@@ -168,6 +168,7 @@ class Dialect:
                 f"WHERE name = %s AND token = %s{no_flush}"
             )
             if vendor == "postgresql":
+                self.release_any_update = release_any  # for its function (db_functions)
                 # ... waking the waiters of every process: when it leaves the lock
                 # to a live waiter (a claim: ``next_seen`` > 0), NOTIFY names that
                 # waiter (the others wake only if its claim lapses unused, see

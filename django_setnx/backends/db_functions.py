@@ -1,0 +1,241 @@
+"""PostgreSQL functions for the database backend's statements that acquire and
+release, contended or not (``functions`` lists them).
+
+Sent as text, PostgreSQL parses and plans the acquire on every call: that costs
+more server time than the whole plain ``INSERT`` plus ``DELETE`` the backend is
+measured against (see docs/benchmarks.md), and under contention every retry, queue
+and release pays it again. A server-side prepared statement would avoid it, but is
+not safe by default: behind a pooler in transaction mode (PgBouncer before 1.21),
+it may be run on another server connection, where the same name can be another
+client's statement (hence ``PREPARED_STATEMENTS``, off by default there). A PL/pgSQL
+function is safe anywhere: the call is a short plain statement, and PL/pgSQL keeps
+its body's plan for the rest of the session.
+
+- The migrations create them (``create_functions``); nothing is created at run time,
+  so the lock connection needs no privilege beyond ``EXECUTE``.
+- Each is named after a hash of its SQL (``django_setnx_acquire_<hash>``), so a
+  connection never calls a function whose SQL differs from this version's: a
+  database migrated by another version of django-setnx has other names, and this
+  version sends its statements as text until ``migrate`` has run. A migration that
+  changes the SQL calls ``create_functions`` again (which drops the functions of
+  other versions); ``tests`` check that the latest one matches the code.
+- A connection uses them if they exist (and may be executed) when it connects. If
+  they are dropped later (another version's migration during a rolling deploy, a
+  migration reversed), the call fails with ``undefined_function`` before anything
+  ran: the connection sends the statement as text, then and from then on.
+"""
+
+import hashlib
+import logging
+
+from .db_sql import Dialect
+
+logger = logging.getLogger("django_setnx")
+
+#: SQLSTATE of a call to a function that does not exist (with those argument types).
+UNDEFINED_FUNCTION = "42883"
+
+#: The names of every version's functions start with this (a LIKE pattern).
+_NAME_PATTERN = "django\\_setnx\\_%"
+
+
+class Function:
+    """One function: ``statement`` (the Dialect's text, ``%s`` placeholders) run by
+    ``call`` (a plain statement taking the same parameters, giving the same rows and
+    row count)."""
+
+    def __init__(self, kind, statement, arg_types, returns, body):
+        self.statement = statement
+        self.arg_types = arg_types
+        self.returns = returns
+        source = f"{kind}\0{','.join(arg_types)}\0{returns}\0{body}"
+        self.name = f"django_setnx_{kind}_{hashlib.sha256(source.encode()).hexdigest()[:12]}"
+        self.signature = f"{self.name}({','.join(arg_types)})"
+        placeholders = ", ".join(["%s"] * len(arg_types))
+        self.call = f"SELECT * FROM {self.name}({placeholders})"
+        self.create = (
+            f"CREATE OR REPLACE FUNCTION {self.signature} RETURNS {returns} "
+            f"LANGUAGE plpgsql VOLATILE AS $django_setnx$\n{body}\n$django_setnx$"
+        )
+
+
+def _positional(statement):
+    """``statement`` with its ``%s`` placeholders numbered (``$1``, ``$2``...), as a
+    function body refers to its arguments, and its whitespace collapsed (the
+    statements have none inside literals), so that the hash in a function's name
+    changes with the SQL, not with the layout of the Python source."""
+    if "%%" in statement:
+        raise ValueError(f"cannot number the placeholders of a statement with '%%': {statement}")
+    parts = statement.split("%s")
+    numbered = [parts[0]]
+    for number, part in enumerate(parts[1:], start=1):
+        numbered.append(f"${number}{part}")
+    return " ".join("".join(numbered).split())
+
+
+def functions(dialect):
+    """The functions of a PostgreSQL ``dialect``: (acquire, release, acquire_queued,
+    release_any, queue_and_holder), each giving the rows its statement gives (the
+    columns the backend reads) and, for the release, its row count."""
+    acquire = _positional(dialect.acquire)
+    # A refused acquire returns no row, as the statement does.
+    take = Function(
+        "acquire",
+        dialect.acquire,
+        ("text", "text", "text", "bigint"),
+        "SETOF bigint",
+        "DECLARE won bigint;\n"
+        f"BEGIN\n{acquire} INTO won;\n"
+        "IF won IS NOT NULL THEN RETURN NEXT won; END IF;\nEND",
+    )
+    # One row if it updated one: the call's row count is the statement's.
+    release = Function(
+        "release",
+        dialect.release,
+        ("text", "text"),
+        "SETOF integer",
+        f"BEGIN\n{_positional(dialect.release)};\nIF FOUND THEN RETURN NEXT 1; END IF;\nEND",
+    )
+    # The acquire of a caller that queued: NOTIFY (channel, name) if it took the lock.
+    take_queued = Function(
+        "acquire_queued",
+        dialect.acquire_queued,
+        ("text", "text", "text", "bigint", "text", "text"),
+        "SETOF bigint",
+        "DECLARE won bigint;\n"
+        f"BEGIN\n{acquire} INTO won;\n"
+        "IF won IS NOT NULL THEN PERFORM pg_notify($5, $6); RETURN NEXT won; END IF;\nEND",
+    )
+    # The SELECT of release_any, as PL/pgSQL: the waiter the lock was left to ('' for
+    # none), and the same NOTIFY.
+    release_any = Function(
+        "release_any",
+        dialect.release_any,
+        ("text", "text", "text", "text"),
+        "SETOF text",
+        "DECLARE released_name text; kept text; seen bigint;\n"
+        f"BEGIN\n{_positional(dialect.release_any_update)} "
+        "RETURNING name, next_token, next_seen INTO released_name, kept, seen;\n"
+        "IF NOT FOUND THEN RETURN; END IF;\n"
+        "IF seen > 0 THEN\n"
+        "  PERFORM pg_notify($3, chr(30) || kept || chr(30) || released_name);\n"
+        "  RETURN NEXT kept;\n"
+        "ELSE\n"
+        "  IF kept <> '' THEN PERFORM pg_notify($4, released_name); END IF;\n"
+        "  RETURN NEXT '';\n"
+        "END IF;\nEND",
+    )
+    # Always one row (the holder's columns, NULLs for no row), as the statement.
+    queue_and_holder = Function(
+        "queue_and_holder",
+        dialect.queue_and_holder,
+        ("text", "bigint", "text", "text", "text", "bigint", "text", "bigint", "text"),
+        "TABLE (remaining_ms bigint, holder_token text, holder_fencing bigint, "
+        "free_in_ms bigint, queued bigint, place_was_free boolean)",
+        f"BEGIN\n{_positional(dialect.queue_and_holder)}\n"
+        "INTO remaining_ms, holder_token, holder_fencing, free_in_ms, queued, place_was_free;\n"
+        "RETURN NEXT;\nEND",
+    )
+    return take, release, take_queued, release_any, queue_and_holder
+
+
+def _dialect(connection):
+    return Dialect("postgresql", connection.ops.quote_name, False)
+
+
+def create_functions(connection):
+    """Create (or replace) this version's functions in ``connection``'s current
+    schema, and drop those of other versions there. Nothing on other databases."""
+    if connection.vendor != "postgresql":
+        return
+    current = functions(_dialect(connection))
+    with connection.cursor() as cursor:
+        for function in current:
+            cursor.execute(function.create)
+        names = {function.name for function in current}
+        for name, signature in _installed(cursor):
+            if name not in names:
+                cursor.execute(f"DROP FUNCTION IF EXISTS {signature}")
+
+
+def drop_functions(connection):
+    """Drop every version's functions from ``connection``'s current schema."""
+    if connection.vendor != "postgresql":
+        return
+    with connection.cursor() as cursor:
+        for _, signature in _installed(cursor):
+            cursor.execute(f"DROP FUNCTION IF EXISTS {signature}")
+
+
+def _installed(cursor):
+    """``(name, signature)`` of the functions of any version in the current schema
+    (``signature`` as DROP FUNCTION takes it)."""
+    cursor.execute(
+        "SELECT p.proname, p.oid::regprocedure::text FROM pg_proc p "
+        "JOIN pg_namespace n ON n.oid = p.pronamespace "
+        "WHERE n.nspname = current_schema() AND p.proname LIKE %s "
+        "AND p.proname ~ '_[0-9a-f]{12}$'",
+        (_NAME_PATTERN,),
+    )
+    return cursor.fetchall()
+
+
+def installed_names(connection):
+    """The names of the functions of any version in ``connection``'s current schema."""
+    with connection.cursor() as cursor:
+        return sorted(name for name, _ in _installed(cursor))
+
+
+class PostgresFunctions:
+    """Runs a PostgreSQL connection's hot statements through this version's
+    functions when it can (see the module docstring)."""
+
+    def __init__(self, dialect):
+        self.functions = functions(dialect)
+        self._calls = {function.statement: function.call for function in self.functions}
+        self._warned = False
+
+    def available(self, cursor):
+        """Whether this version's functions exist, and may be executed, for the
+        connection of ``cursor`` (resolved through its ``search_path``, as its calls
+        will be)."""
+        signatures = [function.signature for function in self.functions]
+        cursor.execute(
+            "SELECT bool_and(to_regprocedure(s) IS NOT NULL "
+            "AND has_function_privilege(to_regprocedure(s), 'EXECUTE')) "
+            f"FROM (VALUES {', '.join(['(%s)'] * len(signatures))}) AS f(s)",
+            signatures,
+        )
+        (available,) = cursor.fetchone()
+        return bool(available)
+
+    def execute(self, cursor, state, statement, params):
+        """Run ``statement`` with ``params`` on ``cursor``: through its function if
+        it has one and the connection (``state``, its ConnectionState) uses them,
+        else as text. The rows and row count are the statement's."""
+        call = self._calls.get(statement) if state.functions else None
+        if call is None:
+            cursor.execute(statement, params)
+            return
+        try:
+            cursor.execute(call, params)
+            return
+        except Exception as exc:  # the driver's own error classes (psycopg 2 or 3)
+            if _sqlstate(exc) != UNDEFINED_FUNCTION:
+                raise
+        # Dropped since the connection was made: the call ran nothing (the lock
+        # connection is in autocommit, so no transaction was spoilt either).
+        state.functions = False
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "django-setnx's PostgreSQL functions are gone (%s): the lock statements "
+                "are sent as text, which costs the server a parse and a plan each time, "
+                "until the connection is made again after `manage.py migrate`",
+                call.split()[3].split("(")[0],
+            )
+        cursor.execute(statement, params)
+
+
+def _sqlstate(exc):
+    return getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)
