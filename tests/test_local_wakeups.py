@@ -315,3 +315,31 @@ def test_a_wakeup_for_any_waiter_that_finds_none_is_passed_on(tempdir):
     assert waiting_got.get(timeout=5) == PLAIN_MARK + f"{PASS_ON - 1}n"
     idle_listener.close()
     waiting_listener.close()
+
+
+def test_close_waits_for_a_send_in_flight_in_another_thread(tempdir):
+    """close() from another thread (the backend's) must not close the sending socket
+    under a sendto: a descriptor opened meanwhile could take its number, and the
+    datagram go there (review r103). A send in flight holds the notifier's lock;
+    close() waits for it."""
+    directory = channel_directory("k", str(tempdir))
+    listener, got = listening(directory)
+    notifier = LocalNotifier(directory)
+    try:
+        notifier.send(encode("job:1"))
+        assert got.get(timeout=5) == PLAIN_MARK + "3job:1"
+        sock = notifier._socket
+        closed = threading.Event()
+        with notifier._lock:  # as a sendto of another thread would
+            closer = threading.Thread(target=lambda: (notifier.close(), closed.set()))
+            closer.start()
+            assert not closed.wait(0.3), "closed under a send in flight"
+            assert sock.fileno() != -1
+        assert closed.wait(5)
+        closer.join(5)
+        assert sock.fileno() == -1
+        notifier.send(encode("job:2"))  # a new socket
+        assert got.get(timeout=5) == PLAIN_MARK + "3job:2"
+    finally:
+        notifier.close()
+        listener.close()

@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 
+from ..forksafe import ForkSafeLock
 from .db_wakeups import HEAD_MARK, PLAIN_MARK, TOKEN_MARK
 
 logger = logging.getLogger("django_setnx")
@@ -147,7 +148,12 @@ class LocalNotifier:
         #: (the directory's mtime when listed, the socket paths then): one tuple, so
         #: that threads sending at once never see a listing with another's mtime.
         self._listing = (None, ())
-        self._lock = threading.Lock()
+        # Held while the socket is used, made or closed: close() from another thread
+        # must not close it under a sendto, whose descriptor number a file opened
+        # meanwhile could take (the datagram would go there). A sendto on this
+        # non-blocking socket takes microseconds. Per process: a child forked while
+        # a parent thread sent (uWSGI runs no fork hook) would find it held.
+        self._lock = ForkSafeLock()
 
     def send(self, payload, own=None, one=False):
         """Send ``payload`` to every socket in the directory but ``own`` (this
@@ -159,18 +165,19 @@ class LocalNotifier:
                 paths = [random.choice(paths)]
             if not paths:
                 return
-            sock = self._sender()
-            for path in paths:
-                try:
-                    sock.sendto(payload, path)
-                except (ConnectionRefusedError, FileNotFoundError):
-                    # Its process is gone (a socket nobody reads refuses): remove it.
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-                except OSError as exc:
-                    if exc.errno not in (errno.EAGAIN, errno.ENOBUFS):
-                        raise
-                    # Its buffer is full: that process is busy waking up already.
+            with self._lock:
+                sock = self._sender()
+                for path in paths:
+                    try:
+                        sock.sendto(payload, path)
+                    except (ConnectionRefusedError, FileNotFoundError):
+                        # Its process is gone (a socket nobody reads refuses): remove it.
+                        with contextlib.suppress(OSError):
+                            os.unlink(path)
+                    except OSError as exc:
+                        if exc.errno not in (errno.EAGAIN, errno.ENOBUFS):
+                            raise
+                        # Its buffer is full: that process is busy waking up already.
         except Exception as exc:  # noqa: BLE001 - a hint that failed: the waiters poll
             logger.debug("Could not send a lock wake-up in %s: %s", self.directory, exc)
 
@@ -188,16 +195,15 @@ class LocalNotifier:
         self.send(b"")
 
     def _sender(self):
+        """The sending socket of this process, made if needed (``_lock`` held)."""
         pid = os.getpid()
         if self._socket is None or self._pid != pid:
-            with self._lock:
-                if self._socket is None or self._pid != pid:
-                    if self._socket is not None:  # the parent's, inherited by a fork
-                        with contextlib.suppress(OSError):
-                            self._socket.close()
-                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-                    sock.setblocking(False)
-                    self._socket, self._pid = sock, pid
+            if self._socket is not None:  # the parent's, inherited by a fork
+                with contextlib.suppress(OSError):
+                    self._socket.close()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.setblocking(False)
+            self._socket, self._pid = sock, pid
         return self._socket
 
     def _paths(self):
@@ -223,10 +229,12 @@ class LocalNotifier:
         return paths
 
     def close(self):
-        """Close the sending socket (made again by the next send)."""
-        sock, self._socket = self._socket, None
-        if sock is not None and self._pid == os.getpid():
-            sock.close()
+        """Close the sending socket (made again by the next send), once no thread
+        of this process is sending on it."""
+        with self._lock:
+            sock, self._socket = self._socket, None
+            if sock is not None and self._pid == os.getpid():
+                sock.close()
 
 
 class LocalListener:
