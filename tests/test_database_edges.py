@@ -1474,6 +1474,15 @@ def test_the_latest_functions_migration_lists_this_versions_functions():
         f"the functions' SQL changed: add a migration that runs create_functions and "
         f"lists FUNCTIONS = {tuple(current)}"
     )
+    # Migration 0004 is never edited (databases migrated to it would keep its
+    # functions): a change of SQL is a new migration.
+    assert listed[0] == (
+        "django_setnx_acquire_5317debb154b",
+        "django_setnx_release_0081650d1a1f",
+        "django_setnx_acquire_queued_3f11ff319314",
+        "django_setnx_release_any_fee765d7ae5f",
+        "django_setnx_queue_and_holder_b2a7481ea7c7",
+    )
     assert installed_names(connection) == sorted(current)
 
 
@@ -1523,6 +1532,9 @@ def test_postgres_queues_and_hands_over_through_the_functions(name, make_backend
     _, _, acquire_queued, release_any, queue_and_holder = _functions_of()
     wrapper = _admin_wrapper(make_backend)
     holder, waiter = make_backend("postgres"), make_backend("postgres")
+    for backend in (holder, waiter):  # connected, and found the functions
+        _acquire_extend_release(backend, f"{name}:warm", times=1)
+        assert backend._state().functions is True
     held = _token()
     assert holder.acquire(name, held, 30, OWNER).acquired
     with _refusing(wrapper, queue_and_holder):
@@ -1554,8 +1566,8 @@ def test_postgres_hands_over_alike_through_functions_text_and_prepared_statement
     holder, waiter = make_backend("postgres", **options), make_backend("postgres", **options)
     for backend in (holder, waiter):
         _sql(backend, "SELECT 1")
-        if mode == "text":
-            backend._state().functions = False  # as a connection that found none
+        if mode == "text":  # as a connection that found none a moment ago
+            backend._state().functions_checked_at = time.monotonic()
     held, waiting = _token(), _token()
     first = holder.acquire(name, held, 30, OWNER)
     refused = waiter.acquire(name, waiting, 30, OWNER, wait=5)
@@ -1591,7 +1603,7 @@ def test_a_connection_whose_functions_were_dropped_sends_the_statements_as_text(
             tokens = _acquire_extend_release(backend, name, times=2)
         assert tokens[0] > first[-1]
         assert backend._state().functions is False
-        warned = [r.getMessage() for r in caplog.records if "functions are gone" in r.getMessage()]
+        warned = [r.getMessage() for r in caplog.records if "cannot be called" in r.getMessage()]
         assert len(warned) == 1, warned
         fresh = make_backend("postgres")
         _acquire_extend_release(fresh, name, times=1)
@@ -1634,31 +1646,99 @@ def test_another_versions_functions_are_never_called_and_migrating_replaces_them
 
 
 @needs(POSTGRES)
-def test_a_role_that_may_not_execute_the_functions_sends_the_statements_as_text(
-    name, make_backend, temporary_database
+def test_execute_revoked_under_a_connection_sends_the_statements_as_text(
+    name, make_backend, temporary_database, caplog
 ):
-    """Functions are created executable by anyone unless the schema's default
-    privileges say otherwise: a lock role without EXECUTE sends text."""
+    """Functions are executable by anyone unless the schema's default privileges say
+    otherwise. EXECUTE revoked from the lock role while it runs: its next call is
+    refused before anything ran, and it is sent as text (no operation fails); a
+    connection made then finds them unexecutable and sends text from the start."""
     role = f"setnx_noexec_{secrets.token_hex(4)}"
     wrapper = _admin_wrapper(make_backend)
     every = _functions_of()
     with wrapper.cursor() as cursor:
         cursor.execute(f"CREATE ROLE {role} LOGIN")
         cursor.execute(f"GRANT ALL ON {LockRecord._meta.db_table} TO {role}")
-        for function in every:
-            cursor.execute(f"REVOKE EXECUTE ON FUNCTION {function.signature} FROM PUBLIC")
     try:
         with temporary_database("postgres", "limited", USER=role):
             backend = make_backend("limited")
-            _acquire_extend_release(backend, name, times=2)
+            first = _acquire_extend_release(backend, name, times=1)
+            assert backend._state().functions is True
+            token = _token()
+            assert backend.acquire(name, token, 30, OWNER).acquired
+            with wrapper.cursor() as cursor:
+                for function in every:
+                    cursor.execute(f"REVOKE EXECUTE ON FUNCTION {function.signature} FROM PUBLIC")
+            with caplog.at_level(logging.WARNING, logger="django_setnx"):
+                assert backend.release(name, token)
+            assert "permission denied" in caplog.text
             assert backend._state().functions is False
-            backend.close()
+            assert _acquire_extend_release(backend, name, times=1)[0] > first[0]
+            fresh = make_backend("limited")
+            _acquire_extend_release(fresh, name, times=1)
+            assert fresh._state().functions is False
+            for made in (backend, fresh):
+                made.close()
     finally:
         with wrapper.cursor() as cursor:
             for function in every:
                 cursor.execute(f"GRANT EXECUTE ON FUNCTION {function.signature} TO PUBLIC")
             cursor.execute(f"REVOKE ALL ON {LockRecord._meta.db_table} FROM {role}")
             cursor.execute(f"DROP ROLE {role}")
+
+
+@needs(POSTGRES)
+def test_an_overload_or_a_replaced_body_is_never_called(name, make_backend):
+    """The calls cast their arguments, so an overload that would match an uncast
+    call better (an int4 ttl: what a Python int is sent as) is not the one called;
+    and a function of this version's name whose body is not this version's (by
+    hand, or another schema earlier on the search_path) is not used at all."""
+    acquire = _functions_of()[0]
+    wrapper = _admin_wrapper(make_backend)
+    overload = f"{acquire.name}(text, text, text, integer)"
+    with wrapper.cursor() as cursor:
+        cursor.execute(
+            f"CREATE FUNCTION {overload} RETURNS SETOF bigint LANGUAGE plpgsql "
+            "AS $$ BEGIN RETURN NEXT 42; END $$"
+        )
+    try:
+        backend = make_backend("postgres")
+        tokens = _acquire_extend_release(backend, name, times=2)
+        assert backend._state().functions is True
+        assert 42 not in tokens
+    finally:
+        with wrapper.cursor() as cursor:
+            cursor.execute(f"DROP FUNCTION {overload}")
+    with _refusing(wrapper, acquire):
+        replaced = make_backend("postgres")
+        _acquire_extend_release(replaced, name, times=2)  # as text: never raised
+        assert replaced._state().functions is False
+
+
+@needs(POSTGRES)
+def test_a_connection_that_found_no_functions_looks_again_later(name, make_backend, monkeypatch):
+    """A process started before ``migrate`` made the functions picks them up at its
+    next check (every RECHECK_EVERY seconds while it finds none); a connection that
+    only extends (a renewal's) never looks."""
+    from django_setnx.backends import db_functions
+
+    wrapper = _admin_wrapper(make_backend)
+    try:
+        db_functions.drop_functions(wrapper)
+        backend = make_backend("postgres")
+        _acquire_extend_release(backend, name, times=1)
+        assert backend._state().functions is False
+        db_functions.create_functions(wrapper)
+        _acquire_extend_release(backend, name, times=1)
+        assert backend._state().functions is False, "looked again before RECHECK_EVERY"
+        monkeypatch.setattr(db_functions, "RECHECK_EVERY", 0)
+        _acquire_extend_release(backend, name, times=1)
+        assert backend._state().functions is True
+    finally:
+        db_functions.create_functions(wrapper)
+    renewer = make_backend("postgres")
+    assert renewer.extend(name, _token(), 30) is False
+    assert renewer._state().functions_checked_at is None
 
 
 MYSQL_ALIASES = _aliases("mysql")

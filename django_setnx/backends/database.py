@@ -610,7 +610,8 @@ class DatabaseBackend(BaseLockBackend):
                     # connection are too, after 5 runs, as psycopg does by default.)
                     wrapper.connection.prepare_threshold = PREPARE_THRESHOLD
             state.prepared_session = PreparedSession()  # a new connection: none yet
-            state.functions = False
+            state.functions = False  # checked at its first acquire or release
+            state.functions_checked_at = None
             cursor = wrapper.connection.cursor()
             try:
                 if wrapper.vendor == "mysql":
@@ -626,10 +627,6 @@ class DatabaseBackend(BaseLockBackend):
                         cursor.execute("SELECT DATABASE()")
                         (database,) = cursor.fetchone()
                         state.prepared_session = PreparedSession(database)
-                elif self._postgres_functions is not None:
-                    # Once per connection: a migration may have made (or dropped)
-                    # them since the last one.
-                    state.functions = self._postgres_functions.available(cursor)
                 elif wrapper.vendor == "sqlite" and self.sqlite_wal:
                     state.sqlite_wal_pending = not self._sqlite_setup(wrapper, cursor)
             finally:

@@ -8,32 +8,40 @@ and release pays it again. A server-side prepared statement would avoid it, but 
 not safe by default: behind a pooler in transaction mode (PgBouncer before 1.21),
 it may be run on another server connection, where the same name can be another
 client's statement (hence ``PREPARED_STATEMENTS``, off by default there). A PL/pgSQL
-function is safe anywhere: the call is a short plain statement, and PL/pgSQL keeps
-its body's plan for the rest of the session.
+function is safe anywhere: the call is a short plain statement, and PL/pgSQL plans
+its body's statement once per session (after five calls with custom plans, one
+generic plan reused).
 
 - The migrations create them (``create_functions``); nothing is created at run time,
   so the lock connection needs no privilege beyond ``EXECUTE``.
-- Each is named after a hash of its SQL (``django_setnx_acquire_<hash>``), so a
-  connection never calls a function whose SQL differs from this version's: a
-  database migrated by another version of django-setnx has other names, and this
-  version sends its statements as text until ``migrate`` has run. A migration that
-  changes the SQL calls ``create_functions`` again (which drops the functions of
-  other versions); ``tests`` check that the latest one matches the code.
-- A connection uses them if they exist (and may be executed) when it connects. If
-  they are dropped later (another version's migration during a rolling deploy, a
-  migration reversed), the call fails with ``undefined_function`` before anything
-  ran: the connection sends the statement as text, then and from then on.
+- Each is named after a hash of its SQL (``django_setnx_acquire_<hash>``), and a
+  connection calls one only after checking that the function its call resolves to
+  (through its ``search_path``, with the argument types cast as in the call) has
+  this version's body and may be executed: a database migrated by another version
+  of django-setnx, or not migrated yet, gets the statements as text. A migration
+  that changes the SQL calls ``create_functions`` again (which drops the functions
+  of other versions); the tests check that the latest one lists the code's.
+- A connection checks at its first acquire or release, and again at most every
+  RECHECK_EVERY seconds while it finds none (a process started before ``migrate``
+  ran picks them up). If they are dropped or made unexecutable under it (another
+  version's migration during a rolling deploy, a reversed migration, a REVOKE), its
+  call fails before anything ran (``undefined_function``, ``insufficient_privilege``):
+  it sends the statement as text, then and until its next check.
 """
 
 import hashlib
 import logging
+import time
 
 from .db_sql import Dialect
 
 logger = logging.getLogger("django_setnx")
 
-#: SQLSTATE of a call to a function that does not exist (with those argument types).
-UNDEFINED_FUNCTION = "42883"
+#: SQLSTATEs of a call that ran nothing: no such function (with those argument
+#: types), or no EXECUTE privilege on it.
+NOT_CALLED = frozenset({"42883", "42501"})
+#: Seconds between two checks of a connection that found no usable functions.
+RECHECK_EVERY = 60
 
 #: The names of every version's functions start with this (a LIKE pattern).
 _NAME_PATTERN = "django\\_setnx\\_%"
@@ -48,14 +56,19 @@ class Function:
         self.statement = statement
         self.arg_types = arg_types
         self.returns = returns
-        source = f"{kind}\0{','.join(arg_types)}\0{returns}\0{body}"
-        self.name = f"django_setnx_{kind}_{hashlib.sha256(source.encode()).hexdigest()[:12]}"
+        identity = f"{kind}\0{','.join(arg_types)}\0{returns}\0{body}".encode()
+        self.name = f"django_setnx_{kind}_{hashlib.sha256(identity).hexdigest()[:12]}"
         self.signature = f"{self.name}({','.join(arg_types)})"
-        placeholders = ", ".join(["%s"] * len(arg_types))
-        self.call = f"SELECT * FROM {self.name}({placeholders})"
+        # Cast: an overload taking an int4 (what a Python int is sent as) would be
+        # a better match for an uncast argument than ours, and be called instead.
+        arguments = ", ".join(f"%s::{arg_type}" for arg_type in arg_types)
+        self.call = f"SELECT * FROM {self.name}({arguments})"
+        source = f"\n{body}\n"
+        #: The md5 of the body as the server keeps it (pg_proc.prosrc).
+        self.source_md5 = hashlib.md5(source.encode(), usedforsecurity=False).hexdigest()
         self.create = (
             f"CREATE OR REPLACE FUNCTION {self.signature} RETURNS {returns} "
-            f"LANGUAGE plpgsql VOLATILE AS $django_setnx$\n{body}\n$django_setnx$"
+            f"LANGUAGE plpgsql VOLATILE AS $django_setnx${source}$django_setnx$"
         )
 
 
@@ -143,6 +156,13 @@ def _dialect(connection):
     return Dialect("postgresql", connection.ops.quote_name, False)
 
 
+def create_statements(connection):
+    """The ``CREATE OR REPLACE FUNCTION`` statements of this version's functions
+    for ``connection`` (a PostgreSQL one), to apply by hand where migrations are
+    applied as SQL (``sqlmigrate`` cannot show a RunPython operation)."""
+    return [function.create for function in functions(_dialect(connection))]
+
+
 def create_functions(connection):
     """Create (or replace) this version's functions in ``connection``'s current
     schema, and drop those of other versions there. Nothing on other databases."""
@@ -193,48 +213,72 @@ class PostgresFunctions:
     def __init__(self, dialect):
         self.functions = functions(dialect)
         self._calls = {function.statement: function.call for function in self.functions}
-        self._warned = False
+        self._told = False  # that a connection found none (INFO, once until found)
+        self._warned = False  # that they went under a connection (once until found)
 
     def available(self, cursor):
-        """Whether this version's functions exist, and may be executed, for the
-        connection of ``cursor`` (resolved through its ``search_path``, as its calls
-        will be)."""
-        signatures = [function.signature for function in self.functions]
+        """Whether every function that the calls resolve to for the connection of
+        ``cursor`` (through its ``search_path``) is this version's, body included,
+        and may be executed."""
+        expected = [(function.signature, function.source_md5) for function in self.functions]
         cursor.execute(
-            "SELECT bool_and(to_regprocedure(s) IS NOT NULL "
-            "AND has_function_privilege(to_regprocedure(s), 'EXECUTE')) "
-            f"FROM (VALUES {', '.join(['(%s)'] * len(signatures))}) AS f(s)",
-            signatures,
+            "SELECT count(*) FROM "
+            f"(VALUES {', '.join(['(%s, %s)'] * len(expected))}) AS f(signature, source) "
+            "JOIN pg_proc p ON p.oid = to_regprocedure(f.signature) "
+            "WHERE md5(p.prosrc) = f.source AND has_function_privilege(p.oid, 'EXECUTE')",
+            [value for pair in expected for value in pair],
         )
-        (available,) = cursor.fetchone()
-        return bool(available)
+        (found,) = cursor.fetchone()
+        return found == len(expected)
 
     def execute(self, cursor, state, statement, params):
         """Run ``statement`` with ``params`` on ``cursor``: through its function if
-        it has one and the connection (``state``, its ConnectionState) uses them,
-        else as text. The rows and row count are the statement's."""
-        call = self._calls.get(statement) if state.functions else None
-        if call is None:
+        it has one and the connection (``state``, its ConnectionState) may use
+        them, else as text. The rows and row count are the statement's."""
+        call = self._calls.get(statement)
+        if call is not None and not state.functions and self._check_due(state):
+            self._check(cursor, state)
+        if call is None or not state.functions:
             cursor.execute(statement, params)
             return
         try:
             cursor.execute(call, params)
             return
         except Exception as exc:  # the driver's own error classes (psycopg 2 or 3)
-            if _sqlstate(exc) != UNDEFINED_FUNCTION:
+            if _sqlstate(exc) not in NOT_CALLED:
                 raise
-        # Dropped since the connection was made: the call ran nothing (the lock
-        # connection is in autocommit, so no transaction was spoilt either).
+            why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        # Dropped (or made unexecutable) since the check: the call ran nothing (the
+        # lock connection is in autocommit, so no transaction was spoilt either).
         state.functions = False
+        state.functions_checked_at = time.monotonic()
         if not self._warned:
             self._warned = True
             logger.warning(
-                "django-setnx's PostgreSQL functions are gone (%s): the lock statements "
-                "are sent as text, which costs the server a parse and a plan each time, "
-                "until the connection is made again after `manage.py migrate`",
-                call.split()[3].split("(")[0],
+                "django-setnx's PostgreSQL functions cannot be called (%s): the lock "
+                "statements are sent as text, which costs the server a parse and a plan "
+                "each time, until `manage.py migrate` makes them again",
+                why,
             )
         cursor.execute(statement, params)
+
+    @staticmethod
+    def _check_due(state):
+        checked_at = state.functions_checked_at
+        return checked_at is None or time.monotonic() - checked_at >= RECHECK_EVERY
+
+    def _check(self, cursor, state):
+        state.functions = self.available(cursor)
+        state.functions_checked_at = time.monotonic()
+        if state.functions:
+            self._told = self._warned = False
+        elif not self._told:
+            self._told = True
+            logger.info(
+                "django-setnx's PostgreSQL functions (migration 0004) are not in this "
+                "database, or are another version's: the lock statements are sent as "
+                "text until `manage.py migrate` makes them"
+            )
 
 
 def _sqlstate(exc):

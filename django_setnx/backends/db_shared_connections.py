@@ -34,8 +34,9 @@ from typing import Any
 class ConnectionState:
     """One lock connection and what goes with it: the Django wrapper (None until
     first used), when it was last used (for the idle health check), the statements
-    it prepared (MariaDB), whether it calls django-setnx's functions (PostgreSQL, see
-    db_functions), and whether SQLite's switch to WAL mode is still due."""
+    it prepared (MariaDB), whether it calls django-setnx's functions and when it
+    last looked for them (PostgreSQL, see db_functions), and whether SQLite's
+    switch to WAL mode is still due."""
 
     __slots__ = (
         "shared",
@@ -43,6 +44,7 @@ class ConnectionState:
         "used_at",
         "prepared_session",
         "functions",
+        "functions_checked_at",
         "sqlite_wal_pending",
     )
 
@@ -53,6 +55,7 @@ class ConnectionState:
         self.used_at = 0.0
         self.prepared_session: Any = None
         self.functions = False
+        self.functions_checked_at: float | None = None
         self.sqlite_wal_pending = False
 
 

@@ -40,5 +40,11 @@ class Migration(migrations.Migration):
     ]
 
     operations = [
-        migrations.RunPython(create_functions, drop_functions, elidable=False),
+        # The hint lets a router that routes by model put them where the table is.
+        migrations.RunPython(
+            create_functions,
+            drop_functions,
+            elidable=False,
+            hints={"model_name": "lockrecord"},
+        ),
     ]
