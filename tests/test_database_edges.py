@@ -1494,7 +1494,7 @@ def test_postgres_runs_acquire_and_release_through_the_functions(name, make_back
     acquire, release = _functions_of()[:2]
     backend = make_backend("postgres")
     first = _acquire_extend_release(backend, name, times=2)
-    assert backend._state().functions is True
+    assert backend._state().functions is not None
     wrapper = _admin_wrapper(make_backend)
     token = _token()
     with _refusing(wrapper, acquire):
@@ -1505,7 +1505,7 @@ def test_postgres_runs_acquire_and_release_through_the_functions(name, make_back
         with pytest.raises(LockBackendError, match=f"{release.name} called"):
             backend.release(name, token)
     assert backend.release(name, token)
-    assert backend._state().functions is True
+    assert backend._state().functions is not None
 
 
 @contextlib.contextmanager
@@ -1534,7 +1534,7 @@ def test_postgres_queues_and_hands_over_through_the_functions(name, make_backend
     holder, waiter = make_backend("postgres"), make_backend("postgres")
     for backend in (holder, waiter):  # connected, and found the functions
         _acquire_extend_release(backend, f"{name}:warm", times=1)
-        assert backend._state().functions is True
+        assert backend._state().functions is not None
     held = _token()
     assert holder.acquire(name, held, 30, OWNER).acquired
     with _refusing(wrapper, queue_and_holder):
@@ -1579,7 +1579,7 @@ def test_postgres_hands_over_alike_through_functions_text_and_prepared_statement
     assert won.acquired and won.fencing_token > first.fencing_token
     assert waiter.release(name, waiting)
     assert not waiter.release(name, waiting)
-    assert waiter._state().functions is (mode == "functions")
+    assert (waiter._state().functions is not None) is (mode == "functions")
 
 
 @needs(POSTGRES)
@@ -1595,24 +1595,24 @@ def test_a_connection_whose_functions_were_dropped_sends_the_statements_as_text(
 
     backend = make_backend("postgres")
     first = _acquire_extend_release(backend, name, times=1)
-    assert backend._state().functions is True
+    assert backend._state().functions is not None
     wrapper = _admin_wrapper(make_backend)
     try:
         drop_functions(wrapper)
         with caplog.at_level(logging.WARNING, logger="django_setnx"):
             tokens = _acquire_extend_release(backend, name, times=2)
         assert tokens[0] > first[-1]
-        assert backend._state().functions is False
+        assert backend._state().functions is None
         warned = [r.getMessage() for r in caplog.records if "cannot be called" in r.getMessage()]
         assert len(warned) == 1, warned
         fresh = make_backend("postgres")
         _acquire_extend_release(fresh, name, times=1)
-        assert fresh._state().functions is False
+        assert fresh._state().functions is None
     finally:
         create_functions(wrapper)
     again = make_backend("postgres")
     _acquire_extend_release(again, name, times=1)
-    assert again._state().functions is True
+    assert again._state().functions is not None
 
 
 @needs(POSTGRES)
@@ -1638,11 +1638,27 @@ def test_another_versions_functions_are_never_called_and_migrating_replaces_them
             )
         backend = make_backend("postgres")
         _acquire_extend_release(backend, name, times=2)
-        assert backend._state().functions is False
+        assert backend._state().functions is None
         create_functions(wrapper)
         assert installed_names(wrapper) == sorted(f.name for f in _functions_of())
     finally:
         create_functions(wrapper)
+
+
+@contextlib.contextmanager
+def _throwaway_role(wrapper, privileges):
+    """A login role, granted ``privileges`` on the lock table, dropped at the end."""
+    role = f"setnx_role_{secrets.token_hex(4)}"
+    table = LockRecord._meta.db_table
+    with wrapper.cursor() as cursor:
+        cursor.execute(f"CREATE ROLE {role} LOGIN")
+        cursor.execute(f"GRANT {privileges} ON {table} TO {role}")
+    try:
+        yield role
+    finally:
+        with wrapper.cursor() as cursor:
+            cursor.execute(f"REVOKE ALL ON {table} FROM {role}")
+            cursor.execute(f"DROP ROLE {role}")
 
 
 @needs(POSTGRES)
@@ -1653,17 +1669,16 @@ def test_execute_revoked_under_a_connection_sends_the_statements_as_text(
     otherwise. EXECUTE revoked from the lock role while it runs: its next call is
     refused before anything ran, and it is sent as text (no operation fails); a
     connection made then finds them unexecutable and sends text from the start."""
-    role = f"setnx_noexec_{secrets.token_hex(4)}"
     wrapper = _admin_wrapper(make_backend)
     every = _functions_of()
-    with wrapper.cursor() as cursor:
-        cursor.execute(f"CREATE ROLE {role} LOGIN")
-        cursor.execute(f"GRANT ALL ON {LockRecord._meta.db_table} TO {role}")
     try:
-        with temporary_database("postgres", "limited", USER=role):
+        with (
+            _throwaway_role(wrapper, "ALL") as role,
+            temporary_database("postgres", "limited", USER=role),
+        ):
             backend = make_backend("limited")
             first = _acquire_extend_release(backend, name, times=1)
-            assert backend._state().functions is True
+            assert backend._state().functions is not None
             token = _token()
             assert backend.acquire(name, token, 30, OWNER).acquired
             with wrapper.cursor() as cursor:
@@ -1672,47 +1687,98 @@ def test_execute_revoked_under_a_connection_sends_the_statements_as_text(
             with caplog.at_level(logging.WARNING, logger="django_setnx"):
                 assert backend.release(name, token)
             assert "permission denied" in caplog.text
-            assert backend._state().functions is False
+            assert backend._state().functions is None
             assert _acquire_extend_release(backend, name, times=1)[0] > first[0]
             fresh = make_backend("limited")
             _acquire_extend_release(fresh, name, times=1)
-            assert fresh._state().functions is False
+            assert fresh._state().functions is None
             for made in (backend, fresh):
                 made.close()
     finally:
         with wrapper.cursor() as cursor:
             for function in every:
                 cursor.execute(f"GRANT EXECUTE ON FUNCTION {function.signature} TO PUBLIC")
-            cursor.execute(f"REVOKE ALL ON {LockRecord._meta.db_table} FROM {role}")
-            cursor.execute(f"DROP ROLE {role}")
 
 
 @needs(POSTGRES)
-def test_an_overload_or_a_replaced_body_is_never_called(name, make_backend):
-    """The calls cast their arguments, so an overload that would match an uncast
-    call better (an int4 ttl: what a Python int is sent as) is not the one called;
-    and a function of this version's name whose body is not this version's (by
-    hand, or another schema earlier on the search_path) is not used at all."""
+def test_the_statements_own_errors_are_raised_and_a_failed_look_sends_text(
+    name, make_backend, temporary_database, caplog
+):
+    """A permission error of the statement inside a function (the role may read the
+    lock table but not write it) is the operation's error, as it would be as text:
+    not taken for a function that cannot be called. And a look for the functions
+    that the server refuses (the catalog unreadable to the role) leaves the
+    connection on text, with a warning, instead of failing its operation."""
+    wrapper = _admin_wrapper(make_backend)
+    with _throwaway_role(wrapper, "SELECT") as role:
+        with temporary_database("postgres", "readonly", USER=role):
+            backend = make_backend("readonly")
+            with caplog.at_level(logging.INFO, logger="django_setnx"):
+                with pytest.raises(LockBackendError, match="permission denied for table"):
+                    backend.acquire(name, _token(), 30, OWNER)
+                assert "cannot be called" not in caplog.text
+                assert backend.owns(name, _token()) is False  # reconnected
+                with pytest.raises(LockBackendError, match="permission denied for table"):
+                    backend.acquire(name, _token(), 30, OWNER)
+                assert backend._state().functions is not None
+                assert "cannot be called" not in caplog.text
+                with wrapper.cursor() as cursor:
+                    cursor.execute(f"GRANT ALL ON {LockRecord._meta.db_table} TO {role}")
+                    cursor.execute("REVOKE SELECT ON pg_catalog.pg_proc FROM PUBLIC")
+                try:
+                    refused = make_backend("readonly")
+                    _acquire_extend_release(refused, name, times=2)
+                    assert refused._state().functions is None
+                    assert "Could not look for" in caplog.text
+                finally:
+                    with wrapper.cursor() as cursor:
+                        cursor.execute("GRANT SELECT ON pg_catalog.pg_proc TO PUBLIC")
+            for made in (backend, refused):
+                made.close()
+
+
+@needs(POSTGRES)
+def test_an_overload_or_a_replaced_body_is_never_called(name, make_backend, temporary_database):
+    """A function that a call could resolve to instead of ours is never called: an
+    overload beside ours (an int4 ttl, what a Python int is sent as) makes the
+    connection send text; one with an extra defaulted parameter in a schema earlier
+    on the search_path is passed by (the calls name the schema of ours); and a
+    function of this version's name with another body (by hand) is not used."""
     acquire = _functions_of()[0]
     wrapper = _admin_wrapper(make_backend)
-    overload = f"{acquire.name}(text, text, text, integer)"
+    schema = f"setnx_early_{secrets.token_hex(4)}"
+    beside = f"{acquire.name}(text, text, text, integer)"
+    earlier = f"{schema}.{acquire.name}(text, text, text, bigint, extra integer DEFAULT 0)"
     with wrapper.cursor() as cursor:
-        cursor.execute(
-            f"CREATE FUNCTION {overload} RETURNS SETOF bigint LANGUAGE plpgsql "
-            "AS $$ BEGIN RETURN NEXT 42; END $$"
-        )
+        cursor.execute(f"CREATE SCHEMA {schema}")
+        for overload in (beside, earlier):
+            cursor.execute(
+                f"CREATE FUNCTION {overload} RETURNS SETOF bigint LANGUAGE plpgsql "
+                "AS $$ BEGIN RETURN NEXT 42; END $$"
+            )
     try:
         backend = make_backend("postgres")
         tokens = _acquire_extend_release(backend, name, times=2)
-        assert backend._state().functions is True
+        assert backend._state().functions is None
         assert 42 not in tokens
+        with wrapper.cursor() as cursor:
+            cursor.execute(f"DROP FUNCTION {beside}")
+        with temporary_database(
+            "postgres", "early", OPTIONS={"options": f"-c search_path={schema},public"}
+        ):
+            searching = make_backend("early")
+            tokens = _acquire_extend_release(searching, name, times=2)
+            assert searching._state().functions is not None
+            assert 42 not in tokens
+            searching.close()
     finally:
         with wrapper.cursor() as cursor:
-            cursor.execute(f"DROP FUNCTION {overload}")
+            cursor.execute(f"DROP FUNCTION IF EXISTS {beside}")
+            cursor.execute(f"DROP SCHEMA {schema} CASCADE")
     with _refusing(wrapper, acquire):
         replaced = make_backend("postgres")
         _acquire_extend_release(replaced, name, times=2)  # as text: never raised
-        assert replaced._state().functions is False
+        assert replaced._state().functions is None
 
 
 @needs(POSTGRES)
@@ -1727,13 +1793,13 @@ def test_a_connection_that_found_no_functions_looks_again_later(name, make_backe
         db_functions.drop_functions(wrapper)
         backend = make_backend("postgres")
         _acquire_extend_release(backend, name, times=1)
-        assert backend._state().functions is False
+        assert backend._state().functions is None
         db_functions.create_functions(wrapper)
         _acquire_extend_release(backend, name, times=1)
-        assert backend._state().functions is False, "looked again before RECHECK_EVERY"
+        assert backend._state().functions is None, "looked again before RECHECK_EVERY"
         monkeypatch.setattr(db_functions, "RECHECK_EVERY", 0)
         _acquire_extend_release(backend, name, times=1)
-        assert backend._state().functions is True
+        assert backend._state().functions is not None
     finally:
         db_functions.create_functions(wrapper)
     renewer = make_backend("postgres")

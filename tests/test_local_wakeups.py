@@ -330,7 +330,7 @@ def test_close_waits_for_a_send_in_flight_in_another_thread(tempdir):
         assert got.get(timeout=5) == PLAIN_MARK + "3job:1"
         sock = notifier._socket
         closed = threading.Event()
-        with notifier._lock:  # as a sendto of another thread would
+        with notifier._lock.get():  # as a sendto of another thread would
             closer = threading.Thread(target=lambda: (notifier.close(), closed.set()))
             closer.start()
             assert not closed.wait(0.3), "closed under a send in flight"

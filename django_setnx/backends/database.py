@@ -610,7 +610,7 @@ class DatabaseBackend(BaseLockBackend):
                     # connection are too, after 5 runs, as psycopg does by default.)
                     wrapper.connection.prepare_threshold = PREPARE_THRESHOLD
             state.prepared_session = PreparedSession()  # a new connection: none yet
-            state.functions = False  # checked at its first acquire or release
+            state.functions = None  # looked for at its first acquire or release
             state.functions_checked_at = None
             cursor = wrapper.connection.cursor()
             try:

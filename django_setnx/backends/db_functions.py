@@ -15,18 +15,21 @@ generic plan reused).
 - The migrations create them (``create_functions``); nothing is created at run time,
   so the lock connection needs no privilege beyond ``EXECUTE``.
 - Each is named after a hash of its SQL (``django_setnx_acquire_<hash>``), and a
-  connection calls one only after checking that the function its call resolves to
-  (through its ``search_path``, with the argument types cast as in the call) has
-  this version's body and may be executed: a database migrated by another version
-  of django-setnx, or not migrated yet, gets the statements as text. A migration
-  that changes the SQL calls ``create_functions`` again (which drops the functions
-  of other versions); the tests check that the latest one lists the code's.
+  connection calls them only after checking that those found through its
+  ``search_path`` have this version's body, may be executed, and are each the only
+  function of that name in their schema; its calls then name that schema and cast
+  their arguments, so that no other function can be called instead. A database
+  migrated by another version of django-setnx, or not migrated yet, gets the
+  statements as text. A migration that changes the SQL calls ``create_functions``
+  again (which drops the functions of other versions); the tests check that the
+  latest one lists the code's.
 - A connection checks at its first acquire or release, and again at most every
   RECHECK_EVERY seconds while it finds none (a process started before ``migrate``
   ran picks them up). If they are dropped or made unexecutable under it (another
   version's migration during a rolling deploy, a reversed migration, a REVOKE), its
-  call fails before anything ran (``undefined_function``, ``insufficient_privilege``):
-  it sends the statement as text, then and until its next check.
+  call fails before anything ran (``undefined_function``, ``insufficient_privilege``,
+  ``ambiguous_function``): it looks again, and sends the statement as text unless
+  they are still there (then the error was the statement's own, and is raised).
 """
 
 import hashlib
@@ -37,9 +40,10 @@ from .db_sql import Dialect
 
 logger = logging.getLogger("django_setnx")
 
-#: SQLSTATEs of a call that ran nothing: no such function (with those argument
-#: types), or no EXECUTE privilege on it.
-NOT_CALLED = frozenset({"42883", "42501"})
+#: SQLSTATEs of a call that may have run nothing: no such function (with those
+#: argument types), no EXECUTE privilege on it, or more than one that matches. (A
+#: statement inside a function can fail with the same ones: see execute.)
+NOT_CALLED = frozenset({"42883", "42501", "42725"})
 #: Seconds between two checks of a connection that found no usable functions.
 RECHECK_EVERY = 60
 
@@ -63,9 +67,8 @@ class Function:
         # a better match for an uncast argument than ours, and be called instead.
         arguments = ", ".join(f"%s::{arg_type}" for arg_type in arg_types)
         self.call = f"SELECT * FROM {self.name}({arguments})"
-        source = f"\n{body}\n"
-        #: The md5 of the body as the server keeps it (pg_proc.prosrc).
-        self.source_md5 = hashlib.md5(source.encode(), usedforsecurity=False).hexdigest()
+        #: The body as the server keeps it (pg_proc.prosrc).
+        self.source = source = f"\n{body}\n"
         self.create = (
             f"CREATE OR REPLACE FUNCTION {self.signature} RETURNS {returns} "
             f"LANGUAGE plpgsql VOLATILE AS $django_setnx${source}$django_setnx$"
@@ -208,50 +211,61 @@ def installed_names(connection):
 
 class PostgresFunctions:
     """Runs a PostgreSQL connection's hot statements through this version's
-    functions when it can (see the module docstring)."""
+    functions when it can (see the module docstring). A connection's
+    ConnectionState keeps ``functions``: the calls it makes, by statement (schema-
+    qualified), or None while it has none."""
 
     def __init__(self, dialect):
         self.functions = functions(dialect)
-        self._calls = {function.statement: function.call for function in self.functions}
+        self._statements = frozenset(function.statement for function in self.functions)
+        self._calls = {}  # schema -> {statement: the call of its function there}
         self._told = False  # that a connection found none (INFO, once until found)
         self._warned = False  # that they went under a connection (once until found)
 
     def available(self, cursor):
-        """Whether every function that the calls resolve to for the connection of
-        ``cursor`` (through its ``search_path``) is this version's, body included,
-        and may be executed."""
-        expected = [(function.signature, function.source_md5) for function in self.functions]
+        """The schema of the functions that the calls resolve to for the connection
+        of ``cursor`` (through its ``search_path``), if every one is this version's
+        (its body as the server keeps it), the only function of its name there, and
+        may be executed; else None."""
+        expected = [(function.signature, function.source) for function in self.functions]
         cursor.execute(
-            "SELECT count(*) FROM "
+            "SELECT count(*), count(DISTINCT n.nspname), min(n.nspname) FROM "
             f"(VALUES {', '.join(['(%s, %s)'] * len(expected))}) AS f(signature, source) "
             "JOIN pg_proc p ON p.oid = to_regprocedure(f.signature) "
-            "WHERE md5(p.prosrc) = f.source AND has_function_privilege(p.oid, 'EXECUTE')",
+            "JOIN pg_namespace n ON n.oid = p.pronamespace "
+            "WHERE p.prosrc = f.source AND has_function_privilege(p.oid, 'EXECUTE') "
+            "AND (SELECT count(*) FROM pg_proc o "
+            "WHERE o.proname = p.proname AND o.pronamespace = p.pronamespace) = 1",
             [value for pair in expected for value in pair],
         )
-        (found,) = cursor.fetchone()
-        return found == len(expected)
+        found, schemas, schema = cursor.fetchone()
+        return schema if found == len(expected) and schemas == 1 else None
 
     def execute(self, cursor, state, statement, params):
         """Run ``statement`` with ``params`` on ``cursor``: through its function if
         it has one and the connection (``state``, its ConnectionState) may use
         them, else as text. The rows and row count are the statement's."""
-        call = self._calls.get(statement)
-        if call is not None and not state.functions and self._check_due(state):
-            self._check(cursor, state)
-        if call is None or not state.functions:
+        calls = state.functions
+        if calls is None:
+            if statement not in self._statements or not self._check_due(state):
+                cursor.execute(statement, params)
+                return
+            calls = self._check(cursor, state)
+        call = calls.get(statement) if calls is not None else None
+        if call is None:
             cursor.execute(statement, params)
             return
         try:
             cursor.execute(call, params)
             return
         except Exception as exc:  # the driver's own error classes (psycopg 2 or 3)
-            if _sqlstate(exc) not in NOT_CALLED:
+            if _sqlstate(exc) not in NOT_CALLED or self._check(cursor, state) == calls:
+                # The statement's own error (a permission denied on the table, say),
+                # or not one of calling: the functions are still there.
                 raise
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        # Dropped (or made unexecutable) since the check: the call ran nothing (the
+        # Dropped, revoked or overloaded since the check: the call ran nothing (the
         # lock connection is in autocommit, so no transaction was spoilt either).
-        state.functions = False
-        state.functions_checked_at = time.monotonic()
         if not self._warned:
             self._warned = True
             logger.warning(
@@ -260,7 +274,10 @@ class PostgresFunctions:
                 "each time, until `manage.py migrate` makes them again",
                 why,
             )
-        cursor.execute(statement, params)
+        if state.functions is not None:
+            cursor.execute(state.functions[statement], params)  # found again elsewhere
+        else:
+            cursor.execute(statement, params)
 
     @staticmethod
     def _check_due(state):
@@ -268,17 +285,46 @@ class PostgresFunctions:
         return checked_at is None or time.monotonic() - checked_at >= RECHECK_EVERY
 
     def _check(self, cursor, state):
-        state.functions = self.available(cursor)
+        """Look for the functions (see ``available``); sets and returns
+        ``state.functions``. An error of the server (an ``md5``-less FIPS build is
+        not one: nothing is hashed there) counts as none found; a broken
+        connection's is raised, for the operation to handle."""
+        try:
+            schema = self.available(cursor)
+        except Exception as exc:  # the driver's own error classes (psycopg 2 or 3)
+            if _sqlstate(exc) is None:
+                raise
+            schema = None
+            logger.warning(
+                "Could not look for django-setnx's PostgreSQL functions (%s): the lock "
+                "statements are sent as text",
+                (str(exc).strip().splitlines() or [type(exc).__name__])[0],
+            )
         state.functions_checked_at = time.monotonic()
-        if state.functions:
+        state.functions = None if schema is None else self._calls_in(schema)
+        if state.functions is not None:
             self._told = self._warned = False
         elif not self._told:
             self._told = True
             logger.info(
                 "django-setnx's PostgreSQL functions (migration 0004) are not in this "
-                "database, or are another version's: the lock statements are sent as "
-                "text until `manage.py migrate` makes them"
+                "database, are another version's or may not be executed: the lock "
+                "statements are sent as text until they are"
             )
+        return state.functions
+
+    def _calls_in(self, schema):
+        calls = self._calls.get(schema)
+        if calls is None:
+            # The driver formats the call: a % in the schema's name must be doubled.
+            quoted = '"' + schema.replace('"', '""').replace("%", "%%") + '"'
+            calls = self._calls[schema] = {
+                function.statement: function.call.replace(
+                    f" FROM {function.name}(", f" FROM {quoted}.{function.name}(", 1
+                )
+                for function in self.functions
+            }
+        return calls
 
 
 def _sqlstate(exc):

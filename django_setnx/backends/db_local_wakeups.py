@@ -39,7 +39,7 @@ import tempfile
 import threading
 import time
 
-from ..forksafe import ForkSafeLock
+from ..forksafe import PerProcess
 from .db_wakeups import HEAD_MARK, PLAIN_MARK, TOKEN_MARK
 
 logger = logging.getLogger("django_setnx")
@@ -153,7 +153,9 @@ class LocalNotifier:
         # meanwhile could take (the datagram would go there). A sendto on this
         # non-blocking socket takes microseconds. Per process: a child forked while
         # a parent thread sent (uWSGI runs no fork hook) would find it held.
-        self._lock = ForkSafeLock()
+        # Reentrant: a release run by the garbage collector (a finalizer) in the
+        # middle of a send may send too.
+        self._lock = PerProcess(threading.RLock)
 
     def send(self, payload, own=None, one=False):
         """Send ``payload`` to every socket in the directory but ``own`` (this
@@ -165,7 +167,7 @@ class LocalNotifier:
                 paths = [random.choice(paths)]
             if not paths:
                 return
-            with self._lock:
+            with self._lock.get():
                 sock = self._sender()
                 for path in paths:
                     try:
@@ -231,7 +233,7 @@ class LocalNotifier:
     def close(self):
         """Close the sending socket (made again by the next send), once no thread
         of this process is sending on it."""
-        with self._lock:
+        with self._lock.get():
             sock, self._socket = self._socket, None
             if sock is not None and self._pid == os.getpid():
                 sock.close()

@@ -54,7 +54,7 @@ class ConnectionState:
         self.wrapper: Any = None
         self.used_at = 0.0
         self.prepared_session: Any = None
-        self.functions = False
+        self.functions: dict[str, str] | None = None
         self.functions_checked_at: float | None = None
         self.sqlite_wal_pending = False
 
