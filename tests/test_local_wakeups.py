@@ -343,3 +343,26 @@ def test_close_waits_for_a_send_in_flight_in_another_thread(tempdir):
     finally:
         notifier.close()
         listener.close()
+
+
+def test_a_send_within_a_send_of_the_same_thread_goes_out(tempdir):
+    """A release run by the garbage collector (a finalizer) in the middle of a send
+    sends too, on the same thread: the notifier's lock is reentrant (a plain one
+    would deadlock that thread)."""
+    directory = channel_directory("k", str(tempdir))
+    listener, got = listening(directory)
+    notifier = LocalNotifier(directory)
+
+    def nested():
+        with notifier._lock.get():  # as an outer send holds it
+            notifier.send(encode("job:inner"))
+
+    try:
+        sender = threading.Thread(target=nested, daemon=True)
+        sender.start()
+        sender.join(5)
+        assert not sender.is_alive(), "a send within a send deadlocked"
+        assert got.get(timeout=5) == PLAIN_MARK + "3job:inner"
+    finally:
+        notifier.close()
+        listener.close()

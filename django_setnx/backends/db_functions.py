@@ -264,20 +264,20 @@ class PostgresFunctions:
                 # or not one of calling: the functions are still there.
                 raise
             why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        # Dropped, revoked or overloaded since the check: the call ran nothing (the
-        # lock connection is in autocommit, so no transaction was spoilt either).
+        # Dropped, revoked, overloaded or moved since the check: the call ran nothing
+        # (the lock connection is in autocommit: no transaction was spoilt either).
+        if state.functions is not None:
+            cursor.execute(state.functions[statement], params)  # found in another schema
+            return
         if not self._warned:
             self._warned = True
             logger.warning(
                 "django-setnx's PostgreSQL functions cannot be called (%s): the lock "
                 "statements are sent as text, which costs the server a parse and a plan "
-                "each time, until `manage.py migrate` makes them again",
+                "each time, until they can be again",
                 why,
             )
-        if state.functions is not None:
-            cursor.execute(state.functions[statement], params)  # found again elsewhere
-        else:
-            cursor.execute(statement, params)
+        cursor.execute(statement, params)
 
     @staticmethod
     def _check_due(state):
@@ -292,25 +292,29 @@ class PostgresFunctions:
         try:
             schema = self.available(cursor)
         except Exception as exc:  # the driver's own error classes (psycopg 2 or 3)
-            if _sqlstate(exc) is None:
+            if _connection_lost(exc):
                 raise
-            schema = None
-            logger.warning(
-                "Could not look for django-setnx's PostgreSQL functions (%s): the lock "
-                "statements are sent as text",
-                (str(exc).strip().splitlines() or [type(exc).__name__])[0],
-            )
+            schema, refused = None, (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        else:
+            refused = None
         state.functions_checked_at = time.monotonic()
         state.functions = None if schema is None else self._calls_in(schema)
         if state.functions is not None:
             self._told = self._warned = False
-        elif not self._told:
+        elif not self._told:  # once, until they are found
             self._told = True
-            logger.info(
-                "django-setnx's PostgreSQL functions (migration 0004) are not in this "
-                "database, are another version's or may not be executed: the lock "
-                "statements are sent as text until they are"
-            )
+            if refused is not None:
+                logger.warning(
+                    "Could not look for django-setnx's PostgreSQL functions (%s): the "
+                    "lock statements are sent as text",
+                    refused,
+                )
+            else:
+                logger.info(
+                    "django-setnx's PostgreSQL functions (migration 0004) are not in "
+                    "this database, are another version's or may not be executed: the "
+                    "lock statements are sent as text until they are"
+                )
         return state.functions
 
     def _calls_in(self, schema):
@@ -329,3 +333,12 @@ class PostgresFunctions:
 
 def _sqlstate(exc):
     return getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)
+
+
+def _connection_lost(exc):
+    """Whether ``exc`` is the connection's failure rather than the server's answer
+    (as the backend tells them apart, for the operation to reconnect)."""
+    from .database import POSTGRESQL_DISCONNECTED
+
+    state = _sqlstate(exc)
+    return state is None or state in POSTGRESQL_DISCONNECTED or state.startswith("08")
