@@ -286,9 +286,9 @@ class PostgresFunctions:
 
     def _check(self, cursor, state):
         """Look for the functions (see ``available``); sets and returns
-        ``state.functions``. An error of the server (an ``md5``-less FIPS build is
-        not one: nothing is hashed there) counts as none found; a broken
-        connection's is raised, for the operation to handle."""
+        ``state.functions``. An error the server answers with (a catalog the role
+        may not read, say) counts as none found; a broken connection's is raised,
+        for the operation to handle."""
         try:
             schema = self.available(cursor)
         except Exception as exc:  # the driver's own error classes (psycopg 2 or 3)
