@@ -306,15 +306,27 @@ def fork_without_hooks():
     (``os.fork`` holds the first, and resets the second in the child): another
     thread of the test run (one ending, one importing) caught holding either at
     the fork would leave it held in the child, whose first import or ``Thread.start()`` would then hang now and then,
-    whatever this library does. The tests are about the library's own locks."""
+    whatever this library does. So are logging's module lock and its handlers'
+    locks (``os.fork`` holds the first and renews the others in the child): a
+    thread of the parent caught logging at the fork would leave the child's first
+    log record waiting forever. The tests are about the library's own locks."""
     import _imp
     import ctypes
+    import logging
     import threading
 
     _imp.acquire_lock()
     threading._active_limbo_lock.acquire()
+    logging._lock.acquire()  # as logging's own at-fork hook; then the handlers'
+    handlers = [ref() for ref in list(logging._handlerList)]
+    handlers = [handler for handler in handlers if handler is not None and handler.lock]
+    for handler in handlers:
+        handler.acquire()
     try:
         return ctypes.PyDLL(None, use_errno=True).fork()
     finally:  # in both processes: the child's main thread is the thread that held them
+        for handler in reversed(handlers):
+            handler.release()
+        logging._lock.release()
         threading._active_limbo_lock.release()
         _imp.release_lock()
