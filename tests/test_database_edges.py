@@ -791,6 +791,62 @@ def test_close_from_another_thread_while_the_listen_thread_waits(name):
     assert rounds > 10
 
 
+def _server_sessions(db_alias):
+    """The sessions the server has open on the test database of ``db_alias``."""
+    with connections[db_alias].cursor() as cursor:
+        if connections[db_alias].vendor == "postgresql":
+            # A fresh view of the sessions, not the snapshot of an earlier query.
+            cursor.execute("SELECT pg_stat_clear_snapshot()")
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            )
+        else:
+            cursor.execute(
+                "SELECT count(*) FROM information_schema.PROCESSLIST WHERE DB = DATABASE()"
+            )
+        return cursor.fetchone()[0]
+
+
+def test_a_backend_dropped_by_a_reset_closes_its_connections_at_once(db_alias, name):
+    """``locks.reset()`` (a settings change) drops a backend whose connections other
+    threads and async callers opened: they are closed then, not when the garbage
+    collector next runs (disabled here). The backend referred to itself through the
+    factory of its shared connections, so it lived, with every connection it had
+    opened, until a collection (r103 N3)."""
+    server = db_alias != "default"  # SQLite has no server to count sessions on
+    before = _server_sessions(db_alias) if server else None
+    backend = locks[db_alias]
+
+    def cycle():
+        with lock(name, ttl=5, backend=db_alias):
+            pass
+
+    async def acycle():
+        async with lock(name, ttl=5, backend=db_alias):
+            pass
+
+    worker = threading.Thread(target=cycle)
+    worker.start()
+    worker.join(HANG)
+    cycle()
+    asyncio.run(acycle())
+    if server:
+        assert _server_sessions(db_alias) > before
+    dropped = weakref.ref(backend)
+    del backend
+    gc.disable()
+    try:
+        locks.reset()
+        assert dropped() is None, "the dropped backend outlived the reset"
+        if server:
+            deadline = time.monotonic() + HANG
+            while (now := _server_sessions(db_alias)) > before:
+                assert time.monotonic() < deadline, f"{now - before} sessions left open"
+                time.sleep(0.01)
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("waiting_alias", _aliases("mysql", "sqlite"))
 def test_a_lock_held_elsewhere_fails_within_the_timeout(waiting_alias, name, make_backend):
     """Another transaction keeps the lock row (MySQL: a row lock) or the database

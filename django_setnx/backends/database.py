@@ -297,7 +297,9 @@ class DatabaseBackend(BaseLockBackend):
         # of the shared one its async caller borrowed (see _borrowing_a_connection).
         self._local = threading.local()
         self._async_connections = self.options.get("ASYNC_CONNECTIONS", DEFAULT_ASYNC_CONNECTIONS)
-        self._shared = PerProcess(lambda: SharedConnections(self._async_connections))
+        # A partial, not a lambda of self: that cycle kept a dropped backend, and every
+        # connection it had opened, alive until a garbage collection.
+        self._shared = PerProcess(functools.partial(SharedConnections, self._async_connections))
         # The process the connections are of: a fork hook (_forget_connections_after_fork)
         # resets them in a child, and _connection() checks too, for a fork that
         # runs no hook (uWSGI's default).
@@ -388,7 +390,9 @@ class DatabaseBackend(BaseLockBackend):
                     if raw is not None:
                         _abandon_inherited(raw)
             self._local = threading.local()
-            self._shared = PerProcess(lambda: SharedConnections(self._async_connections))
+            self._shared = PerProcess(
+                functools.partial(SharedConnections, self._async_connections)
+            )
             self._wrappers = weakref.WeakSet()
             # Another thread of the parent may have held it at the fork: it stays held.
             self._wrappers_lock = threading.Lock()
