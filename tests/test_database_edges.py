@@ -1611,6 +1611,65 @@ def test_postgres_queues_and_hands_over_through_the_functions(name, make_backend
 
 
 @needs(POSTGRES)
+def test_async_callers_run_through_the_functions_on_their_shared_connections(name, make_backend):
+    """The connections async callers share (ASYNC_CONNECTIONS) each look for the
+    functions as a thread's own does, and call them: with the acquire's replaced by
+    one that refuses to run, an ``aacquire`` fails."""
+    acquire = _functions_of()[0]
+    backend = make_backend("postgres")
+
+    async def cycle(token):
+        assert (await backend.aacquire(name, token, 30, OWNER)).acquired
+        assert await backend.arelease(name, token)
+
+    asyncio.run(cycle(_token()))
+    shared = backend._shared.get()._idle
+    assert len(shared) == 1 and shared[0].functions is not None
+    with _refusing(_admin_wrapper(make_backend), acquire):
+        with pytest.raises(LockBackendError, match=f"{acquire.name} called"):
+            asyncio.run(cycle(_token()))
+    asyncio.run(cycle(_token()))
+
+
+@needs(POSTGRES)
+@pytest.mark.parametrize(
+    "fork", [os.fork, workers.fork_without_hooks], ids=["os.fork", "no-fork-hooks"]
+)
+def test_a_forked_child_finds_the_functions_on_connections_of_its_own(name, make_backend, fork):
+    """A child forked after its parent found the functions (gunicorn ``--preload``,
+    Celery prefork), with or without fork hooks, looks for them again on a
+    connection of its own, finds them and calls them; the parent carries on with
+    its own."""
+    backend = make_backend("postgres")
+    _acquire_extend_release(backend, name, times=1)
+    parents = backend._state()
+    assert parents.functions is not None
+    read_end, write_end = os.pipe()
+    pid = fork()
+    if pid == 0:  # the child: never return into pytest
+        outcome = b"E"
+        try:
+            _acquire_extend_release(backend, f"{name}:child", times=1)
+            state = backend._state()
+            outcome = b"1" if state is not parents and state.functions is not None else b"0"
+        finally:
+            os.write(write_end, outcome)
+            os._exit(0)
+    os.close(write_end)
+    deadline = time.monotonic() + HANG
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.02)
+    assert os.read(read_end, 1) == b"1"
+    os.close(read_end)
+    assert backend._state() is parents
+    _acquire_extend_release(backend, name, times=1)
+
+
+@needs(POSTGRES)
 @pytest.mark.parametrize("mode", ["functions", "text", "prepared"])
 def test_postgres_hands_over_alike_through_functions_text_and_prepared_statements(
     mode, name, make_backend
