@@ -127,7 +127,7 @@ from .base import (
     LockInfo,
     encode_owner,
 )
-from .db_functions import PostgresFunctions
+from .db_functions import PostgresFunctions, connection_lost
 from .db_local_wakeups import LocalListener, LocalNotifier, channel_directory
 from .db_local_wakeups import encode as encode_wakeup
 from .db_prepared import MariaDBStatements, PreparedSession
@@ -215,9 +215,6 @@ MYSQL_DISCONNECTED = frozenset({2006, 2013, 2055, 1927, 4031, 1053})
 #: may set on the database: our one-row statements only run that long while they wait
 #: for a row lock; and pg_cancel_backend). Retried, within OPERATION_TIMEOUT.
 POSTGRESQL_CONTENTION = frozenset({"40P01", "40001", "55P03", "57014"})
-#: ... and that mean the session is gone: admin shutdown (pg_terminate_backend),
-#: crash shutdown, cannot connect now; and every connection exception (class 08).
-POSTGRESQL_DISCONNECTED = frozenset({"57P01", "57P02", "57P03"})
 #: SQLite's primary result codes for "database is locked" and "table is locked".
 SQLITE_BUSY_CODES = frozenset({5, 6})
 
@@ -1900,7 +1897,7 @@ def _classify(wrapper, raw, exc):
         state = getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None) or ""
         if state in POSTGRESQL_CONTENTION:
             return _CONTENTION
-        if state in POSTGRESQL_DISCONNECTED or state.startswith("08") or raw.closed:
+        if connection_lost(exc, raw):
             return _DISCONNECTED
     elif vendor == "mysql":
         code = exc.args[0] if exc.args else None

@@ -44,6 +44,9 @@ logger = logging.getLogger("django_setnx")
 #: argument types), no EXECUTE privilege on it, or more than one that matches. (A
 #: statement inside a function can fail with the same ones: see execute.)
 NOT_CALLED = frozenset({"42883", "42501", "42725"})
+#: SQLSTATEs of a session that is gone: admin shutdown (pg_terminate_backend), crash
+#: shutdown, cannot connect now (with every connection exception, class 08).
+POSTGRESQL_DISCONNECTED = frozenset({"57P01", "57P02", "57P03"})
 #: Seconds between two checks of a connection that found no usable functions.
 RECHECK_EVERY = 60
 
@@ -65,14 +68,21 @@ class Function:
         self.signature = f"{self.name}({','.join(arg_types)})"
         # Cast: an overload taking an int4 (what a Python int is sent as) would be
         # a better match for an uncast argument than ours, and be called instead.
-        arguments = ", ".join(f"%s::{arg_type}" for arg_type in arg_types)
-        self.call = f"SELECT * FROM {self.name}({arguments})"
+        self._arguments = ", ".join(f"%s::{arg_type}" for arg_type in arg_types)
         #: The body as the server keeps it (pg_proc.prosrc).
         self.source = source = f"\n{body}\n"
         self.create = (
             f"CREATE OR REPLACE FUNCTION {self.signature} RETURNS {returns} "
             f"LANGUAGE plpgsql VOLATILE AS $django_setnx${source}$django_setnx$"
         )
+
+    def call_in(self, schema):
+        """The statement that calls this function in ``schema`` (a plain statement
+        with the parameters of ``statement``, named with the schema so that no
+        function of another schema on the ``search_path`` is called instead)."""
+        # The driver formats the call: a % in the schema's name must be doubled.
+        quoted = '"' + schema.replace('"', '""').replace("%", "%%") + '"'
+        return f"SELECT * FROM {quoted}.{self.name}({self._arguments})"
 
 
 def _positional(statement):
@@ -292,7 +302,7 @@ class PostgresFunctions:
         try:
             schema = self.available(cursor)
         except Exception as exc:  # the driver's own error classes (psycopg 2 or 3)
-            if _connection_lost(exc):
+            if connection_lost(exc, cursor.connection):
                 raise
             schema, refused = None, (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         else:
@@ -320,13 +330,8 @@ class PostgresFunctions:
     def _calls_in(self, schema):
         calls = self._calls.get(schema)
         if calls is None:
-            # The driver formats the call: a % in the schema's name must be doubled.
-            quoted = '"' + schema.replace('"', '""').replace("%", "%%") + '"'
             calls = self._calls[schema] = {
-                function.statement: function.call.replace(
-                    f" FROM {function.name}(", f" FROM {quoted}.{function.name}(", 1
-                )
-                for function in self.functions
+                function.statement: function.call_in(schema) for function in self.functions
             }
         return calls
 
@@ -335,10 +340,10 @@ def _sqlstate(exc):
     return getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)
 
 
-def _connection_lost(exc):
-    """Whether ``exc`` is the connection's failure rather than the server's answer
-    (as the backend tells them apart, for the operation to reconnect)."""
-    from .database import POSTGRESQL_DISCONNECTED
-
-    state = _sqlstate(exc)
-    return state is None or state in POSTGRESQL_DISCONNECTED or state.startswith("08")
+def connection_lost(exc, raw):
+    """Whether ``exc``, raised on the PostgreSQL connection ``raw`` (the driver's),
+    is the connection's failure rather than the server's answer: the session was
+    ended, a connection exception (class 08), or the driver closed the connection.
+    The backend's classification of errors, for an operation to reconnect."""
+    state = _sqlstate(exc) or ""
+    return state in POSTGRESQL_DISCONNECTED or state.startswith("08") or raw.closed
