@@ -10,7 +10,9 @@ import hashlib
 import logging
 import math
 import os
+import random
 import signal
+import threading
 import time
 from io import StringIO
 
@@ -686,3 +688,67 @@ def test_name_globs_follow_django_setnx_globs_not_redis(redlock_masters3):
         assert sorted(removed) == sorted([names["b"], names["!"]])
         assert {i.name for i in backend.list(name_glob=f"{prefix}-*")} == {names["a"]}
         backend.release(names["a"], "t")
+
+
+def test_threads_share_a_stalling_nodes_parked_connections(make_masters):
+    """Four threads lock, extend and release names of their own while one node
+    stalls again and again (its writes paused for 20–80 ms at a time, well within
+    NODE_TIMEOUT, so its late replies all come in time; a round does not wait for
+    them once the other two confirmed). The threads share that node's parked
+    connections, each taking one only once its late replies were read: every
+    operation gets its own answer (an acquire wins, an extend and a release find
+    the lock theirs; a reply read by the wrong round would say otherwise), and
+    every call reaches the node (no parked connection is closed with a call
+    unanswered: once the node answers again, no released record is left on it). The
+    parked connections stay within MAX_PARKED, plus one per other thread."""
+    masters = make_masters(3)
+    slow = clients(masters)[2]
+    failures, names, parked = [], [], []
+    stop = threading.Event()
+
+    def stall():
+        # UNPAUSE, not a pause's own timeout: Redis notices that late (a postponed
+        # client could wait over a second), and the stall must stay short.
+        pauses = random.Random(7)
+        while not stop.is_set():
+            slow.execute_command("CLIENT", "PAUSE", 10_000, "WRITE")
+            try:
+                time.sleep(pauses.uniform(0.02, 0.08))
+            finally:
+                slow.execute_command("CLIENT", "UNPAUSE")
+            time.sleep(pauses.uniform(0.01, 0.05))
+
+    def work(seed):
+        for _ in range(40):
+            name = unique(f"thread{seed}")
+            names.append(name)
+            try:
+                held = lock(name, ttl=30, backend=alias)
+                assert held.acquire(blocking=False), "acquire lost"
+                held.extend(30)
+                held.release()
+            except Exception as exc:  # noqa: BLE001 -- collected for the assertion
+                failures.append(repr(exc))
+            parked.append(len(server._parked))
+
+    with alias_on(masters.urls, NODE_TIMEOUT=1) as alias:
+        server = locks[alias].nodes[2].server
+        staller = threading.Thread(target=stall)
+        staller.start()
+        threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+        finally:
+            stop.set()
+            staller.join(10)
+        assert failures == [], failures[:5]
+        assert any(parked), "the node never fell behind: nothing was shared"
+        # Each thread checks the bound when its round starts (see MAX_PARKED).
+        assert max(parked) <= wire.MAX_PARKED + len(threads) - 1
+        deadline = time.monotonic() + 5
+        while left := [name for name in names if slow.exists(lock_key(name))]:
+            assert time.monotonic() < deadline, f"{len(left)} released records left on the node"
+            time.sleep(0.05)

@@ -38,9 +38,10 @@ for the slowest server. Each server still owing replies is reported as
 due and the round's deadline. :meth:`Server.take` reads a parked connection's late replies
 before it is used again, and prefers one whose replies are already in; while a node
 stays slow it opens other connections, up to ``MAX_PARKED`` parked per server and
-process, then waits for the oldest (until its deadline at most: one whose replies do
-not come in time is disconnected). A node slower than the others costs nobody its
-pace; a node that stalls costs at most ``MAX_PARKED`` parked connections, then sets
+process (one more per other thread in a round at the same time), then waits for the
+oldest (until its deadline at most: one whose replies do not come in time is
+disconnected). A node slower than the others costs nobody its pace; a node that
+stalls costs at most about ``MAX_PARKED`` parked connections, then sets
 the pace again as it did before (a round may then first wait up to a round's timeout
 for the oldest). A late reply is still looked at: a ``NOSCRIPT`` (the node lost its
 script cache: ``SCRIPT FLUSH``, a restart) means the call did not run, so it is sent
@@ -68,7 +69,9 @@ except ImportError:
 #: deadline.
 MIN_READ_TIMEOUT = 0.0001
 #: Parked connections (late replies due) a server keeps per process before a round
-#: waits for the oldest rather than open another.
+#: waits for the oldest rather than open another. Threads whose rounds run at the
+#: same time each check it when they start, so each may park one more: the bound is
+#: MAX_PARKED plus one per other thread in a round (tests/test_redlock_edges.py).
 MAX_PARKED = 4
 #: Bytes read from a socket at once on the fast path.
 READ_SIZE = 65536
