@@ -791,30 +791,30 @@ def test_close_from_another_thread_while_the_listen_thread_waits(name):
     assert rounds > 10
 
 
-def _server_sessions(db_alias):
-    """The sessions the server has open on the test database of ``db_alias``."""
+def _session_alive(db_alias, session):
+    """Whether the server still has the session ``session`` (its id, as
+    ``_session_id`` gives it)."""
     with connections[db_alias].cursor() as cursor:
         if connections[db_alias].vendor == "postgresql":
-            # A fresh view of the sessions, not the snapshot of an earlier query.
-            cursor.execute("SELECT pg_stat_clear_snapshot()")
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-            )
+            cursor.execute("SELECT pg_stat_clear_snapshot()")  # not an earlier snapshot
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [session])
         else:
             cursor.execute(
-                "SELECT count(*) FROM information_schema.PROCESSLIST WHERE DB = DATABASE()"
+                "SELECT count(*) FROM information_schema.PROCESSLIST WHERE ID = %s", [session]
             )
-        return cursor.fetchone()[0]
+        return cursor.fetchone()[0] > 0
 
 
 def test_a_backend_dropped_by_a_reset_closes_its_connections_at_once(db_alias, name):
-    """``locks.reset()`` (a settings change) drops a backend whose connections other
-    threads and async callers opened: they are closed then, not when the garbage
-    collector next runs (disabled here). The backend referred to itself through the
-    factory of its shared connections, so it lived, with every connection it had
-    opened, until a collection (r103 N3)."""
+    """``locks.reset()`` (a settings change) drops a backend that other threads, async
+    callers and a Lock held across the reset used. The reset closes its connections,
+    and the Lock's release opens one again on the dropped backend; once that Lock is
+    gone, the backend is garbage at once (the garbage collector is disabled here)
+    and that connection is closed too. The backend referred to itself through the
+    factory of its shared connections, and Django's connection objects refer to
+    themselves: both stayed, with their sessions, until a collection (r103 N3,
+    r109 F2)."""
     server = db_alias != "default"  # SQLite has no server to count sessions on
-    before = _server_sessions(db_alias) if server else None
     backend = locks[db_alias]
 
     def cycle():
@@ -830,19 +830,73 @@ def test_a_backend_dropped_by_a_reset_closes_its_connections_at_once(db_alias, n
     worker.join(HANG)
     cycle()
     asyncio.run(acycle())
-    if server:
-        assert _server_sessions(db_alias) > before
+    held = lock(f"{name}:held", ttl=30, backend=db_alias)
+    assert held.acquire(blocking=False)
+    wrappers = backend._wrappers  # a WeakSet: it does not keep the backend
     dropped = weakref.ref(backend)
     del backend
     gc.disable()
     try:
-        locks.reset()
-        assert dropped() is None, "the dropped backend outlived the reset"
+        locks.reset()  # closes them all
+        assert [wrapper.connection for wrapper in wrappers] == [None] * len(wrappers)
+        held.release()  # on the dropped backend, over a connection opened again
+        (reopened,) = [wrapper.connection for wrapper in wrappers if wrapper.connection]
+        if server:
+            with reopened.cursor() as cursor:
+                postgres = connections[db_alias].vendor == "postgresql"
+                cursor.execute("SELECT pg_backend_pid()" if postgres else "SELECT CONNECTION_ID()")
+                session = cursor.fetchone()[0]
+            assert _session_alive(db_alias, session)
+        del held, reopened
+        assert dropped() is None, "the dropped backend outlived its last user"
+        assert [wrapper.connection for wrapper in wrappers] == [None] * len(wrappers)
         if server:
             deadline = time.monotonic() + HANG
-            while (now := _server_sessions(db_alias)) > before:
-                assert time.monotonic() < deadline, f"{now - before} sessions left open"
+            while _session_alive(db_alias, session):
+                assert time.monotonic() < deadline, f"session {session} was left open"
                 time.sleep(0.01)
+    finally:
+        gc.enable()
+
+
+def _listener_threads(alias):
+    return [t for t in threading.enumerate() if t.name == f"django-setnx listener {alias}"]
+
+
+@needs(POSTGRES)
+def test_a_waiter_across_a_reset_leaves_no_listen_thread_behind(name):
+    """A PostgreSQL waiter still waiting when ``locks.reset()`` drops its backend
+    starts the LISTEN thread again there (the reset stopped it); once the waiter is
+    done, the backend is garbage at once and that thread stops and closes its
+    connection. The thread referred to the backend, which it kept alive, listening,
+    for the rest of the process (r109 F1)."""
+    holder = lock(name, ttl=30, backend="postgres")
+    assert holder.acquire(blocking=False)
+    waiter = lock(name, ttl=30, backend="postgres")
+    outcome = []
+    thread = threading.Thread(target=lambda w=waiter: outcome.append(w.acquire(timeout=HANG)))
+    thread.start()
+    dropped = weakref.ref(locks["postgres"])
+    deadline = time.monotonic() + HANG
+    while not (dropped()._listener and dropped()._listener.ready_at):
+        assert time.monotonic() < deadline, "the waiter never started the listener"
+        time.sleep(0.01)
+    gc.disable()
+    try:
+        locks.reset()
+        while not (dropped()._listener and dropped()._listener.ready_at):
+            assert time.monotonic() < deadline, "the waiter never started the listener again"
+            time.sleep(0.01)
+        session = dropped()._listener._connection.info.backend_pid
+        holder.release()
+        thread.join(HANG)
+        assert outcome == [True]
+        waiter.release()
+        del holder, waiter, thread
+        assert dropped() is None, "the dropped backend outlived its last user"
+        while _listener_threads("postgres") or _session_alive("postgres", session):
+            assert time.monotonic() < deadline, "the LISTEN thread or its session was left"
+            time.sleep(0.01)
     finally:
         gc.enable()
 
@@ -1652,6 +1706,7 @@ def test_a_forked_child_finds_the_functions_on_connections_of_its_own(name, make
             _acquire_extend_release(backend, f"{name}:child", times=1)
             state = backend._state()
             outcome = b"1" if state is not parents and state.functions is not None else b"0"
+            backend.close()  # the child's own connection: the parent's stays open
         finally:
             os.write(write_end, outcome)
             os._exit(0)

@@ -312,13 +312,13 @@ def test_a_listener_that_connects_after_its_replacement_leaves_it_in_charge(
     with lock(name, ttl=5, backend=backend_alias):
         pass
     backend.close()
-    connect, gate = backend._listen_connection, threading.Event()
+    connect, gate = database._listen_connection, threading.Event()
 
-    def slow_connect():
+    def slow_connect(*args):
         gate.wait(10)
-        return connect()
+        return connect(*args)
 
-    monkeypatch.setattr(backend, "_listen_connection", slow_connect)
+    monkeypatch.setattr(database, "_listen_connection", slow_connect)
     threading.Thread(target=backend._listener_ready, daemon=True).start()
     started_by = time.monotonic() + 10
     while backend._listener is None or backend._listener._thread is None:
@@ -326,7 +326,7 @@ def test_a_listener_that_connects_after_its_replacement_leaves_it_in_charge(
         time.sleep(0.001)
     old = backend._listener
     backend.close()  # gives up waiting for the thread stuck connecting
-    monkeypatch.setattr(backend, "_listen_connection", connect)
+    monkeypatch.setattr(database, "_listen_connection", connect)
     assert backend._listener_ready()
     gate.set()
     old._thread.join(10)

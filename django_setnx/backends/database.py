@@ -309,6 +309,10 @@ class DatabaseBackend(BaseLockBackend):
         # many calls deep), and those of them that close() left to that thread.
         self._in_use = {}
         self._close_when_done = set()
+        # What a dropped backend leaves behind, closed when it is garbage (see
+        # _close_leftovers), not at interpreter exit.
+        self._leftovers = _Leftovers(os.getpid(), self._wrappers)
+        weakref.finalize(self, _close_leftovers, self._leftovers).atexit = False
         _BACKENDS.add(self)
 
     @classmethod
@@ -406,7 +410,8 @@ class DatabaseBackend(BaseLockBackend):
             if listener is not None:
                 listener.abandon()  # the parent's socket: never read or removed here
             self._handed_over = set()
-            self._pid = os.getpid()
+            self._leftovers.wrappers, self._leftovers.listener = self._wrappers, None
+            self._leftovers.pid = self._pid = os.getpid()
 
     def _state(self):
         """The :class:`ConnectionState` this thread's statements run on: its own, or
@@ -486,33 +491,7 @@ class DatabaseBackend(BaseLockBackend):
             pool.give_back(state)
 
     def _private_wrapper(self, register=True):
-        from django.db import connections
-        from django.utils.connection import ConnectionDoesNotExist
-
-        try:
-            base = connections[self.database]
-        except ConnectionDoesNotExist as exc:
-            raise LockBackendError(
-                self.alias, f"database {self.database!r} is not configured"
-            ) from exc
-        # A private copy of the caller's connection: same settings (including a
-        # test database's name), but its own socket and transaction state, and
-        # nothing that would make it not ours: see "Connections" above.
-        settings_dict = copy.deepcopy(base.settings_dict)
-        settings_dict.update(
-            AUTOCOMMIT=True, ATOMIC_REQUESTS=False, CONN_MAX_AGE=0, CONN_HEALTH_CHECKS=False
-        )
-        options = settings_dict["OPTIONS"] = dict(settings_dict.get("OPTIONS") or {})
-        options.pop("pool", None)
-        options.update(_timeout_options(base, self.operation_timeout))
-        if base.vendor == "mysql" and "client_flag" in options:
-            # Django sets CLIENT.FOUND_ROWS, but a client_flag of the project replaces
-            # it: rowcount would count changed rows, not matched ones, and an extend
-            # that sets the same expiry (same ms, same ttl) would read as a lost lock.
-            from django.db.backends.mysql.base import CLIENT
-
-            options["client_flag"] = options["client_flag"] | CLIENT.FOUND_ROWS
-        wrapper = base.__class__(settings_dict, alias=self.database)
+        wrapper = _private_wrapper(self.alias, self.database, self.operation_timeout)
         if register:  # for close() and a fork
             with self._wrappers_lock:
                 self._wrappers.add(wrapper)
@@ -594,7 +573,9 @@ class DatabaseBackend(BaseLockBackend):
                 if wrapper.vendor == "postgresql":
                     self._prepared = prepared
                     if not prepared:
-                        self._postgres_functions = PostgresFunctions(dialect)
+                        self._postgres_functions = PostgresFunctions(
+                            dialect, wrapper.Database.Error
+                        )
                 elif prepared:
                     self._mariadb_prepared = MariaDBStatements(wrapper.Database.Error)
                 if self.local_wakeups:
@@ -817,6 +798,7 @@ class DatabaseBackend(BaseLockBackend):
             self._forget_connections()  # the parent's: never closed from here
             return
         listener, self._listener = self._listener, None
+        self._leftovers.listener = None
         if listener is not None and listener.pid == os.getpid():
             listener.close()
         local_listener, self._local_listener = self._local_listener, None
@@ -1078,11 +1060,16 @@ class DatabaseBackend(BaseLockBackend):
                 return None
             with self._wrappers_lock:
                 if self._listener is None or self._listener.pid != os.getpid():
-                    self._listener = PostgresListener(
+                    # Its thread must not keep this backend alive (a waiter may start
+                    # one on a backend that a reset dropped): a connect of its own,
+                    # and stopped when the backend is garbage (_close_leftovers).
+                    self._listener = self._leftovers.listener = PostgresListener(
                         self.alias,
                         self._channel,
                         self._wakeups,
-                        self._listen_connection,
+                        functools.partial(
+                            _listen_connection, self.alias, self.database, self.operation_timeout
+                        ),
                         stand_in_after=STAND_IN_AFTER,
                     )
                 listener = self._listener
@@ -1098,14 +1085,6 @@ class DatabaseBackend(BaseLockBackend):
             and self._dialect.vendor == "postgresql"
             and _can_listen(self._wrapper_class)
         )
-
-    def _listen_connection(self):
-        """A new autocommit psycopg connection for the listener, made like ours. Not
-        registered with the others: the listener's thread alone closes it (see
-        PostgresListener.close), and a fork abandons it through the listener."""
-        wrapper = self._private_wrapper(register=False)
-        wrapper.ensure_connection()
-        return wrapper.connection
 
     def _notify(self, cursor, sql, name):
         """Wake the waiters of ``name``: this process' at once, and on PostgreSQL every
@@ -1951,6 +1930,81 @@ def _forget_connections_after_fork():
 
 
 os.register_at_fork(after_in_child=_forget_connections_after_fork)
+
+
+def _private_wrapper(alias, database, operation_timeout):
+    """A new Django connection (not connected yet) to ``database`` for the lock
+    backend ``alias``: a private copy of the project's connection, with the same
+    settings (including a test database's name) but its own socket and transaction
+    state, and nothing that would make it not ours: see "Connections" above."""
+    from django.db import connections
+    from django.utils.connection import ConnectionDoesNotExist
+
+    try:
+        base = connections[database]
+    except ConnectionDoesNotExist as exc:
+        raise LockBackendError(alias, f"database {database!r} is not configured") from exc
+    settings_dict = copy.deepcopy(base.settings_dict)
+    settings_dict.update(
+        AUTOCOMMIT=True, ATOMIC_REQUESTS=False, CONN_MAX_AGE=0, CONN_HEALTH_CHECKS=False
+    )
+    options = settings_dict["OPTIONS"] = dict(settings_dict.get("OPTIONS") or {})
+    options.pop("pool", None)
+    options.update(_timeout_options(base, operation_timeout))
+    if base.vendor == "mysql" and "client_flag" in options:
+        # Django sets CLIENT.FOUND_ROWS, but a client_flag of the project replaces
+        # it: rowcount would count changed rows, not matched ones, and an extend
+        # that sets the same expiry (same ms, same ttl) would read as a lost lock.
+        from django.db.backends.mysql.base import CLIENT
+
+        options["client_flag"] = options["client_flag"] | CLIENT.FOUND_ROWS
+    return base.__class__(settings_dict, alias=database)
+
+
+def _listen_connection(alias, database, operation_timeout):
+    """A new autocommit psycopg connection for a PostgreSQL listener, made like the
+    lock connections. Not registered with them: the listener's thread alone closes
+    it (see PostgresListener.close), and a fork abandons it through the listener."""
+    wrapper = _private_wrapper(alias, database, operation_timeout)
+    wrapper.ensure_connection()
+    return wrapper.connection
+
+
+class _Leftovers:
+    """What a backend leaves behind when it is dropped: the process it is of, its
+    registered connections (a WeakSet of wrappers) and its LISTEN thread."""
+
+    __slots__ = ("pid", "wrappers", "listener")
+
+    def __init__(self, pid, wrappers):
+        self.pid = pid
+        self.wrappers = wrappers
+        self.listener = None
+
+
+def _close_leftovers(leftovers):
+    """Run once a backend is garbage (a reset dropped it, and the last Lock object,
+    waiter or renewal that still used it is done): stop its LISTEN thread, and close
+    the connections it made, which would otherwise stay open until a garbage
+    collection (Django's DatabaseWrapper refers to itself). Nothing uses them: a
+    thread running a statement keeps the backend alive. In a forked child whose
+    backend never noticed the fork they are the parent's: abandoned, never closed."""
+    ours = leftovers.pid == os.getpid()
+    listener, leftovers.listener = leftovers.listener, None
+    if listener is not None:
+        if listener.pid == os.getpid():
+            listener.close(wait=False)  # its thread closes its connection itself
+        else:
+            listener.abandon(_abandon_inherited)
+    for wrapper in list(leftovers.wrappers):
+        raw, wrapper.connection = wrapper.connection, None
+        if raw is None:
+            continue
+        if ours:
+            with contextlib.suppress(Exception):
+                raw.close()
+        else:
+            _abandon_inherited(raw)
 
 
 def _abandon_inherited(raw):

@@ -225,8 +225,9 @@ class PostgresFunctions:
     ConnectionState keeps ``functions``: the calls it makes, by statement (schema-
     qualified), or None while it has none."""
 
-    def __init__(self, dialect):
+    def __init__(self, dialect, driver_error):
         self.functions = functions(dialect)
+        self._driver_error = driver_error  # the base class of the driver's errors
         self._statements = frozenset(function.statement for function in self.functions)
         self._calls = {}  # schema -> {statement: the call of its function there}
         self._told = False  # that a connection found none (INFO, once until found)
@@ -268,7 +269,7 @@ class PostgresFunctions:
         try:
             cursor.execute(call, params)
             return
-        except Exception as exc:  # the driver's own error classes (psycopg 2 or 3)
+        except self._driver_error as exc:
             if _sqlstate(exc) not in NOT_CALLED or self._check(cursor, state) == calls:
                 # The statement's own error (a permission denied on the table, say),
                 # or not one of calling: the functions are still there.
@@ -301,7 +302,7 @@ class PostgresFunctions:
         for the operation to handle."""
         try:
             schema = self.available(cursor)
-        except Exception as exc:  # the driver's own error classes (psycopg 2 or 3)
+        except self._driver_error as exc:  # not a bug of ours: that is raised
             if connection_lost(exc, cursor.connection):
                 raise
             schema, refused = None, (str(exc).strip().splitlines() or [type(exc).__name__])[0]

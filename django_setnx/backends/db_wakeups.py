@@ -422,16 +422,16 @@ class PostgresListener:
                 thread.start()
         return self._ready.wait(timeout) and thread.is_alive()
 
-    def close(self):
+    def close(self, wait=True):
         """Stop listening: the thread ends within LISTEN_BLOCK and closes its
-        connection itself, which this waits for (from another thread). Closed from
-        here while the thread waits on it or runs a statement, psycopg would free a
-        connection in use and crash the process."""
+        connection itself, which this waits for (from another thread) unless
+        ``wait`` is False. Closed from here while the thread waits on it or runs a
+        statement, psycopg would free a connection in use and crash the process."""
         with self._lock:  # a thread made under it is started under it
             self._closed = True
             self._stop.set()
             thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        if wait and thread is not None and thread is not threading.current_thread():
             thread.join(LISTEN_BLOCK + 1)
 
     def abandon(self, abandon_connection):

@@ -41,7 +41,9 @@ stays slow it opens other connections, up to ``MAX_PARKED`` parked per server an
 process (one more per other thread in a round at the same time), then waits for the
 oldest (until its deadline at most: one whose replies do not come in time is
 disconnected). A node slower than the others costs nobody its pace; a node that
-stalls costs at most about ``MAX_PARKED`` parked connections, then sets
+stalls costs at most ``MAX_PARKED`` parked connections, plus one per other thread in
+a round at the same time (an ASGI worker's async callers run their rounds in the
+event loop's default executor: up to min(32, CPUs + 4) threads), then sets
 the pace again as it did before (a round may then first wait up to a round's timeout
 for the oldest). A late reply is still looked at: a ``NOSCRIPT`` (the node lost its
 script cache: ``SCRIPT FLUSH``, a restart) means the call did not run, so it is sent
