@@ -842,10 +842,7 @@ def test_a_backend_dropped_by_a_reset_closes_its_connections_at_once(db_alias, n
         held.release()  # on the dropped backend, over a connection opened again
         (reopened,) = [wrapper.connection for wrapper in wrappers if wrapper.connection]
         if server:
-            with reopened.cursor() as cursor:
-                postgres = connections[db_alias].vendor == "postgresql"
-                cursor.execute("SELECT pg_backend_pid()" if postgres else "SELECT CONNECTION_ID()")
-                session = cursor.fetchone()[0]
+            session = _session_of_wrapper(db_alias, reopened)
             assert _session_alive(db_alias, session)
         del held, reopened
         assert dropped() is None, "the dropped backend outlived its last user"
@@ -855,6 +852,49 @@ def test_a_backend_dropped_by_a_reset_closes_its_connections_at_once(db_alias, n
             while _session_alive(db_alias, session):
                 assert time.monotonic() < deadline, f"session {session} was left open"
                 time.sleep(0.01)
+    finally:
+        gc.enable()
+
+
+def _session_of_wrapper(db_alias, raw):
+    with raw.cursor() as cursor:
+        postgres = connections[db_alias].vendor == "postgresql"
+        cursor.execute("SELECT pg_backend_pid()" if postgres else "SELECT CONNECTION_ID()")
+        return cursor.fetchone()[0]
+
+
+@needs(SERVER_ALIASES)
+@pytest.mark.parametrize("server_alias", SERVER_ALIASES)
+def test_a_child_that_drops_a_backend_leaves_the_parents_connections_open(server_alias, name):
+    """A child forked without fork hooks (uWSGI) drops the last Lock object of a
+    backend that a reset dropped in the parent: the backend is garbage in the child,
+    whose finalizer must leave the parent's connections alone (abandoned, never
+    closed: closing would end the parent's session over the shared socket). The
+    parent's session carries on, the same one, and its lock is released on it."""
+    held = lock(name, ttl=30, backend=server_alias)
+    assert held.acquire(blocking=False)
+    wrappers = held.backend._wrappers
+    gc.disable()
+    try:
+        locks.reset()
+        held.extend(30)  # on the dropped backend, over a connection opened again
+        (reopened,) = [wrapper.connection for wrapper in wrappers if wrapper.connection]
+        session = _session_of_wrapper(server_alias, reopened)
+        read_end, write_end = os.pipe()
+        pid = workers.fork_without_hooks()
+        if pid == 0:  # the child: never return into pytest
+            try:
+                del held, reopened  # the backend is garbage here: its finalizer runs
+                os.write(write_end, b"1")
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        _, status = os.waitpid(pid, 0)
+        assert os.read(read_end, 1) == b"1" and status == 0
+        os.close(read_end)
+        assert _session_alive(server_alias, session)
+        held.release()
+        assert _session_of_wrapper(server_alias, reopened) == session
     finally:
         gc.enable()
 

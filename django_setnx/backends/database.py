@@ -255,7 +255,11 @@ class DatabaseBackend(BaseLockBackend):
         self._waiting = {}
         self._wakeups = Wakeups()  # their wake-ups, by lock name (see db_wakeups)
         self._wakeups.is_ours = self._waiting.__contains__
-        self._listener = None  # the PostgreSQL LISTEN thread, once a waiter needed it
+        # What a dropped backend leaves behind, stopped or closed when it is garbage
+        # (_close_leftovers), not at interpreter exit: among them the PostgreSQL
+        # LISTEN thread (``_listener``), once a waiter needed it.
+        self._leftovers = _Leftovers(os.getpid())
+        weakref.finalize(self, _close_leftovers, self._leftovers).atexit = False
         # SQLite, MySQL: wake-ups between the processes of this host (db_local_wakeups),
         # known at the first connection; the listener starts with the first waiter.
         self.local_wakeups = self.options.get("LOCAL_WAKEUPS", True)
@@ -309,11 +313,18 @@ class DatabaseBackend(BaseLockBackend):
         # many calls deep), and those of them that close() left to that thread.
         self._in_use = {}
         self._close_when_done = set()
-        # What a dropped backend leaves behind, closed when it is garbage (see
-        # _close_leftovers), not at interpreter exit.
-        self._leftovers = _Leftovers(os.getpid(), self._wrappers)
-        weakref.finalize(self, _close_leftovers, self._leftovers).atexit = False
+        self._leftovers.wrappers = self._wrappers
         _BACKENDS.add(self)
+
+    @property
+    def _listener(self):
+        """The PostgreSQL LISTEN thread (a PostgresListener), or None; kept in the
+        leftovers, so that the finalizer stops the one that runs."""
+        return self._leftovers.listener
+
+    @_listener.setter
+    def _listener(self, listener):
+        self._leftovers.listener = listener
 
     @classmethod
     def check_params(cls, alias, params):
@@ -410,7 +421,7 @@ class DatabaseBackend(BaseLockBackend):
             if listener is not None:
                 listener.abandon()  # the parent's socket: never read or removed here
             self._handed_over = set()
-            self._leftovers.wrappers, self._leftovers.listener = self._wrappers, None
+            self._leftovers.wrappers = self._wrappers
             self._leftovers.pid = self._pid = os.getpid()
 
     def _state(self):
@@ -490,11 +501,10 @@ class DatabaseBackend(BaseLockBackend):
             local.current = previous
             pool.give_back(state)
 
-    def _private_wrapper(self, register=True):
+    def _private_wrapper(self):
         wrapper = _private_wrapper(self.alias, self.database, self.operation_timeout)
-        if register:  # for close() and a fork
-            with self._wrappers_lock:
-                self._wrappers.add(wrapper)
+        with self._wrappers_lock:  # registered: for close(), a fork and the finalizer
+            self._wrappers.add(wrapper)
         return wrapper
 
     def _connection(self):
@@ -797,8 +807,8 @@ class DatabaseBackend(BaseLockBackend):
         if self._pid != os.getpid():  # a child forked without a fork hook (uWSGI)
             self._forget_connections()  # the parent's: never closed from here
             return
-        listener, self._listener = self._listener, None
-        self._leftovers.listener = None
+        with self._wrappers_lock:  # a waiter starts one under it (_listener_ready)
+            listener, self._listener = self._listener, None
         if listener is not None and listener.pid == os.getpid():
             listener.close()
         local_listener, self._local_listener = self._local_listener, None
@@ -1063,7 +1073,7 @@ class DatabaseBackend(BaseLockBackend):
                     # Its thread must not keep this backend alive (a waiter may start
                     # one on a backend that a reset dropped): a connect of its own,
                     # and stopped when the backend is garbage (_close_leftovers).
-                    self._listener = self._leftovers.listener = PostgresListener(
+                    self._listener = PostgresListener(
                         self.alias,
                         self._channel,
                         self._wakeups,
@@ -1976,9 +1986,9 @@ class _Leftovers:
 
     __slots__ = ("pid", "wrappers", "listener")
 
-    def __init__(self, pid, wrappers):
+    def __init__(self, pid):
         self.pid = pid
-        self.wrappers = wrappers
+        self.wrappers = ()
         self.listener = None
 
 
