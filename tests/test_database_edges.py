@@ -856,6 +856,18 @@ def test_a_backend_dropped_by_a_reset_closes_its_connections_at_once(db_alias, n
         gc.enable()
 
 
+def _reap(pid):
+    """Wait for the forked child ``pid``; one still running after HANG is killed,
+    and the test fails."""
+    deadline = time.monotonic() + HANG
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.01)
+
+
 def _session_of_wrapper(db_alias, raw):
     with raw.cursor() as cursor:
         postgres = connections[db_alias].vendor == "postgresql"
@@ -868,35 +880,46 @@ def _session_of_wrapper(db_alias, raw):
 def test_a_child_that_drops_a_backend_leaves_the_parents_connections_open(server_alias, name):
     """A child forked without fork hooks (uWSGI) drops the last Lock object of a
     backend that a reset dropped in the parent: the backend is garbage in the child,
-    whose finalizer must leave the parent's connections alone (abandoned, never
-    closed: closing would end the parent's session over the shared socket). The
-    parent's session carries on, the same one, and its lock is released on it."""
+    whose finalizer must leave the parent's connections alone (abandoned: kept, with
+    their descriptor pointed at /dev/null; closing one would end the parent's session
+    over the shared socket). The parent's session carries on, the same one, and its
+    lock is released on it."""
     held = lock(name, ttl=30, backend=server_alias)
     assert held.acquire(blocking=False)
     wrappers = held.backend._wrappers
+    dropped = weakref.ref(held.backend)
     gc.disable()
+    read_end, write_end = os.pipe()
     try:
         locks.reset()
         held.extend(30)  # on the dropped backend, over a connection opened again
         (reopened,) = [wrapper.connection for wrapper in wrappers if wrapper.connection]
         session = _session_of_wrapper(server_alias, reopened)
-        read_end, write_end = os.pipe()
         pid = workers.fork_without_hooks()
         if pid == 0:  # the child: never return into pytest
+            outcome = b"E"
             try:
-                del held, reopened  # the backend is garbage here: its finalizer runs
-                os.write(write_end, b"1")
+                del held  # the backend is garbage here: its finalizer runs
+                sock = getattr(reopened, "_sock", None)  # PyMySQL; psycopg: fileno()
+                fd = sock.fileno() if sock is not None else reopened.fileno()
+                abandoned = (
+                    dropped() is None
+                    and any(raw is reopened for raw in database._INHERITED)
+                    and os.readlink(f"/proc/self/fd/{fd}") == os.devnull
+                )
+                outcome = b"1" if abandoned else b"0"
             finally:
+                os.write(write_end, outcome)
                 os._exit(0)
-        os.close(write_end)
-        _, status = os.waitpid(pid, 0)
-        assert os.read(read_end, 1) == b"1" and status == 0
-        os.close(read_end)
+        _reap(pid)
+        assert os.read(read_end, 1) == b"1", "the child's finalizer did not abandon them"
         assert _session_alive(server_alias, session)
         held.release()
         assert _session_of_wrapper(server_alias, reopened) == session
     finally:
         gc.enable()
+        os.close(read_end)
+        os.close(write_end)
 
 
 def _listener_threads(alias):
@@ -1751,13 +1774,7 @@ def test_a_forked_child_finds_the_functions_on_connections_of_its_own(name, make
             os.write(write_end, outcome)
             os._exit(0)
     os.close(write_end)
-    deadline = time.monotonic() + HANG
-    while not os.waitpid(pid, os.WNOHANG)[0]:
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung")
-        time.sleep(0.02)
+    _reap(pid)
     assert os.read(read_end, 1) == b"1"
     os.close(read_end)
     assert backend._state() is parents

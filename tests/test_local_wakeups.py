@@ -130,6 +130,19 @@ def test_close_removes_the_socket_at_once(tempdir):
     assert listener.path is None
 
 
+def test_a_closed_listener_never_starts_again(tempdir):
+    """A waiter that took the listener just before the backend's close() (a reset)
+    must not start it again once its thread has ended: nothing would stop it then,
+    and its thread and socket would stay for the rest of the process (r111)."""
+    listener, _ = listening(channel_directory("k", str(tempdir)))
+    thread = listener._thread
+    listener.close()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert listener.ensure_running() is False
+    assert listener.path is None and listener._thread is thread
+
+
 def test_a_long_temporary_directory_is_replaced_by_tmp(tmp_path):
     """macOS' TMPDIR is long: the sockets go under /tmp instead, where they fit."""
     directory = channel_directory("k", str(tmp_path / ("d" * 60)))

@@ -807,16 +807,19 @@ class DatabaseBackend(BaseLockBackend):
         if self._pid != os.getpid():  # a child forked without a fork hook (uWSGI)
             self._forget_connections()  # the parent's: never closed from here
             return
-        with self._wrappers_lock:  # a waiter starts one under it (_listener_ready)
+        # Under the lock a waiter starts the listeners under (_listener_ready,
+        # _start_local_listener): one started meanwhile is either taken here or
+        # made after, and then stopped by its finalizer or the next close().
+        with self._wrappers_lock:
             listener, self._listener = self._listener, None
-        if listener is not None and listener.pid == os.getpid():
-            listener.close()
-        local_listener, self._local_listener = self._local_listener, None
-        if local_listener is not None and local_listener.pid == os.getpid():
-            local_listener.close()
-        finalizer, self._local_finalizer = self._local_finalizer, None
+            local_listener, self._local_listener = self._local_listener, None
+            finalizer, self._local_finalizer = self._local_finalizer, None
         if finalizer is not None:
             finalizer.detach()
+        if listener is not None and listener.pid == os.getpid():
+            listener.close()
+        if local_listener is not None and local_listener.pid == os.getpid():
+            local_listener.close()
         if self._local_notifier is not None:
             self._local_notifier.close()
         with self._wrappers_lock:

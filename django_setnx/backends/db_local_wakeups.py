@@ -260,6 +260,7 @@ class LocalListener:
         self._thread = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._closed = False  # for good: a closed listener never starts again
 
     def ensure_running(self):
         """Make the directory, bind and start unless running; returns whether it
@@ -271,7 +272,7 @@ class LocalListener:
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return True
-            if self.failed or time.monotonic() < self._retry_at:
+            if self._closed or self.failed or time.monotonic() < self._retry_at:
                 return False
             try:
                 sock = self._bind()
@@ -374,14 +375,15 @@ class LocalListener:
             sock.close()  # here, not from another thread: its number could be reused
 
     def close(self):
-        """Stop reading: the socket is removed at once (nobody sends to it any
-        more) and closed by the reader within READ_BLOCK. Only in the process that
+        """Stop reading, for good: the socket is removed at once (nobody sends to it
+        any more) and closed by the reader within READ_BLOCK. Only in the process that
         bound it: a forked child's copy of this object (a finalizer, atexit) never
         removes its parent's socket."""
         if self.pid != os.getpid():
             return
         self._stop.set()
         with self._lock:
+            self._closed = True
             path, self.path = self.path, None
         if path is not None:
             with contextlib.suppress(OSError):
