@@ -857,10 +857,14 @@ def test_a_backend_dropped_by_a_reset_closes_its_connections_at_once(db_alias, n
 
 
 def _reap(pid):
-    """Wait for the forked child ``pid``; one still running after HANG is killed,
-    and the test fails."""
+    """Wait for the forked child ``pid`` and check that it exited cleanly; one still
+    running after HANG is killed, and the test fails."""
     deadline = time.monotonic() + HANG
-    while not os.waitpid(pid, os.WNOHANG)[0]:
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0, f"the child ended with {status}"
+            return
         if time.monotonic() > deadline:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
@@ -902,15 +906,24 @@ def test_a_child_that_drops_a_backend_leaves_the_parents_connections_open(server
                 del held  # the backend is garbage here: its finalizer runs
                 sock = getattr(reopened, "_sock", None)  # PyMySQL; psycopg: fileno()
                 fd = sock.fileno() if sock is not None else reopened.fileno()
+                on_devnull = (
+                    os.readlink(f"/proc/self/fd/{fd}") == os.devnull
+                    if os.path.isdir("/proc/self/fd")  # Linux: where it points
+                    else os.fstat(fd).st_rdev == os.stat(os.devnull).st_rdev
+                )
                 abandoned = (
                     dropped() is None
                     and any(raw is reopened for raw in database._INHERITED)
-                    and os.readlink(f"/proc/self/fd/{fd}") == os.devnull
+                    and on_devnull
                 )
                 outcome = b"1" if abandoned else b"0"
             finally:
-                os.write(write_end, outcome)
-                os._exit(0)
+                try:
+                    os.write(write_end, outcome)
+                finally:
+                    os._exit(0)
+        os.close(write_end)  # the child's end: a child that dies unheard reads as EOF
+        write_end = None
         _reap(pid)
         assert os.read(read_end, 1) == b"1", "the child's finalizer did not abandon them"
         assert _session_alive(server_alias, session)
@@ -919,7 +932,8 @@ def test_a_child_that_drops_a_backend_leaves_the_parents_connections_open(server
     finally:
         gc.enable()
         os.close(read_end)
-        os.close(write_end)
+        if write_end is not None:
+            os.close(write_end)
 
 
 def _listener_threads(alias):

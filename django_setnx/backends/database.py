@@ -814,12 +814,12 @@ class DatabaseBackend(BaseLockBackend):
             listener, self._listener = self._listener, None
             local_listener, self._local_listener = self._local_listener, None
             finalizer, self._local_finalizer = self._local_finalizer, None
-        if finalizer is not None:
-            finalizer.detach()
         if listener is not None and listener.pid == os.getpid():
             listener.close()
         if local_listener is not None and local_listener.pid == os.getpid():
             local_listener.close()
+        if finalizer is not None:
+            finalizer.detach()
         if self._local_notifier is not None:
             self._local_notifier.close()
         with self._wrappers_lock:

@@ -381,9 +381,9 @@ class LocalListener:
         removes its parent's socket."""
         if self.pid != os.getpid():
             return
-        self._stop.set()
-        with self._lock:
-            self._closed = True
+        with self._lock:  # an ensure_running() after it finds it closed, before it
+            self._closed = True  # has stopped nothing: it clears the stop under the lock
+            self._stop.set()
             path, self.path = self.path, None
         if path is not None:
             with contextlib.suppress(OSError):
