@@ -323,10 +323,20 @@ def fork_without_hooks():
     for handler in handlers:
         handler.acquire()
     try:
-        return ctypes.PyDLL(None, use_errno=True).fork()
+        pid = ctypes.PyDLL(None, use_errno=True).fork()
     finally:  # in both processes: the child's main thread is the thread that held them
         for handler in reversed(handlers):
             handler.release()
         logging._lock.release()
         threading._active_limbo_lock.release()
         _imp.release_lock()
+    if pid == 0:
+        # A child that hangs all the same (on a lock another thread of the parent held
+        # at the fork) prints every thread's stack to stderr after 15 s, which pytest
+        # shows with the failure, before the test's own limit (20 s and more) ends it.
+        import contextlib
+        import faulthandler
+
+        with contextlib.suppress(Exception):  # a stderr without a file descriptor
+            faulthandler.dump_traceback_later(15, exit=False)
+    return pid
