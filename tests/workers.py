@@ -333,10 +333,13 @@ def fork_without_hooks():
     if pid == 0:
         # A child that hangs all the same (on a lock another thread of the parent held
         # at the fork) prints every thread's stack to stderr after 15 s, which pytest
-        # shows with the failure, before the test's own limit (20 s and more) ends it.
+        # shows with the failure, before the test's own limit (20 s and more) ends it;
+        # one that crashes (CPython 3.13 with threads: its runtime was not reset after
+        # this fork) prints them at once.
         import contextlib
         import faulthandler
 
         with contextlib.suppress(Exception):  # a stderr without a file descriptor
+            faulthandler.enable()
             faulthandler.dump_traceback_later(15, exit=False)
     return pid
