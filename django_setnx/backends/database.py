@@ -313,8 +313,17 @@ class DatabaseBackend(BaseLockBackend):
         # many calls deep), and those of them that close() left to that thread.
         self._in_use = {}
         self._close_when_done = set()
-        self._leftovers.wrappers = self._wrappers
         _BACKENDS.add(self)
+
+    @property
+    def _wrappers(self):
+        """The Django connections this backend made (a WeakSet), for close(), a fork
+        and the finalizer; kept in the leftovers."""
+        return self._leftovers.wrappers
+
+    @_wrappers.setter
+    def _wrappers(self, wrappers):
+        self._leftovers.wrappers = wrappers
 
     @property
     def _listener(self):
@@ -421,7 +430,7 @@ class DatabaseBackend(BaseLockBackend):
             if listener is not None:
                 listener.abandon()  # the parent's socket: never read or removed here
             self._handed_over = set()
-            self._leftovers.wrappers = self._wrappers
+            # Read on every operation: an attribute of its own, set with the leftovers'.
             self._leftovers.pid = self._pid = os.getpid()
 
     def _state(self):
