@@ -46,11 +46,25 @@ def find_redis_server():
     )
 
 
+#: Every port free_port() handed out in this process. The kernel may give the same
+#: ephemeral port to two binds in a row once the first socket is closed: two servers
+#: of one set on one port would be one server counted twice (a Redlock "majority"
+#: of one Redis).
+_handed_out = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port():
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on right now, and that this
+    process has not handed out before."""
+    with _handed_out_lock:
+        while True:
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 class RedisServer:
@@ -121,7 +135,7 @@ class RedisServer:
                     f"redis-server exited with {self.process.returncode}: "
                     f"{self.process.stderr.read().decode(errors='replace')}{self.log()}"
                 )
-            if self.ping():
+            if self.ping() and self._is_ours():
                 return self
             time.sleep(0.02)
         self.kill()
@@ -135,6 +149,28 @@ class RedisServer:
                 return sock.recv(64).startswith(b"+PONG")
         except OSError:
             return False
+
+    def _is_ours(self):
+        """True if the server answering on our port is our process (``INFO server``
+        reports its pid), not another one that took the port first: ours then fails
+        to bind and exits, while the other would answer in its place."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                sock.sendall(b"INFO server\r\n")
+                reply, length = b"", None
+                while length is None or len(reply) < length:
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        return False
+                    reply += chunk
+                    if length is None and b"\r\n" in reply:  # the header: $<length>
+                        header, _, reply = reply.partition(b"\r\n")
+                        if not header.startswith(b"$"):
+                            return False
+                        length = int(header[1:])
+        except (OSError, ValueError):
+            return False
+        return f"\r\nprocess_id:{self.process.pid}\r\n".encode() in reply
 
     def log(self):
         try:

@@ -210,42 +210,21 @@ def test_a_database_backends_child_opens_its_own_connection(db_alias, name, fork
         assert lk.owned()
 
 
-def test_threads_of_a_child_forked_without_hooks_start_together(db_alias, name):
+def test_threads_of_a_child_forked_without_hooks_start_together(db_alias, name, spawn):
     """Forked without hooks (uWSGI), the child's first lock operations come from 4
     threads at once: one of them forgets the parent's connections while the others
     wait, and none goes on with the parent's state (they raised KeyError when the
-    pid changed before the state did)."""
-    with lock(name, ttl=10, backend=db_alias, timeout=5):
-        pass
-    read_end, write_end = os.pipe()
-    pid = workers.fork_without_hooks()
-    if pid == 0:  # the child: never return into pytest
-        try:
-            signal.alarm(20)
-            outcomes = []
-            start = threading.Barrier(4)
-
-            def first_use(i):
-                try:
-                    start.wait()
-                    with lock(f"{name}:child:{i}", ttl=10, backend=db_alias, timeout=5):
-                        pass
-                    outcomes.append("ok")
-                except Exception as exc:  # noqa: BLE001 - reported to the parent
-                    outcomes.append(repr(exc)[:300])
-
-            threads = [threading.Thread(target=first_use, args=(i,)) for i in range(4)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            os.write(write_end, "\n".join(outcomes).encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    os.waitpid(pid, 0)
-    with os.fdopen(read_end, "rb") as reported:
-        assert reported.read().decode().splitlines() == ["ok"] * 4
+    pid changed before the state did). The parent is a fresh process with no other
+    thread, as a uWSGI master (see workers.hookless_child_of_threads)."""
+    receive, reply = spawn.ctx.Pipe(duplex=False)
+    worker = spawn(
+        workers.hookless_child_of_threads, workers.child_environment(), db_alias, name, reply
+    )
+    reply.close()
+    assert receive.poll(90), "the worker reported nothing"
+    assert receive.recv().splitlines() == ["ok"] * 4
+    worker.join(10)
+    assert worker.exitcode == 0
 
 
 def _shared_session_of(backend):
