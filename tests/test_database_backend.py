@@ -129,6 +129,80 @@ def test_a_lock_handed_on_and_on_takes_one_statement_a_release(db_alias, name, m
     assert backend.get(name).fencing_token == newcomer.fencing_token
 
 
+def test_a_name_released_here_is_taken_back_by_one_update_under_the_same_rules(
+    db_alias, name, monkeypatch
+):
+    """On MySQL/MariaDB, the next acquire of a name whose tombstone this process left
+    is one UPDATE of that row (cheaper there than the upsert on a row that exists),
+    under the upsert's rules: the fencing token still increases, a held row is
+    refused with its holder's expiry, a row left to a waiter stays that waiter's,
+    and a tombstone gone meanwhile (purged, deleted by hand) is inserted again with
+    a larger token. Elsewhere the upsert does it all; the outcomes are the same."""
+    backend = locks[db_alias]
+    sent = []
+    execute = backend._execute
+    monkeypatch.setattr(
+        backend,
+        "_execute",
+        lambda cursor, sql, params: (sent.append(sql), execute(cursor, sql, params))[1],
+    )
+    a, b, c, d, e, f, g, h = (_token() for _ in range(8))
+    first = backend.acquire(name, a, 30, OWNER)
+    assert first.acquired and backend.release(name, a)
+    dialect = backend._dialect
+    tombstone = getattr(dialect, "acquire_tombstone", None)
+    assert (tombstone is not None) == (dialect.vendor == "mysql")
+
+    def sent_by(call):
+        sent.clear()
+        outcome = call()
+        return outcome, [statement for statement in sent if "django_setnx_lock" in statement]
+
+    second, statements = sent_by(lambda: backend.acquire(name, b, 30, OWNER))
+    assert second.acquired and second.fencing_token > first.fencing_token
+    assert backend.get(name).fencing_token == second.fencing_token
+    if tombstone:
+        assert statements == [tombstone]
+    assert backend.release(name, b)
+
+    # Held (here by c, taken back the same way): d is refused, told the holder's expiry.
+    held = backend.acquire(name, c, 30, OWNER)
+    assert held.acquired and held.fencing_token > second.fencing_token
+    refused, statements = sent_by(lambda: backend.acquire(name, d, 30, OWNER))
+    assert not refused.acquired and 29 < refused.retry_after <= 30
+    assert _row(db_alias, name).token == c
+    if tombstone:
+        assert statements[:2] == [tombstone, dialect.acquire]
+    assert backend.release(name, c)
+
+    # Left to a waiter: nobody else takes it, whatever this process released before.
+    assert backend.acquire(name, e, 30, OWNER).acquired
+    assert not backend.acquire(name, f, 30, OWNER, wait=10).acquired  # next in line
+    assert backend.release(name, e)
+    assert (_row(db_alias, name).token, _row(db_alias, name).next_token) == ("", f)
+    # As if e and f were other processes, and this one had released the name last.
+    backend._tombstones.add(name)
+    refused, statements = sent_by(lambda: backend.acquire(name, g, 30, OWNER))
+    assert not refused.acquired
+    if tombstone:
+        assert statements[:2] == [tombstone, dialect.acquire]
+    taken = backend.acquire(name, f, 30, OWNER, wait=10)
+    assert taken.acquired and taken.fencing_token > held.fencing_token
+    backend._waiting.clear()
+    backend._handed_over.clear()
+    assert backend.release(name, f)
+    assert _is_tombstone(_row(db_alias, name))
+
+    # The tombstone deleted meanwhile: inserted again, the token from the clock.
+    _sql(db_alias, "DELETE FROM {table} WHERE name = {p}", (name,))
+    again, statements = sent_by(lambda: backend.acquire(name, h, 30, OWNER))
+    assert again.acquired and again.fencing_token > taken.fencing_token
+    assert _row(db_alias, name).token == h
+    if tombstone:
+        assert statements == [tombstone, dialect.acquire]
+    assert backend.release(name, h)
+
+
 def test_the_longest_waiting_caller_takes_the_place(db_alias, name):
     backend = locks[db_alias]
     holder, early, late = _token(), _token(), _token()
