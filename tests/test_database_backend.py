@@ -46,6 +46,19 @@ def _lapse(alias, name):
     _sql(alias, "UPDATE {table} SET next_seen = 1 WHERE name = {p}", (name,))
 
 
+def _record_statements(backend, monkeypatch):
+    """The list that every hot statement ``backend`` sends from now on is appended to
+    (their text), as the statement runs."""
+    sent = []
+    execute = backend._execute
+    monkeypatch.setattr(
+        backend,
+        "_execute",
+        lambda cursor, sql, params: (sent.append(sql), execute(cursor, sql, params))[1],
+    )
+    return sent
+
+
 def test_release_leaves_the_lock_to_the_waiter_next_in_line(db_alias, name):
     backend = locks[db_alias]
     holder, waiter, newcomer = _token(), _token(), _token()
@@ -81,13 +94,7 @@ def test_a_lock_handed_on_and_on_takes_one_statement_a_release(db_alias, name, m
     token, so that the statement NOTIFYs the others), and elsewhere the name is
     forgotten."""
     backend = locks[db_alias]
-    sent = []
-    execute = backend._execute
-    monkeypatch.setattr(
-        backend,
-        "_execute",
-        lambda cursor, sql, params: (sent.append(sql), execute(cursor, sql, params))[1],
-    )
+    sent = _record_statements(backend, monkeypatch)
     tokens = [_token() for _ in range(4)]
     assert backend.acquire(name, tokens[0], 30, OWNER).acquired
     statements, fencing = [], [backend.get(name).fencing_token]
@@ -139,13 +146,7 @@ def test_a_name_released_here_is_taken_back_by_one_update_under_the_same_rules(
     and a tombstone gone meanwhile (purged, deleted by hand) is inserted again with
     a larger token. Elsewhere the upsert does it all; the outcomes are the same."""
     backend = locks[db_alias]
-    sent = []
-    execute = backend._execute
-    monkeypatch.setattr(
-        backend,
-        "_execute",
-        lambda cursor, sql, params: (sent.append(sql), execute(cursor, sql, params))[1],
-    )
+    sent = _record_statements(backend, monkeypatch)
     a, b, c, d, e, f, g, h = (_token() for _ in range(8))
     first = backend.acquire(name, a, 30, OWNER)
     assert first.acquired and backend.release(name, a)
