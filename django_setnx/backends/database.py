@@ -19,9 +19,7 @@ earlier token as long as the database's clock does not step back (SQLite: the ap
 server's clock, see ``_sqlite_now_us``). No table grows with every name ever
 locked: tombstones are purged once they are FENCING_RETENTION_MS old and stale rows
 once they are ``STALE_RETENTION`` old (see ``_purge_if_due``). An acquire is one statement on every
-database (MySQL/MariaDB return the new token through ``LAST_INSERT_ID(x)``); there a
-name whose tombstone this process left is taken with an UPDATE first, cheaper than
-the upsert on an existing row, and the upsert follows only if that tombstone is gone.
+database (MySQL/MariaDB return the new token through ``LAST_INSERT_ID(x)``).
 
 Every statement runs on a connection of our own in autocommit, never on the
 caller's (one per thread for sync callers; async callers and the renewal threads
@@ -162,8 +160,7 @@ GET_MANY_CHUNK = 500
 #: 1 / HEAD_POLL_MAX attempts a second (two statements each, plus a renewal of its
 #: place every NEXT_RENEW: about 18 statements a second). The others back off up to
 #: WAITER_MAX_BACKOFF (three statements an attempt: about 12 a second).
-#: At most this many names are remembered as just left to a waiter (see release), and
-#: on MySQL/MariaDB as just left as a tombstone (see acquire).
+#: At most this many names are remembered as just left to a waiter (see release).
 HANDED_OVER_KEEP = 1024
 HEAD_POLL = 0.0005
 #: ``PRAGMA synchronous`` values the lock connection may use on an SQLite database in
@@ -272,9 +269,6 @@ class DatabaseBackend(BaseLockBackend):
         # The names whose last release here left the lock to a waiter: the next
         # release of each goes straight to the statement that handles both cases.
         self._handed_over = set()
-        # MySQL/MariaDB: the names whose last release here left a tombstone; the next
-        # acquire of each takes the row with an UPDATE first (see acquire).
-        self._tombstones = set()
         # The driver's connection class and the NOTIFY channel: both known at the
         # first connection.
         self._wrapper_class = None
@@ -436,7 +430,6 @@ class DatabaseBackend(BaseLockBackend):
             if listener is not None:
                 listener.abandon()  # the parent's socket: never read or removed here
             self._handed_over = set()
-            self._tombstones = set()
             # Read on every operation: an attribute of its own, set with the leftovers'.
             self._leftovers.pid = self._pid = os.getpid()
 
@@ -869,22 +862,8 @@ class DatabaseBackend(BaseLockBackend):
 
         def work(cursor, sql, raw):
             if sql.vendor == "mysql":
-                fencing = None
-                if name in self._tombstones:
-                    # Most likely still the tombstone our release left (a name locked
-                    # again and again): taken by one UPDATE, cheaper than the upsert
-                    # on a row that exists. Anything else (taken, purged, left to a
-                    # waiter): the upsert decides, and tells who holds it.
-                    self._execute(
-                        cursor, sql.acquire_tombstone, (token, owner_json, ttl_ms, name, token)
-                    )
-                    if cursor.rowcount == 1:
-                        fencing = cursor.lastrowid
-                    else:
-                        self._tombstones.discard(name)
-                if not fencing:
-                    self._execute(cursor, sql.acquire, (name, token, owner_json, ttl_ms))
-                    fencing = cursor.lastrowid  # see the statement
+                self._execute(cursor, sql.acquire, (name, token, owner_json, ttl_ms))
+                fencing = cursor.lastrowid  # see the statement
             elif sql.vendor == "postgresql" and token in self._waiting:
                 self._execute(
                     cursor,
@@ -1215,10 +1194,6 @@ class DatabaseBackend(BaseLockBackend):
             else:
                 self._execute(cursor, sql.release, (name, token))
                 if cursor.rowcount == 1:
-                    if sql.vendor == "mysql":
-                        if len(self._tombstones) >= HANDED_OVER_KEEP:
-                            self._tombstones.clear()  # many names: start over, not grow
-                        self._tombstones.add(name)
                     if self._waiting:  # this process has waiters (maybe on their way)
                         self._wakeups.wake_one(name)
                     return True

@@ -338,22 +338,6 @@ class Dialect:
                     next_since = IF(LAST_INSERT_ID(), 0, next_since),
                     next_seen = IF(LAST_INSERT_ID(), 0, next_seen)
             """
-            # The same takeover as a plain UPDATE, for a name whose tombstone this
-            # process left (see DatabaseBackend.acquire): InnoDB then skips the
-            # insert attempt and its duplicate-key error, the dearest part of the
-            # upsert on a row that exists. Only a row without a holder (token ''),
-            # under the upsert's rule for the place next in line; a held row, expired
-            # or not, is left to the upsert, which takes it over or tells who holds
-            # it. The fencing token is minted as there, and the insert id says it.
-            # Params: token, owner, ttl_ms, name, token.
-            self.acquire_tombstone = (
-                f"UPDATE {lock} SET "
-                f"fencing = LAST_INSERT_ID(GREATEST(fencing + 1, {NOW_US[vendor]})), "
-                f"token = %s, owner = %s, acquired_at = {now}, expires_at = {now} + %s, "
-                f"next_token = '', next_since = 0, next_seen = 0 "
-                f"WHERE name = %s AND token = '' AND expires_at <= {now} "
-                f"AND (next_token = '' OR next_token = %s OR next_seen <= {now} - {lapse})"
-            )
 
         if vendor == "sqlite":
             for attr, sql in list(vars(self).items()):
