@@ -58,13 +58,16 @@ def free_port():
     """A TCP port on 127.0.0.1 that nothing listens on right now, and that this
     process has not handed out before."""
     with _handed_out_lock:
-        while True:
+        for _ in range(1000):
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
             if port not in _handed_out:
                 _handed_out.add(port)
                 return port
+    raise RuntimeError(
+        f"no free port left that this process has not handed out yet ({len(_handed_out)} given)"
+    )
 
 
 class RedisServer:
@@ -139,7 +142,10 @@ class RedisServer:
                 return self
             time.sleep(0.02)
         self.kill()
-        raise RuntimeError(f"redis-server on port {self.port} did not answer PING: {self.log()}")
+        raise RuntimeError(
+            f"redis-server on port {self.port} did not answer PING as our process "
+            f"{self.process.pid} (another may hold the port): {self.log()}"
+        )
 
     def ping(self):
         """True if the server answers PING (raw RESP, so no client library is needed)."""
@@ -238,12 +244,16 @@ def free_cluster_port():
 
     for _ in range(200):
         port = random.randint(20000, 55535)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 10000))
-        except OSError:
-            continue
+        with _handed_out_lock:
+            if {port, port + 10000} & _handed_out:
+                continue  # handed out before: maybe not started yet (see free_port)
+            try:
+                with socket.socket() as a, socket.socket() as b:
+                    a.bind(("127.0.0.1", port))
+                    b.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+            _handed_out.update((port, port + 10000))
         return port
     raise RuntimeError("no free port pair for a cluster node")
 

@@ -149,13 +149,13 @@ def test_a_forked_child_never_releases_the_parents_streaming_lock(shared_alias, 
 
 
 def _wait_or_kill(pid, seconds):
-    """Reap the forked child ``pid``; one still running after ``seconds`` hung: it is
-    killed, and the test fails."""
+    """Reap the forked child ``pid`` and return its wait status; one still running
+    after ``seconds`` hung: it is killed, and the test fails."""
     deadline = time.monotonic() + seconds
     while True:
-        done, _status = os.waitpid(pid, os.WNOHANG)
+        done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            return
+            return status
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
@@ -210,21 +210,100 @@ def test_a_database_backends_child_opens_its_own_connection(db_alias, name, fork
         assert lk.owned()
 
 
+#: The fork functions the tests run in a fresh process, by name (a spawned process
+#: is given names, not functions).
+_FORKS = {"os.fork": os.fork, "no-fork-hooks": workers.fork_without_hooks}
+
+
+def _in_a_fresh_process(spawn, scenario, *args):
+    """Run ``scenario(*args)`` (a function of this module) in a fresh spawned process
+    and return what it returned; an exception there fails the test with its
+    traceback.
+
+    For the tests whose child forked without hooks starts threads. Such a fork never
+    runs ``PyOS_AfterFork_Child``: the child keeps the thread states of the parent's
+    threads, and on CPython 3.13 threads started in it crash now and then when
+    another thread of the parent was running at the fork (a script with no library
+    code: 9 children of 40 with one busy thread in the parent, none with five
+    blocked ones). The pytest process runs the threads of earlier tests; a fresh
+    process runs only what its scenario starts, as a uWSGI master runs no Python
+    thread of its own."""
+    receive, reply = spawn.ctx.Pipe(duplex=False)
+    worker = spawn(
+        workers.run_scenario,
+        workers.child_environment(),
+        scenario.__module__,
+        scenario.__name__,
+        args,
+        reply,
+    )
+    reply.close()
+    if not receive.poll(120):
+        pytest.fail(f"{scenario.__name__} reported nothing in 120 s")
+    try:
+        outcome, detail = receive.recv()
+    except EOFError:
+        worker.join(10)
+        pytest.fail(f"{scenario.__name__} ended without a report (exit code {worker.exitcode})")
+    worker.join(10)
+    if outcome != "ok":
+        pytest.fail(f"{scenario.__name__}, in a fresh process:\n{detail}")
+    return detail
+
+
+def _report_of(pid, read_end, write_end):
+    """What the forked child ``pid`` wrote to the pipe (``read_end``, ``write_end``),
+    once it exited cleanly (a crash or a hang fails the test)."""
+    os.close(write_end)  # ours: a child that dies unheard ends the read
+    status = _wait_or_kill(pid, 60)
+    assert status == 0, f"the child ended with wait status {status}"
+    with os.fdopen(read_end, "rb") as reported:
+        return reported.read()
+
+
+def _threads_of_a_hookless_child(db_alias, name):
+    """Use the backend, fork without hooks, and have 4 threads of the child make their
+    first lock operations at once. Returns their outcomes."""
+    with lock(name, ttl=10, backend=db_alias, timeout=5):
+        pass
+    others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    assert not others, f"threads running before the fork: {others}"
+    read_end, write_end = os.pipe()
+    pid = workers.fork_without_hooks()
+    if pid == 0:  # the child: never return into the worker
+        try:
+            signal.alarm(20)
+            outcomes = []
+            start = threading.Barrier(4)
+
+            def first_use(i):
+                try:
+                    start.wait()
+                    with lock(f"{name}:child:{i}", ttl=10, backend=db_alias, timeout=5):
+                        pass
+                    outcomes.append("ok")
+                except Exception as exc:  # noqa: BLE001 - reported to the parent
+                    outcomes.append(repr(exc)[:300])
+
+            threads = [threading.Thread(target=first_use, args=(i,)) for i in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            os.write(write_end, "\n".join(outcomes).encode())
+        finally:
+            os._exit(0)
+    return _report_of(pid, read_end, write_end).decode().splitlines()
+
+
 def test_threads_of_a_child_forked_without_hooks_start_together(db_alias, name, spawn):
     """Forked without hooks (uWSGI), the child's first lock operations come from 4
     threads at once: one of them forgets the parent's connections while the others
     wait, and none goes on with the parent's state (they raised KeyError when the
-    pid changed before the state did). The parent is a fresh process with no other
-    thread, as a uWSGI master (see workers.hookless_child_of_threads)."""
-    receive, reply = spawn.ctx.Pipe(duplex=False)
-    worker = spawn(
-        workers.hookless_child_of_threads, workers.child_environment(), db_alias, name, reply
-    )
-    reply.close()
-    assert receive.poll(90), "the worker reported nothing"
-    assert receive.recv().splitlines() == ["ok"] * 4
-    worker.join(10)
-    assert worker.exitcode == 0
+    pid changed before the state did). The parent is a fresh process running no
+    other thread, as a uWSGI master (see _in_a_fresh_process)."""
+    outcomes = _in_a_fresh_process(spawn, _threads_of_a_hookless_child, db_alias, name)
+    assert outcomes == ["ok"] * 4
 
 
 def _shared_session_of(backend):
@@ -233,18 +312,12 @@ def _shared_session_of(backend):
         return _session_of(backend)
 
 
-@pytest.mark.parametrize(
-    "fork", [os.fork, workers.fork_without_hooks], ids=["os.fork", "no-fork-hooks"]
-)
-def test_a_database_backends_child_shares_connections_of_its_own_with_async_callers(
-    db_alias, name, fork
-):
-    """The connections async callers share (ASYNC_CONNECTIONS) are the parent's: a
-    child forked while another thread of the parent was taking one (it held the
-    pool's lock at the fork), with or without fork hooks, runs its async lock
-    operations on a connection of its own at once; the parent's carries on."""
+def _async_callers_of_a_child(db_alias, name, fork):
+    """The scenario of the test below, in a fresh process: its children's async
+    lock operations run in executor threads."""
     import asyncio
 
+    fork = _FORKS[fork]
     backend = locks[db_alias]
 
     async def use(suffix):
@@ -258,7 +331,7 @@ def test_a_database_backends_child_shares_connections_of_its_own_with_async_call
     pool_lock.acquire()  # as another thread of the parent, mid-checkout at the fork
     try:
         pid = fork()
-        if pid == 0:  # the child: never return into pytest
+        if pid == 0:  # the child: never return into the worker
             outcome = b"E"
             try:
                 asyncio.run(asyncio.wait_for(use("child"), 20))
@@ -272,6 +345,19 @@ def test_a_database_backends_child_shares_connections_of_its_own_with_async_call
     assert os.read(read_end, 1) == b"1"
     assert _shared_session_of(backend) == parents
     asyncio.run(use("parent-again"))
+
+
+@pytest.mark.parametrize("fork", list(_FORKS))
+def test_a_database_backends_child_shares_connections_of_its_own_with_async_callers(
+    db_alias, name, fork, spawn
+):
+    """The connections async callers share (ASYNC_CONNECTIONS) are the parent's: a
+    child forked while another thread of the parent was taking one (it held the
+    pool's lock at the fork), with or without fork hooks, runs its async lock
+    operations on a connection of its own at once; the parent's carries on. Run in
+    a fresh process (see _in_a_fresh_process): the child's async callers run in
+    executor threads."""
+    _in_a_fresh_process(spawn, _async_callers_of_a_child, db_alias, name, fork)
 
 
 @pytest.mark.parametrize(
@@ -347,49 +433,51 @@ def _mark_lost():
     held._mark_lost()
 
 
-@pytest.mark.parametrize(
-    "fork", [os.fork, workers.fork_without_hooks], ids=["os.fork", "no-fork-hooks"]
-)
-@pytest.mark.parametrize(
-    ("held", "run"),
-    [
-        pytest.param(
-            lambda: locmem_backend._stores_lock,
-            lambda: LockHandler(
-                {"x": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend", "LOCATION": "y"}}
-            )["x"],
-            id="locmem-stores",
+#: The library's process-wide locks another thread may hold at a fork: ``{case:
+#: (the lock, what the child then runs)}``.
+_LIBRARY_LOCKS = {
+    "locmem-stores": (
+        lambda: locmem_backend._stores_lock,
+        lambda: LockHandler(
+            {"x": {"BACKEND": "django_setnx.backends.locmem.LocMemBackend", "LOCATION": "y"}}
+        )["x"],
+    ),
+    "releaser": (lambda: decorators._releaser_guard, decorators._start_releaser),
+    "mark-lost": (lambda: locking._MARK_LOST_GUARD, _mark_lost),
+    "locmem-records": (
+        lambda: locks["locmem"]._store.condition,
+        lambda: lock(f"fork-locmem-{os.getpid()}", ttl=5, backend="locmem").acquire(),
+    ),
+    "eviction-watches": (
+        lambda: redis_eviction._WATCHES_LOCK,
+        # Installing the watch of a django-redis pool does no I/O.
+        lambda: redis_eviction._watch_shared_pool(
+            redis.ConnectionPool.from_url("redis://127.0.0.1:1/0")
         ),
-        pytest.param(
-            lambda: decorators._releaser_guard, decorators._start_releaser, id="releaser"
-        ),
-        pytest.param(lambda: locking._MARK_LOST_GUARD, _mark_lost, id="mark-lost"),
-        pytest.param(
-            lambda: locks["locmem"]._store.condition,
-            lambda: lock(f"fork-locmem-{os.getpid()}", ttl=5, backend="locmem").acquire(),
-            id="locmem-records",
-        ),
-        pytest.param(
-            lambda: redis_eviction._WATCHES_LOCK,
-            # Installing the watch of a django-redis pool does no I/O.
-            lambda: redis_eviction._watch_shared_pool(
-                redis.ConnectionPool.from_url("redis://127.0.0.1:1/0")
-            ),
-            id="eviction-watches",
-        ),
-        pytest.param(
-            lambda: locking._watchdog.condition(),
-            lambda: lock("fork-watchdog", ttl=5, backend="locmem", auto_renew=True).acquire(),
-            id="watchdog",
-        ),
-    ],
-)
-def test_a_child_forked_while_a_parent_thread_holds_a_library_lock_goes_on(fork, held, run):
+    ),
+    "watchdog": (
+        lambda: locking._watchdog.condition(),
+        lambda: lock("fork-watchdog", ttl=5, backend="locmem", auto_renew=True).acquire(),
+    ),
+}
+
+
+def _child_of_a_parent_holding(case, fork):
+    """The scenario of the test below, in a fresh process: some children start a
+    thread (the releaser's, the watchdog's)."""
+    held, run = _LIBRARY_LOCKS[case]
+    return _forked_child_outcome(_FORKS[fork], held(), run)
+
+
+@pytest.mark.parametrize("fork", list(_FORKS))
+@pytest.mark.parametrize("case", list(_LIBRARY_LOCKS))
+def test_a_child_forked_while_a_parent_thread_holds_a_library_lock_goes_on(case, fork, spawn):
     """A fork copies a lock another thread holds as held, and that thread is not in
     the child: the library's process-wide locks are ForkSafeLocks (or, the
     watchdog's, replaced when the pid changes), so the child never waits for them,
-    with or without fork hooks (uWSGI runs none)."""
-    assert _forked_child_outcome(fork, held(), run) == b"1"
+    with or without fork hooks (uWSGI runs none). Run in a fresh process (see
+    _in_a_fresh_process), whose only other thread is the one holding the lock."""
+    assert _in_a_fresh_process(spawn, _child_of_a_parent_holding, case, fork) == b"1"
 
 
 @pytest.mark.parametrize(
@@ -413,18 +501,15 @@ def test_a_child_forked_while_a_parent_thread_builds_a_client_goes_on(shared_ali
     assert _forked_child_outcome(fork, guard, child) == b"1"
 
 
-@pytest.mark.parametrize(
-    "fork", [os.fork, workers.fork_without_hooks], ids=["os.fork", "no-fork-hooks"]
-)
-def test_a_forked_childs_watchdog_marks_a_hung_renewal_lost(fork):
-    """The watchdog thread is not in a child; one forked without hooks starts its
-    own at its first auto-renewed lock, so a renewal stuck in ``extend`` still ends
-    in ``lock_lost`` (and ``lost``) when the lock's validity ends."""
+def _watchdog_of_a_child(fork):
+    """The scenario of the test below, in a fresh process: the child starts a
+    watchdog thread. Returns what the child reported."""
+    fork = _FORKS[fork]
     with lock(f"fork-watchdog-{os.getpid()}", ttl=1, backend="locmem", auto_renew=True):
         pass  # the parent's watchdog thread is running
     read_end, write_end = os.pipe()
     pid = fork()
-    if pid == 0:  # the child: never return into pytest
+    if pid == 0:  # the child: never return into the worker
         try:
             signal.alarm(20)
             backend = locks["locmem"]
@@ -438,9 +523,16 @@ def test_a_forked_childs_watchdog_marks_a_hung_renewal_lost(fork):
             os.write(write_end, b"1" if held.lost else b"0")
         finally:
             os._exit(0)
-    os.close(write_end)
-    os.waitpid(pid, 0)
-    assert os.read(read_end, 1) == b"1"
+    return _report_of(pid, read_end, write_end)
+
+
+@pytest.mark.parametrize("fork", list(_FORKS))
+def test_a_forked_childs_watchdog_marks_a_hung_renewal_lost(fork, spawn):
+    """The watchdog thread is not in a child; one forked without hooks starts its
+    own at its first auto-renewed lock, so a renewal stuck in ``extend`` still ends
+    in ``lock_lost`` (and ``lost``) when the lock's validity ends. Run in a fresh
+    process (see _in_a_fresh_process): the child starts a thread."""
+    assert _in_a_fresh_process(spawn, _watchdog_of_a_child, fork) == b"1"
 
 
 @pytest.mark.parametrize(

@@ -345,57 +345,18 @@ def fork_without_hooks():
     return pid
 
 
-def hookless_child_of_threads(env, alias, name, reply):
-    """A worker that used ``alias`` forks without hooks, and the child's first lock
-    operations come from 4 threads at once; ``reply`` (a Connection) gets the child's
-    outcomes, one per thread, or why there are none.
-
-    The forking process is this fresh one, which runs no thread but its main one (as
-    a uWSGI master, whose own threads are C threads). On CPython 3.13 a libc fork of
-    a process that runs other Python threads leaves the child's runtime unreset
-    (``PyOS_AfterFork_Child`` never runs), and threads the child starts can then
-    crash inside the interpreter, whatever this library does: the pytest process,
-    with the threads of earlier tests, cannot be that parent. Nothing here uses a
-    multiprocessing Queue, whose feeder is a thread."""
+def run_scenario(env, module, function, args, reply):
+    """Run ``module.function(*args)`` in this fresh process (Django set up against
+    the parent's test servers) and send ``("ok", its result)`` or ``("error", the
+    traceback)`` through ``reply`` (a Connection: a multiprocessing Queue would start
+    a feeder thread). See tests.test_forks._in_a_fresh_process."""
     _setup(env)
-    import signal
-    import threading
+    import importlib
+    import traceback
 
-    from django_setnx import lock
-
-    with lock(name, ttl=10, backend=alias, timeout=5):
-        pass
-    others = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
-    if others:
-        reply.send(f"threads running before the fork: {others}")
-        return
-    read_end, write_end = os.pipe()
-    pid = fork_without_hooks()
-    if pid == 0:  # the child
-        try:
-            signal.alarm(20)
-            outcomes = []
-            start = threading.Barrier(4)
-
-            def first_use(i):
-                try:
-                    start.wait()
-                    with lock(f"{name}:child:{i}", ttl=10, backend=alias, timeout=5):
-                        pass
-                    outcomes.append("ok")
-                except Exception as exc:  # noqa: BLE001 - reported to the parent
-                    outcomes.append(repr(exc)[:300])
-
-            threads = [threading.Thread(target=first_use, args=(i,)) for i in range(4)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            os.write(write_end, "\n".join(outcomes).encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    _, status = os.waitpid(pid, 0)
-    with os.fdopen(read_end, "rb") as reported:
-        outcomes = reported.read().decode()
-    reply.send(outcomes if status == 0 else f"the child ended with status {status}: {outcomes!r}")
+    try:
+        result = getattr(importlib.import_module(module), function)(*args)
+    except BaseException:  # noqa: BLE001 - pytest.fail raises a BaseException
+        reply.send(("error", traceback.format_exc()))
+    else:
+        reply.send(("ok", result))
