@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import tempfile
 import threading
@@ -163,11 +164,17 @@ class RedisServer:
         command reaches the server (tests count the commands it ran); True where
         there is no /proc to read."""
         proc = Path("/proc")
-        if not (proc / "net" / "tcp").exists():
+        try:
+            table = (proc / "net" / "tcp").read_text().splitlines()[1:]
+        except OSError:
+            return True
+        if not table:  # a /proc/net/tcp that lists nothing (WSL 1)
             return True
         listening = set()  # socket inodes listening on 127.0.0.1:port
-        wanted = f"0100007F:{self.port:04X}"
-        for line in (proc / "net" / "tcp").read_text().splitlines()[1:]:
+        # The address in the host's byte order, as the kernel prints it.
+        address = struct.unpack("=I", socket.inet_aton("127.0.0.1"))[0]
+        wanted = f"{address:08X}:{self.port:04X}"
+        for line in table:
             fields = line.split()
             if fields[1] == wanted and fields[3] == "0A":  # local address, LISTEN
                 listening.add(f"socket:[{fields[9]}]")

@@ -248,6 +248,7 @@ def _in_a_fresh_process(spawn, scenario, *args):
     worker.join(10)
     if outcome != "ok":
         pytest.fail(f"{scenario.__name__}, in a fresh process:\n{detail}")
+    assert worker.exitcode == 0, f"{scenario.__name__}'s process ended with {worker.exitcode}"
     return detail
 
 
@@ -341,8 +342,7 @@ def _async_callers_of_a_child(db_alias, name, fork):
                 os._exit(0)
     finally:
         pool_lock.release()
-    _wait_or_kill(pid, 60)
-    assert os.read(read_end, 1) == b"1"
+    assert _report_of(pid, read_end, write_end) == b"1"
     assert _shared_session_of(backend) == parents
     asyncio.run(use("parent-again"))
 
@@ -388,8 +388,8 @@ def test_a_child_forked_while_a_backend_was_being_created_creates_its_own(fork):
 def _forked_child_outcome(fork, hold, run):
     """Fork while another thread of this process is inside ``hold`` (a context
     manager), and run ``run()`` in the child. Returns what the child reported: b"1"
-    if ``run()`` returned, its traceback if it raised, b"" if it hung (ended by an
-    alarm)."""
+    if ``run()`` returned, its traceback if it raised; a child that hung (ended by
+    its alarm) or crashed fails the test (see _report_of)."""
     inside, leave = threading.Event(), threading.Event()
 
     def holder():
@@ -419,12 +419,9 @@ def _forked_child_outcome(fork, hold, run):
             os.write(write_end, traceback.format_exc().encode()[-4000:])
         finally:
             os._exit(0)
-    os.close(write_end)
     leave.set()
     thread.join()
-    os.waitpid(pid, 0)
-    with os.fdopen(read_end, "rb") as reported:
-        return reported.read()
+    return _report_of(pid, read_end, write_end)
 
 
 def _mark_lost():

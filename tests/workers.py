@@ -353,7 +353,9 @@ def run_scenario(env, module, function, args, reply):
     _setup(env)
     import importlib
     import traceback
+    import warnings
 
+    warnings.filterwarnings("error", category=RuntimeWarning)  # as the suite's settings
     try:
         result = getattr(importlib.import_module(module), function)(*args)
     except BaseException:  # noqa: BLE001 - pytest.fail raises a BaseException
