@@ -856,22 +856,6 @@ def test_a_backend_dropped_by_a_reset_closes_its_connections_at_once(db_alias, n
         gc.enable()
 
 
-def _reap(pid):
-    """Wait for the forked child ``pid`` and check that it exited cleanly; one still
-    running after HANG is killed, and the test fails."""
-    deadline = time.monotonic() + HANG
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            assert os.waitstatus_to_exitcode(status) == 0, f"the child ended with {status}"
-            return
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung")
-        time.sleep(0.01)
-
-
 def _session_of_wrapper(db_alias, raw):
     with raw.cursor() as cursor:
         postgres = connections[db_alias].vendor == "postgresql"
@@ -924,7 +908,7 @@ def test_a_child_that_drops_a_backend_leaves_the_parents_connections_open(server
                     os._exit(0)
         os.close(write_end)  # the child's end: a child that dies unheard reads as EOF
         write_end = None
-        _reap(pid)
+        workers.reap(pid, HANG)
         assert os.read(read_end, 1) == b"1", "the child's finalizer did not abandon them"
         assert _session_alive(server_alias, session)
         held.release()
@@ -1788,7 +1772,7 @@ def test_a_forked_child_finds_the_functions_on_connections_of_its_own(name, make
             os.write(write_end, outcome)
             os._exit(0)
     os.close(write_end)
-    _reap(pid)
+    workers.reap(pid, HANG)
     assert os.read(read_end, 1) == b"1"
     os.close(read_end)
     assert backend._state() is parents

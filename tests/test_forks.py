@@ -102,7 +102,7 @@ def test_used_then_forked_parent_and_child_race(shared_alias, name, tmp_path):
     try:
         _race(shared_alias, name, str(tmp_path), str(parent_report))
     finally:
-        _wait_or_kill(pid, 120)
+        workers.reap(pid, 120, clean=False)  # its failures are in its report
 
     parent, child = _read_report(parent_report), _read_report(child_report)
     assert parent["foreign"] == [] and child["foreign"] == [], (parent, child)
@@ -146,21 +146,6 @@ def test_a_forked_child_never_releases_the_parents_streaming_lock(shared_alias, 
     )
     response.close()
     assert not lock(name + "/parent/", backend=shared_alias).locked()
-
-
-def _wait_or_kill(pid, seconds):
-    """Reap the forked child ``pid`` and return its wait status; one still running
-    after ``seconds`` hung: it is killed, and the test fails."""
-    deadline = time.monotonic() + seconds
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return status
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail(f"the forked child did not finish in {seconds} s")
-        time.sleep(0.05)
 
 
 def _session_of(backend):
@@ -256,8 +241,7 @@ def _report_of(pid, read_end, write_end):
     """What the forked child ``pid`` wrote to the pipe (``read_end``, ``write_end``),
     once it exited cleanly (a crash or a hang fails the test)."""
     os.close(write_end)  # ours: a child that dies unheard ends the read
-    status = _wait_or_kill(pid, 60)
-    assert status == 0, f"the child ended with wait status {status}"
+    workers.reap(pid)
     with os.fdopen(read_end, "rb") as reported:
         return reported.read()
 

@@ -345,6 +345,26 @@ def fork_without_hooks():
     return pid
 
 
+def reap(pid, seconds=60, clean=True):
+    """Reap the forked child ``pid`` and return its wait status. A child still running
+    after ``seconds`` hung: it is killed, and the test fails; with ``clean``, so does
+    one that did not exit with status 0 (a crash, an alarm, an exit code)."""
+    import pytest
+
+    deadline = time.monotonic() + seconds
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked child hung for {seconds} s")
+        time.sleep(0.01)
+    assert not clean or status == 0, f"the child ended with wait status {status}"
+    return status
+
+
 def run_scenario(env, module, function, args, reply):
     """Run ``module.function(*args)`` in this fresh process (Django set up against
     the parent's test servers) and send ``("ok", its result)`` or ``("error", the
