@@ -42,7 +42,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from asgiref.sync import iscoroutinefunction
-from django.core.exceptions import ImproperlyConfigured
+from django.core.exceptions import BadRequest, ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views import View
 
@@ -52,7 +52,7 @@ from .forksafe import ForkSafeLock
 from .locking import Lock
 from .semaphore import Semaphore, validate_limit
 from .transactions import database_aliases, deferred_lock
-from .validation import validate_timeout
+from .validation import validate_name, validate_timeout, validate_ttl
 
 logger = logging.getLogger("django_setnx")
 
@@ -68,11 +68,24 @@ _formatter = string.Formatter()
 
 @functools.lru_cache(maxsize=512)
 def _template_roots(template: str) -> frozenset[str]:
-    """The argument names a template refers to: ``"{request.user.pk}"`` -> {"request"}."""
+    """The argument names a template refers to: ``"{request.user.pk}"`` -> {"request"}.
+    ImproperlyConfigured, naming the template, if ``str.format`` could never fill it."""
     roots = set()
-    for _, field, _, _ in _formatter.parse(template):
+    try:
+        fields = list(_formatter.parse(template))
+    except ValueError as exc:  # an unmatched brace
+        raise ImproperlyConfigured(
+            f"Lock name template {template!r} is not a valid str.format template ({exc}); "
+            f"write a literal brace as '{{{{' or '}}}}'."
+        ) from None
+    for _, field, _, conversion in fields:
         if field is None:
             continue
+        if conversion not in (None, "r", "s", "a"):
+            raise ImproperlyConfigured(
+                f"Lock name template {template!r} uses the conversion !{conversion}; "
+                f"str.format knows only !r, !s and !a."
+            )
         if field == "" or field.isdigit():
             raise ImproperlyConfigured(
                 f"Lock name template {template!r} uses a positional field; name the "
@@ -381,7 +394,11 @@ def locked(
       ``name(*args, **kwargs) -> str``. A template field the function does not take
       is an ``ImproperlyConfigured`` at decoration time; a field the call cannot
       fill is a ``ValueError`` at call time (never a lock literally named
-      ``"invoice:{invoice_id}"``).
+      ``"invoice:{invoice_id}"``). In a view, a name filled from the request that
+      is not a valid lock name (longer than ``MAX_NAME_LENGTH``, or with a NUL or
+      ``\\x1f`` in it, from a URL's slug say) raises Django's ``BadRequest``: the
+      client gets a 400, not a 500. Elsewhere it is the ``ValueError`` of
+      :func:`~django_setnx.lock`.
     - ``ttl``, ``backend``, ``auto_renew``: as for :func:`~django_setnx.lock`.
     - ``limit``: None (a lock, the default) or an int N: at most N calls run at
       once, each holding a slot of :func:`~django_setnx.semaphore` ``name``.
@@ -391,8 +408,8 @@ def locked(
       functions), ``"skip"`` (return None without calling; a view answers ``204 No
       Content``; a generator yields nothing), or a callable
       ``on_contention(lock, *args, **kwargs)`` whose result is returned. A view's
-      default is an HTTP ``status`` (409) response with ``Retry-After``, in JSON when
-      the client asks for JSON.
+      default is an HTTP ``status`` (409; any error status from 400 to 599)
+      response with ``Retry-After``, in JSON when the client asks for JSON.
     - ``retry_after``: the view's ``Retry-After``: None (the holder's remaining
       ttl), seconds, or a callable ``(lock, request) -> seconds``.
     - ``unlocked_methods``: request methods a view serves without the lock (default:
@@ -417,6 +434,24 @@ def locked(
     is guarded: the view's method and path, or the function's dotted name.
     """
     validate_timeout(timeout)
+    # Checked here, not on the first call, which may be a rare contended one in
+    # production: everything but the backend alias, which names a setting read lazily.
+    if ttl is not None:
+        try:
+            validate_ttl(ttl)
+        except (TypeError, ValueError) as exc:
+            raise ImproperlyConfigured(f"@locked: {exc}") from exc
+    if isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599:
+        raise ImproperlyConfigured(
+            f"status must be an HTTP error status from 400 to 599 (what a view answers "
+            f"while the lock is busy), got {status!r}."
+        )
+    if not isinstance(auto_renew, bool):
+        raise ImproperlyConfigured(f"auto_renew must be True or False, got {auto_renew!r}.")
+    if not isinstance(backend, str) or not backend:
+        raise ImproperlyConfigured(
+            f"backend must be the alias of a lock backend (a key of SETNX_LOCKS), got {backend!r}."
+        )
     if limit is not None:
         try:
             validate_limit(limit)
@@ -475,6 +510,16 @@ def locked(
             request, http_request = find_request(args)
             if http_request is not None and http_request.method in unlocked:
                 return None, request, http_request
+            lock_name = make_name(args, kwargs)
+            if http_request is not None:
+                try:
+                    validate_name(lock_name)
+                except (TypeError, ValueError) as exc:
+                    # Filled from the request (a URL's slug, say): the client's
+                    # input, so Django answers 400 rather than 500.
+                    raise BadRequest(
+                        f"The lock name built from this request is not valid: {exc}"
+                    ) from exc
             guards = (
                 f"{http_request.method} {http_request.path} ({dotted})"
                 if http_request is not None
@@ -489,9 +534,9 @@ def locked(
                 "using": using,
             }
             if limit is None:
-                lk = Lock(make_name(args, kwargs), ttl, **options)
+                lk = Lock(lock_name, ttl, **options)
             else:
-                lk = Semaphore(make_name(args, kwargs), limit, ttl, **options)
+                lk = Semaphore(lock_name, limit, ttl, **options)
             if limit is None or limit == 1:
                 # A semaphore of N > 1 slots may be taken again by its holder: the
                 # nested call takes a slot of its own (or meets contention).

@@ -187,6 +187,42 @@ def test_bad_decorator_arguments():
         locked("x:{}")(lambda a: a)
 
 
+@pytest.mark.no_db
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"ttl": -1}, r"@locked: ttl must be a positive, finite number of seconds, got -1"),
+        ({"ttl": "30"}, r"@locked: ttl must be a number of seconds, not str: '30'"),
+        ({"ttl": True}, r"@locked: ttl must be a number of seconds, not bool: True"),
+        ({"status": 200}, r"status must be an HTTP error status from 400 to 599.*got 200"),
+        ({"status": 4090}, r"status must be .*got 4090"),
+        ({"status": "409"}, r"status must be .*got '409'"),
+        ({"auto_renew": "yes"}, r"auto_renew must be True or False, got 'yes'"),
+        ({"backend": None}, r"backend must be the alias of a lock backend.*got None"),
+    ],
+)
+def test_arguments_that_would_fail_every_call_or_the_busy_answer_fail_at_decoration(
+    options, message
+):
+    """Not on the first call, which may be a rare contended one in production."""
+    with pytest.raises(ImproperlyConfigured, match=message):
+        locked("x", **options)
+
+
+@pytest.mark.no_db
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("a{", r"template 'a\{' is not a valid str.format template"),
+        ("a}b", r"template 'a\}b' is not a valid str.format template"),
+        ("{x!z}", r"template '\{x!z\}' uses the conversion !z"),
+    ],
+)
+def test_a_template_str_format_cannot_fill_fails_at_decoration_naming_it(template, message):
+    with pytest.raises(ImproperlyConfigured, match=message):
+        locked(template)(lambda x: x)
+
+
 def test_template_field_missing_at_call_time_writes_nothing(alias, name):
     @locked(name + ":{region}", backend=alias)
     def sync(**options):

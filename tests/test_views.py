@@ -230,7 +230,20 @@ def fixed_retry(request, n):
     return HttpResponse("ok")
 
 
+@locked("slug:{slug}", backend=BACKEND)
+def by_slug(request, slug):
+    return HttpResponse("ok")
+
+
+class ApiBySlug(APIView):
+    @locked("api-slug:{slug}", backend=BACKEND)
+    def get(self, request, slug):
+        return Response({"ok": True})
+
+
 urlpatterns = [
+    path("slug/<str:slug>/", by_slug),
+    path("api-slug/<str:slug>/", ApiBySlug.as_view()),
     path("cbv/<slug:slug>/", DispatchLocked.as_view()),
     path("cbv-get/<slug:slug>/", HandlerLocked.as_view()),
     path("cbv-async/<slug:slug>/", AsyncHandlerLocked.as_view()),
@@ -532,6 +545,18 @@ def test_file_response_keeps_its_file_for_sendfile():
     assert held("file:2")
     response.close()
     assert not held("file:2")
+
+
+@pytest.mark.parametrize("url", ["/slug/", "/api-slug/"])
+@pytest.mark.parametrize("slug", ["x" * 300, "a%00b", "a%1Fb"])
+def test_a_lock_name_from_the_url_that_no_lock_may_have_is_a_400(url, slug):
+    """The client's input (too long for a name, a NUL, the slot separator): Django's
+    BadRequest, not a 500, and nothing written."""
+    client = Client()
+    assert client.get(f"{url}fine/").status_code == 200
+    response = client.get(f"{url}{slug}/")
+    assert response.status_code == 400
+    assert list(locks[BACKEND].list()) == []
 
 
 def test_unlocked_methods_must_be_a_sequence_of_names():
