@@ -310,6 +310,38 @@ def test_a_connection_dropped_while_idle_is_replaced_before_use(server_alias, na
     assert _session_id(backend) != session
 
 
+@pytest.mark.parametrize("database_alias", _aliases("sqlite", "postgresql", "mysql"))
+def test_a_thread_s_own_connection_is_closed_when_the_thread_ends(
+    database_alias, name, make_backend
+):
+    """Review r118: a thread per request (runserver, a threading WSGI server) left its
+    lock connection open until a cyclic garbage collection, and with the collector
+    off or rare (gc.freeze()), PostgreSQL ran out of connections."""
+    backend = make_backend(database_alias)
+    errors = []
+
+    def request():
+        try:
+            token = _token()
+            assert backend.acquire(name, token, 30, OWNER).acquired
+            assert backend.release(name, token)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    gc.disable()
+    try:
+        for _ in range(5):
+            thread = threading.Thread(target=request)
+            thread.start()
+            thread.join(HANG)
+        assert errors == []
+        wrappers = list(backend._wrappers)  # alive: their cycles are not collected
+        assert len(wrappers) == 5
+        assert [wrapper.connection for wrapper in wrappers] == [None] * 5
+    finally:
+        gc.enable()
+
+
 @needs(SERVER_ALIASES)
 @pytest.mark.parametrize("server_alias", SERVER_ALIASES)
 def test_a_shared_connection_dropped_while_idle_is_replaced_before_an_async_call(
@@ -337,9 +369,20 @@ def test_a_shared_connection_dropped_while_idle_is_replaced_before_an_async_call
     assert asyncio.run(backend.arelease(name, token)) is True
 
 
+def _until_hung_up(backend):
+    """Wait until the backend's connection in this thread shows its end (the server's
+    goodbye or EOF reached the socket), as it would before the next call."""
+    from django_setnx.backends.database import _hung_up
+
+    deadline = time.monotonic() + HANG
+    while not _hung_up(backend._state().wrapper):
+        assert time.monotonic() < deadline, "the ended connection never showed it"
+        time.sleep(0.01)
+
+
 @needs(SERVER_ALIASES)
 @pytest.mark.parametrize("server_alias", SERVER_ALIASES)
-def test_a_busy_connection_is_not_checked_and_a_lost_one_is_retried(
+def test_a_connection_the_server_ended_is_replaced_before_use_without_a_round_trip(
     server_alias, name, make_backend
 ):
     backend = make_backend(server_alias)  # HEALTH_CHECK_AFTER: the default, 10 s
@@ -347,14 +390,14 @@ def test_a_busy_connection_is_not_checked_and_a_lost_one_is_retried(
     _session_id(killer)
     session = _session_id(backend)
     _kill(killer, session)
-    # No idle wait: nothing checks the connection first (no extra round trip on the
-    # hot path), so an operation that may not be retried reports the loss...
-    with pytest.raises(LockBackendError, match=r"session id failed"):
-        _session_id(backend)
-    # ...and the next one is on a new connection.
+    _until_hung_up(backend)
+    # Not idle for HEALTH_CHECK_AFTER, so no check query: its socket told. Even an
+    # operation that is never retried runs, once, on a new connection.
     assert _session_id(backend) != session
 
-    # Each retry-safe operation, on a connection that died just before it, succeeds.
+    # Each retry-safe operation, on a connection that died just before it, succeeds
+    # (the connection is replaced before it, or, if the end had not reached the
+    # socket yet, the operation is retried once).
     token = _token()
     operations = [
         ("acquire", lambda: backend.acquire(name, token, 30, OWNER).acquired, True),
@@ -369,6 +412,32 @@ def test_a_busy_connection_is_not_checked_and_a_lost_one_is_retried(
     for label, operation, expected in operations:
         _kill(killer, _session_id(backend))
         assert operation() == expected, label
+
+
+@needs(SERVER_ALIASES)
+@pytest.mark.parametrize("server_alias", SERVER_ALIASES)
+def test_a_release_after_the_server_ended_the_connection_does_not_claim_a_lock_taken_over(
+    server_alias, name, make_backend
+):
+    """Review r118: force-released, taken by another client, and then the holder's idle
+    connection is ended by the server (a restart, wait_timeout, a DBA's kill). A
+    release retried after a lost connection cannot tell "not ours" from "released,
+    and only the answer was lost", so it says released; this one must not be a retry:
+    it says the lock is not ours (LockNotOwned for the Lock)."""
+    holder = make_backend(server_alias)
+    other = make_backend(server_alias)
+    killer = make_backend(server_alias)
+    token = _token()
+    assert holder.acquire(name, token, 30, OWNER).acquired
+    other.delete(name)  # the admin's force-release
+    newcomer = _token()
+    assert other.acquire(name, newcomer, 30, OWNER).acquired
+    _session_id(killer)
+    _kill(killer, _session_id(holder))
+    _until_hung_up(holder)
+    assert holder.release(name, token) is False
+    assert other.owns(name, newcomer)
+    assert other.release(name, newcomer)
 
 
 def test_acquire_is_idempotent_for_its_own_token(db_alias, name):
@@ -569,8 +638,60 @@ def test_an_answer_lost_with_the_connection_is_not_misread(proxied_postgres, nam
     assert proxy.answers_lost == 2
     assert locks["postgres"].get(name) is None
 
+    # An operation that may not be repeated reports the loss, and the next one runs
+    # on a new connection.
+    session = _session_id(backend)
+    proxy.lose_answer_to("pg_backend_pid")
+    with pytest.raises(LockBackendError, match="session id failed"):
+        _session_id(backend)
+    assert proxy.answers_lost == 3
+    assert _session_id(backend) != session
+
 
 # -- 3. contention is retried, not reported as an outage ------------------------------------
+
+
+@needs(POSTGRES)
+def test_an_acquire_outraced_past_its_retries_is_refused_not_an_outage(
+    temporary_database, name, make_backend, monkeypatch
+):
+    """Review r118: on a server whose default isolation is SERIALIZABLE (the lock
+    connection is in autocommit, so Django's isolation_level does not apply to it),
+    another client's committed write of the row the acquire waited for fails it with
+    a serialization failure. When the retries run out, that is a refusal (the wait
+    goes on until its timeout), not a LockBackendError. One retry here, so that one
+    failure runs them out."""
+    monkeypatch.setattr(database, "CONTENTION_RETRIES", 0)
+    serializable = {"options": "-c default_transaction_isolation=serializable"}
+    with temporary_database("postgres", "postgres-serializable", OPTIONS=serializable) as alias:
+        backend = make_backend(alias)
+        writer = make_backend(alias)
+        holder = _token()
+        assert writer.acquire(name, holder, 30, OWNER).acquired
+        assert _sql(backend, "SHOW transaction_isolation") == ("serializable",)
+        raw = _raw_connection(writer)
+        raw.execute("BEGIN")
+        raw.execute(
+            f"UPDATE {database.LOCK_TABLE} SET expires_at = expires_at WHERE name = %s", (name,)
+        )
+        outcome = {}
+
+        def contender():
+            try:
+                outcome["result"] = backend.acquire(name, _token(), 30, OWNER)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                outcome["result"] = exc
+
+        thread = threading.Thread(target=contender)
+        thread.start()
+        time.sleep(0.3)  # the contender now waits for the row lock of our update
+        raw.execute("COMMIT")
+        thread.join(HANG)
+        result = outcome["result"]
+        assert not isinstance(result, Exception), result
+        assert not result.acquired
+        assert writer.owns(name, holder)
+        assert writer.release(name, holder)
 
 
 @pytest.mark.slow

@@ -107,6 +107,7 @@ import math
 import numbers
 import os
 import random
+import select
 import threading
 import time
 import weakref
@@ -519,9 +520,10 @@ class DatabaseBackend(BaseLockBackend):
     def _connection(self):
         """This thread's ``(wrapper, raw connection)``, connected, and in use until
         :meth:`_done_with` (close() from another thread leaves it to this one). A
-        connection that sat idle for ``health_check_after`` seconds is checked first
-        (one round trip) and replaced if the server dropped it; a busy one is used
-        as it is."""
+        connection whose server hung up meanwhile (its socket is readable with no
+        statement in flight, see :func:`_hung_up`: no round trip) is replaced before
+        anything is sent on it, and so is one that sat idle for
+        ``health_check_after`` seconds and fails a check (one round trip)."""
         if self._pid != os.getpid():  # forked without a fork hook (uWSGI's default)
             self._forget_connections()
         state = self._state()
@@ -532,15 +534,24 @@ class DatabaseBackend(BaseLockBackend):
                 # Django refuses a wrapper in a thread other than the one that made
                 # it (e.g. MySQL's server-version query) unless told it is shared.
                 wrapper.inc_thread_sharing()
+            else:
+                # The thread's own: its state goes with the thread (threading.local),
+                # and the connection then, not at a cyclic garbage collection.
+                weakref.finalize(state, _close_thread_connection, wrapper, os.getpid())
         with self._wrappers_lock:
             self._in_use[wrapper] = self._in_use.get(wrapper, 0) + 1
         try:
             now = time.monotonic()
-            if (
-                wrapper.connection is not None
-                and self.health_check_after is not None
-                and now - state.used_at >= self.health_check_after
-                and not _usable(wrapper)
+            if wrapper.connection is not None and (
+                # Known lost before a statement is sent, the operation runs once, on
+                # a new connection, and is not a retry: a retried release could not
+                # tell "lost" from "done before its answer was lost" (see release).
+                _hung_up(wrapper)
+                or (
+                    self.health_check_after is not None
+                    and now - state.used_at >= self.health_check_after
+                    and not _usable(wrapper)
+                )
             ):
                 self._drop(wrapper)
             state.used_at = now
@@ -678,13 +689,16 @@ class DatabaseBackend(BaseLockBackend):
             with contextlib.suppress(Exception):  # it is being discarded because it failed
                 raw.close()
 
-    def _run(self, action, work, *, retry=True):
+    def _run(self, action, work, *, retry=True, outraced=None):
         """Run ``work(cursor, dialect, raw_connection)`` on this thread's connection
         and return its result; driver errors become LockBackendError.
 
         Deadlocks and lock-wait timeouts (the server rolled the statement back) are
         retried, at most CONTENTION_RETRIES times and never past OPERATION_TIMEOUT:
-        under contention they are an outcome, not an outage.
+        under contention they are an outcome, not an outage. If the retries run out
+        on a deadlock or a serialization failure (concurrent writers of the row:
+        other clients of the lock, not a stuck row lock), ``outraced()`` is returned
+        when given (an acquire: refused), else LockBackendError is raised.
 
         A connection that turns out to be gone is replaced. The operation is then run
         once more only if that is safe, because the first attempt may or may not have
@@ -730,6 +744,8 @@ class DatabaseBackend(BaseLockBackend):
                             time.sleep(random.uniform(0, ceiling))
                             contention_retries += 1
                             continue
+                        if outraced is not None and _outraced(wrapper, exc):
+                            return outraced()
                         raise LockBackendError(
                             self.alias,
                             self._contention_message(
@@ -920,7 +936,10 @@ class DatabaseBackend(BaseLockBackend):
             self._purge_if_due(cursor, sql)
             return result
 
-        return self._run("acquire", work)
+        # Other clients' writes of the row kept rolling ours back (a server whose
+        # default isolation is SERIALIZABLE, say): nothing was written, which is a
+        # refusal; a caller that waits tries again, as after any refusal.
+        return self._run("acquire", work, outraced=lambda: AcquireResult.lost(retry_after=0.0))
 
     def _purge_if_due(self, cursor, sql):
         """Delete the rows that expired ``STALE_RETENTION`` ago without a release, at
@@ -1913,6 +1932,60 @@ def _classify(wrapper, raw, exc):
     return None
 
 
+#: Of the contention errors, those that mean a concurrent writer of the same rows won:
+#: deadlock and serialization failure (PostgreSQL), deadlock (MySQL/MariaDB).
+POSTGRESQL_OUTRACED = frozenset({"40P01", "40001"})
+MYSQL_OUTRACED = frozenset({1213})
+
+
+def _outraced(wrapper, exc):
+    """True for a contention error that a concurrent writer of the same rows caused
+    (see POSTGRESQL_OUTRACED), not a row lock held for long or a busy SQLite file."""
+    if wrapper.vendor == "postgresql":
+        state = getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None) or ""
+        return state in POSTGRESQL_OUTRACED
+    if wrapper.vendor == "mysql":
+        return bool(exc.args) and exc.args[0] in MYSQL_OUTRACED
+    return False
+
+
+def _socket_of(wrapper):
+    """The file descriptor of the socket of the wrapper's driver connection, or None
+    where the driver does not say (psycopg 2 and 3 and mysqlclient: ``fileno()``;
+    PyMySQL: ``_sock``)."""
+    raw = wrapper.connection
+    for get in (lambda: raw.fileno(), lambda: raw._sock.fileno()):
+        try:
+            fd = get()
+        except (AttributeError, OSError, ValueError, wrapper.Database.Error):
+            continue  # no such method, or a closed connection
+        if isinstance(fd, int) and fd >= 0:
+            return fd
+    return None
+
+
+def _hung_up(wrapper):
+    """True if the server ended this idle connection: its socket has something to read
+    (the end of the stream, or what a server says before it closes, such as
+    PostgreSQL's 57P01 after ``pg_terminate_backend``) while no statement is in
+    flight. A poll that does not wait, so the hot path pays no round trip. Found
+    here, the loss is certain to precede the next statement; found by the
+    statement, it might not be."""
+    if wrapper.vendor == "sqlite":
+        return False
+    fd = _socket_of(wrapper)
+    if fd is None:
+        return False
+    try:
+        if hasattr(select, "poll"):
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            return bool(poller.poll(0))
+        return bool(select.select([fd], [], [], 0)[0])
+    except (OSError, ValueError):  # a descriptor closed under us
+        return True
+
+
 def _usable(wrapper):
     """Whether the server still answers on this connection: one round trip.
     (MySQL's ping is told not to reconnect: a new connection needs our session
@@ -2027,6 +2100,24 @@ def _close_leftovers(leftovers):
                 raw.close()
         else:
             _abandon_inherited(raw)
+
+
+def _close_thread_connection(wrapper, pid):
+    """Run when a thread's own :class:`ConnectionState` is garbage: the thread ended
+    (or, in a forked child, was one of the parent's). Nothing uses its connection
+    any more; closed now, it does not stay open until a cyclic garbage collection
+    (Django's DatabaseWrapper refers to itself), which threads that each serve a
+    request (runserver, a threading WSGI server) would otherwise pile up until the
+    server's ``max_connections``. In a forked child it is the parent's: abandoned,
+    never closed."""
+    raw, wrapper.connection = wrapper.connection, None
+    if raw is None:
+        return
+    if pid == os.getpid():
+        with contextlib.suppress(Exception):
+            raw.close()
+    else:
+        _abandon_inherited(raw)
 
 
 def _abandon_inherited(raw):

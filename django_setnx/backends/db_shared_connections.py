@@ -46,6 +46,7 @@ class ConnectionState:
         "functions",
         "functions_checked_at",
         "sqlite_wal_pending",
+        "__weakref__",  # a thread's own is finalized with the thread (see database)
     )
 
     def __init__(self, shared: bool = False) -> None:
