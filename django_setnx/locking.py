@@ -19,12 +19,12 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Coroutine, Generator, Sequence
+from collections.abc import Generator, Sequence
 from types import TracebackType
 from typing import Any
 
 from . import signals
-from .backends.aio import completed_call
+from .backends.aio import completed_call, undo, was_undone
 from .backends.base import PLAIN_JSON_TYPES, AcquireResult, LockInfo, OwnerRecord
 from .conf import DEFAULT_LOCK_ALIAS
 from .exceptions import LockBackendError, LockError, LockNotAcquired, LockNotOwned
@@ -284,8 +284,10 @@ class Lock:
                 else:
                     result = backend.get(record)
                 step, record, arg = steps.send(result)
-        except BaseException:
-            if calls.queued is not None:  # interrupted while queued: leave nothing behind
+        except BaseException as error:
+            # Interrupted while queued: leave nothing behind, unless the backend's
+            # acquire that failed did so already.
+            if calls.queued is not None and not was_undone(error):
                 self._abandon(calls.queued, token)
             raise
         return self._won(token, record, arg, calls)
@@ -318,11 +320,11 @@ class Lock:
                 else:
                     result = await backend.aget(record)
                 step, record, arg = steps.send(result)
-        except BaseException:  # includes asyncio.CancelledError
-            if calls.queued is not None:
-                # Shielded: a second cancellation must not stop the undo halfway (a
-                # lock handed to us, confirmed by stop_waiting, never released).
-                await _shielded(self._aabandon(calls.queued, token))
+        except BaseException as error:  # includes asyncio.CancelledError
+            if calls.queued is not None and not was_undone(error):
+                # In a task of its own: a cancellation must not stop the undo halfway
+                # (a lock handed to us, confirmed by stop_waiting, never released).
+                await undo(self._aabandon(calls.queued, token))
             raise
         return self._won(token, record, arg, calls)
 
@@ -615,10 +617,10 @@ class Lock:
                 # what may be left of it, as that test would have (review r95), to its
                 # end even if the caller is cancelled: the token is gone, so no later
                 # call could (review r96).
-                await _shielded(self._arelease_lost(held))
+                await undo(self._arelease_lost(held))
             raise
         if not self._stop_renewer(join=False):  # found lost since the test above
-            await _shielded(self._arelease_lost(held))
+            await undo(self._arelease_lost(held))
             self._token = None
             raise self._lost_error("release")
         try:
@@ -635,7 +637,7 @@ class Lock:
             # Cancelled while the release was sent or answered: whether it ran is
             # unknown. Release again, to the end (token-checked: nothing happens if
             # the first one ran), so that this object no longer holds the lock.
-            await _shielded(self._arelease_again(record, token))
+            await undo(self._arelease_again(record, token))
             raise
         self._released(released)
 
@@ -824,20 +826,6 @@ class Lock:
             exc,
             exc_info=True,  # noqa: LOG014 - inside the caller's except block
         )
-
-
-#: The undo tasks _shielded keeps running after their caller was cancelled (the
-#: event loop keeps only weak references to tasks).
-_undoing: set[asyncio.Task[Any]] = set()
-
-
-async def _shielded(work: Coroutine[Any, Any, None]) -> None:
-    """Run ``work`` to its end even if the caller is cancelled meanwhile (the caller
-    then ends cancelled at once, and ``work`` goes on in its own task)."""
-    task = asyncio.ensure_future(work)
-    _undoing.add(task)
-    task.add_done_callback(_undoing.discard)
-    await asyncio.shield(task)
 
 
 def _remaining(deadline: float | None) -> float | None:

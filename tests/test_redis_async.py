@@ -4,6 +4,7 @@ the eviction check on every new asyncio connection, and cancellation."""
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -260,17 +261,18 @@ def stoppable():
     takes commands and never answers)."""
     with RedisServer() as server:
         backend = backend_on(server, "stopped", socket_timeout=SOCKET_TIMEOUT)
-
-        @contextlib.contextmanager
-        def stopped():
-            os.kill(server.process.pid, signal.SIGSTOP)
-            try:
-                yield
-            finally:
-                os.kill(server.process.pid, signal.SIGCONT)
-
-        yield backend, stopped
+        yield backend, functools.partial(_stopped, server)
         backend.close()
+
+
+@contextlib.contextmanager
+def _stopped(server):
+    """``server`` SIGSTOPped for the block: it takes commands and never answers."""
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
 
 
 def test_replies_that_do_not_come_time_out_each_after_its_own_socket_timeout(stoppable):
@@ -797,3 +799,98 @@ class _CustomRedis(redis.Redis):
 
 def custom_client(location, **kwargs):
     return _CustomRedis.from_url(location, **kwargs)
+
+
+#: The socket_timeout of ``unresponsive``: long enough that a caller waiting out one
+#: more of them is told from one that waited UNDO_PATIENCE.
+UNRESPONSIVE_TIMEOUT = 3.0
+
+
+@pytest.fixture
+def unresponsive():
+    """A lock alias on a private server (socket_timeout UNRESPONSIVE_TIMEOUT), and
+    ``stopped()``: a context in which that server takes commands and never answers
+    (SIGSTOP: a frozen VM, a partition)."""
+    with RedisServer() as server:
+        params = {
+            "BACKEND": BACKEND,
+            "LOCATION": server.url,
+            "KEY_PREFIX": "setnx-unresponsive",
+            "OPTIONS": {"CONNECTION_KWARGS": {"socket_timeout": UNRESPONSIVE_TIMEOUT}},
+        }
+        with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "unresponsive": params}):
+            yield "unresponsive", functools.partial(_stopped, server)
+            locks["unresponsive"].close()
+
+
+def test_a_cancelled_call_to_a_server_that_stopped_answering_ends_without_its_undo(
+    unresponsive,
+):
+    """Review r116: ``wait_for`` and ``asyncio.timeout`` cancel once; the undo of the
+    cancelled call (withdraw from the queue, release what may have been written)
+    was awaited to its end, a socket timeout per command, under a shield that only
+    a second cancellation gets through. The caller gets control back after
+    UNDO_PATIENCE at most; the undo goes on in its own task."""
+    alias, stopped = unresponsive
+    from django_setnx.backends.aio import UNDO_PATIENCE
+
+    async def main():
+        holder = lock("busy", ttl=60, backend=alias)
+        assert await holder.aacquire()
+        assert not await lock("fresh", ttl=30, backend=alias).aowned()  # a connection
+        with stopped():
+            cases = {
+                "a queued waiter": lambda: lock("busy", ttl=30, backend=alias).aacquire(
+                    timeout=30
+                ),
+                "a first attempt": lambda: lock("fresh", ttl=30, backend=alias).aacquire(
+                    blocking=False
+                ),
+                "a release": holder.arelease,
+            }
+            took = {}
+            for label, call in cases.items():
+                started = time.monotonic()
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(call(), 0.5)
+                took[label] = time.monotonic() - started
+        # Before: 0.5 s and then one socket timeout (3 s) or more of undo.
+        assert max(took.values()) < 0.5 + UNDO_PATIENCE + 1.0, took
+        await locks[alias].aclose()
+
+    run(main())
+
+
+def test_a_waiter_on_a_server_that_stopped_answering_ends_after_its_timeout_and_one_more_socket_timeout(
+    unresponsive,
+):
+    """Review r116: queued waiters whose server stopped answering (timeout=2) ended
+    after their timeout, the command in flight, and then the undo of the failed
+    acquire awaited to its end, twice (the backend's, then the Lock's): a socket
+    timeout per command. Now the undo runs once, and the callers wait for it
+    UNDO_PATIENCE at most: the documented bound, the timeout plus up to one more
+    socket_timeout."""
+    alias, stopped = unresponsive
+    from django_setnx.backends.aio import UNDO_PATIENCE
+
+    async def main():
+        holder = lock("held", ttl=60, backend=alias)
+        assert await holder.aacquire()
+        waiters = [lock("held", ttl=30, backend=alias) for _ in range(5)]
+        ended = []
+
+        async def wait(waiter):
+            started = time.monotonic()
+            with pytest.raises(LockBackendError):
+                await waiter.aacquire(timeout=2)
+            ended.append(time.monotonic() - started)
+
+        tasks = [asyncio.ensure_future(wait(waiter)) for waiter in waiters]
+        await asyncio.sleep(0.3)  # all queued, waiting
+        with stopped():
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+        bound = 2 + UNRESPONSIVE_TIMEOUT + 2 * UNDO_PATIENCE + 0.5
+        assert max(ended) < bound, (ended, bound)
+        await locks[alias].aclose()
+
+    run(main())

@@ -1,4 +1,5 @@
-"""Waiting in asyncio without losing a cancellation.
+"""Waiting in asyncio without losing a cancellation, and undoing a failed or
+cancelled call without making its caller wait it out (:func:`undo`).
 
 Before Python 3.12, ``asyncio.wait_for`` returns the awaited result, and drops the
 ``CancelledError``, when the task is cancelled in the very step in which what it
@@ -20,6 +21,7 @@ can still be lost there in the other commands sent through redis.asyncio's own
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from typing import Any
 
 
@@ -65,3 +67,58 @@ def completed_call(error: BaseException) -> tuple[Any] | None:
     unknown)."""
     completed = getattr(error, _COMPLETED, None)
     return completed if isinstance(completed, tuple) else None
+
+
+#: Seconds a caller whose call failed or was cancelled waits for the undo of that call
+#: (withdraw from a queue, release what it may have written) before it gets control
+#: back: on a server that answers, an undo takes a millisecond or so and is done by
+#: then; on one that stopped answering, each of its commands would take a whole
+#: socket timeout, and the caller's ``timeout`` or cancellation would be overrun by
+#: that much (review r116). The undo goes on in its own task to its end.
+UNDO_PATIENCE = 0.5
+
+#: The undo tasks that outlived their caller (the event loop keeps only weak
+#: references to tasks).
+_undoing: set[asyncio.Task[Any]] = set()
+
+
+def _done(task: asyncio.Task[Any]) -> None:
+    _undoing.discard(task)
+    if not task.cancelled():
+        task.exception()  # an undo reports its own errors: never "never retrieved"
+
+
+async def undo(work: Coroutine[Any, Any, Any], patience: float = UNDO_PATIENCE) -> None:
+    """Run ``work`` (an undo, which handles its own errors) to its end in a task of
+    its own, waiting for it up to ``patience`` seconds. A cancellation of the caller
+    during that wait propagates at once; ``work`` is never cancelled by it, nor by
+    the caller's earlier cancellation that this undo follows."""
+    task = asyncio.ensure_future(work)
+    _undoing.add(task)
+    task.add_done_callback(_done)
+    await wait_at_most(task, patience)
+
+
+#: The attribute of an error raised by a backend call that already undid itself
+#: (see :func:`mark_undone`).
+_UNDONE = "django_setnx_undone"
+
+
+def mark_undone(error: BaseException) -> None:
+    """Mark ``error``, about to be raised by a backend's acquire that already undid
+    its attempt (withdrew from the queue, released what it may have written): the
+    Lock need not undo it again, which on a server that stopped answering would cost
+    one more socket timeout per command (review r116)."""
+    setattr(error, _UNDONE, True)
+
+
+def was_undone(error: BaseException) -> bool:
+    """True if ``error``, or an error it was raised from, is marked by
+    :func:`mark_undone`."""
+    seen = 0
+    current: BaseException | None = error
+    while current is not None and seen < 5:
+        if getattr(current, _UNDONE, False):
+            return True
+        current, seen = current.__cause__, seen + 1
+    return False

@@ -111,6 +111,7 @@ from ..globs import compile_glob, redis_match
 from ..globs import escape as _escape_glob
 from ..validation import ttl_to_ms
 from . import paging, redis_scripts
+from .aio import mark_undone, undo
 from .base import (
     HELD,
     STALE,
@@ -1325,10 +1326,12 @@ class RedisBackend(BaseLockBackend):
                     keys=self._keys(name),
                     args=[token, ttl_ms, encode_owner(owner), self.retention_ms, wait_ms],
                 )
-            except (*self._network_errors, asyncio.CancelledError):
+            except (*self._network_errors, asyncio.CancelledError) as error:
                 # As in acquire(): the script may have run. Undo it (also when the
-                # caller was cancelled mid-call), then report.
-                await asyncio.shield(self._aabandon_quietly(name, token))
+                # caller was cancelled mid-call), then report: after UNDO_PATIENCE at
+                # most, the undo going on in its own task (see aio.undo).
+                await undo(self._aabandon_quietly(name, token))
+                mark_undone(error)
                 raise
         if won:
             return AcquireResult.won(value)
@@ -1450,11 +1453,13 @@ class RedisBackend(BaseLockBackend):
                     keys=self._keys(name),
                     args=[token, ttl_ms, encode_owner(owner), self.retention_ms, wait_ms],
                 )
-            except self._network_errors:
+            except self._network_errors as error:
                 # The script may have run before the connection broke: undo it (withdraw
                 # from the queue, release what we may hold) so no ghost lock blocks
-                # others for a whole ttl, then report the failure.
+                # others for a whole ttl, then report the failure (the Lock does not
+                # undo it again: see aio.mark_undone).
                 self._abandon_quietly(name, token)
+                mark_undone(error)
                 raise
         if won:
             self._queued.pop(token, None)
