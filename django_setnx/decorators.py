@@ -50,7 +50,7 @@ from .conf import DEFAULT_LOCK_ALIAS
 from .exceptions import LockBackendError, LockError, LockNotAcquired
 from .forksafe import ForkSafeLock
 from .locking import Lock
-from .semaphore import Semaphore, validate_limit
+from .semaphore import Semaphore, validate_limit, validate_semaphore_name
 from .transactions import database_aliases, deferred_lock
 from .validation import validate_name, validate_timeout, validate_ttl
 
@@ -500,6 +500,15 @@ def locked(
                 f"@locked on a handler method."
             )
         make_name = LockName(func, name)
+        if isinstance(name, str) and not _template_roots(name):
+            # Nothing filled from the call: a name no lock may have is the code's
+            # fault, not the client's (whose requests would all get a 400).
+            try:
+                validate_name(name.format())
+                if limit is not None:
+                    validate_semaphore_name(name.format(), limit)
+            except (TypeError, ValueError) as exc:
+                raise ImproperlyConfigured(f"@locked: {exc}") from exc
         dotted = qualname(func)
 
         def begin(
@@ -514,6 +523,8 @@ def locked(
             if http_request is not None:
                 try:
                     validate_name(lock_name)
+                    if limit is not None:
+                        validate_semaphore_name(lock_name, limit)
                 except (TypeError, ValueError) as exc:
                     # Filled from the request (a URL's slug, say): the client's
                     # input, so Django answers 400 rather than 500.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -324,7 +325,10 @@ class Lock:
             if calls.queued is not None and not was_undone(error):
                 # In a task of its own: a cancellation must not stop the undo halfway
                 # (a lock handed to us, confirmed by stop_waiting, never released).
-                await undo(self._aabandon(calls.queued, token))
+                await undo(
+                    self._aabandon(calls.queued, token),
+                    functools.partial(self._abandon, calls.queued, token),
+                )
             raise
         return self._won(token, record, arg, calls)
 
@@ -530,10 +534,7 @@ class Lock:
         # releasing from the watchdog's thread would hold up every other lock's
         # report), and a late extend is token-checked.
         self._stop_renewer(join=False)
-        try:
-            self.backend.release(*self._held())
-        except LockError:
-            logger.debug("Could not free lost lock %r", self.name, exc_info=True)
+        self._release_held(None)
 
     async def _arelease_lost(self, held: tuple[str, str] | None = None) -> None:
         self._stop_renewer(join=False)
@@ -617,10 +618,10 @@ class Lock:
                 # what may be left of it, as that test would have (review r95), to its
                 # end even if the caller is cancelled: the token is gone, so no later
                 # call could (review r96).
-                await undo(self._arelease_lost(held))
+                await undo(self._arelease_lost(held), functools.partial(self._release_held, held))
             raise
         if not self._stop_renewer(join=False):  # found lost since the test above
-            await undo(self._arelease_lost(held))
+            await undo(self._arelease_lost(held), functools.partial(self._release_held, held))
             self._token = None
             raise self._lost_error("release")
         try:
@@ -637,9 +638,28 @@ class Lock:
             # Cancelled while the release was sent or answered: whether it ran is
             # unknown. Release again, to the end (token-checked: nothing happens if
             # the first one ran), so that this object no longer holds the lock.
-            await undo(self._arelease_again(record, token))
+            await undo(
+                self._arelease_again(record, token),
+                functools.partial(self._release_again, record, token),
+            )
             raise
         self._released(released)
+
+    def _release_held(self, held: tuple[str, str] | None) -> None:
+        """The sync end of :meth:`_arelease_lost` (see aio.undo), in a thread."""
+        try:
+            self.backend.release(*(held or self._held()))
+        except LockError:
+            logger.debug("Could not free lost lock %r", self.name, exc_info=True)
+
+    def _release_again(self, record: str, token: str) -> None:
+        """The sync end of :meth:`_arelease_again` (see aio.undo), in a thread."""
+        try:
+            self.backend.release(record, token)
+        except LockError:
+            logger.warning("Could not release lock %r", self.name, exc_info=True)
+            return
+        self._released(True)
 
     async def _arelease_again(self, record: str, token: str) -> None:
         try:

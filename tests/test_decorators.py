@@ -223,6 +223,23 @@ def test_a_template_str_format_cannot_fill_fails_at_decoration_naming_it(templat
         locked(template)(lambda x: x)
 
 
+@pytest.mark.no_db
+@pytest.mark.parametrize(
+    "template, options, message",
+    [
+        ("a\x00b", {}, "must not contain NUL"),
+        ("a\x1fb", {}, "must not contain \\\\x1f"),
+        ("x" * 201, {}, "201 characters long, the limit is 200"),
+        ("x" * 199, {"limit": 5}, "199 characters long, the limit is 198 with limit=5"),
+    ],
+)
+def test_a_literal_name_no_lock_may_have_fails_at_decoration(template, options, message):
+    """Review r119: nothing of it comes from the call, so it is the code's fault, not
+    the client's: not a 400 on every request to the view."""
+    with pytest.raises(ImproperlyConfigured, match=message):
+        locked(template, **options)(lambda request: None)
+
+
 def test_template_field_missing_at_call_time_writes_nothing(alias, name):
     @locked(name + ":{region}", backend=alias)
     def sync(**options):

@@ -894,3 +894,59 @@ def test_a_waiter_on_a_server_that_stopped_answering_ends_after_its_timeout_and_
         await locks[alias].aclose()
 
     run(main())
+
+
+def test_undo_cut_short_by_the_loop_s_shutdown_is_finished_by_its_sync_twin():
+    """Review r119: the caller of a cancelled call waits for its undo UNDO_PATIENCE at
+    most, and asyncio.run, once its coroutine returned, cancels the tasks still
+    running, undos included. One cancelled after its STOP_WAITING confirmed a lock
+    handed to it (the whole ttl) left that lock held by nobody for its ttl (6,000
+    waiters cancelled at once on this machine). The undo's sync twin now finishes
+    it in a thread."""
+    from django_setnx.backends.aio import undo
+
+    finished = threading.Event()
+    started = asyncio.Event()
+
+    async def slow_undo():
+        started.set()
+        await asyncio.sleep(30)
+
+    async def main():
+        await undo(slow_undo(), finished.set, patience=0.05)
+        assert started.is_set()
+
+    run(main())
+    assert finished.wait(10)
+
+
+def test_a_waiter_cancelled_while_its_server_pauses_writes_leaves_the_lock_free(name):
+    """A queued waiter is handed the lock and cancelled while the server holds back
+    write commands for 2 s (CLIENT PAUSE WRITE, on a private server): its confirmation
+    and its undo wait; the caller gets control back, asyncio.run ends and cancels
+    the undo. Nothing may stay held past the pause (the claim lapses, or the undo,
+    finished by its sync twin, releases it)."""
+    with RedisServer() as server:
+        params = {"BACKEND": BACKEND, "LOCATION": server.url, "KEY_PREFIX": "setnx-paused"}
+        admin = redis.Redis.from_url(server.url)
+        with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "paused": params}):
+            holder = lock(name, ttl=60, backend="paused")
+            assert holder.acquire()
+
+            async def main():
+                waiter = lock(name, ttl=60, backend="paused")
+                waiting = asyncio.ensure_future(waiter.aacquire(timeout=30))
+                await asyncio.sleep(0.3)  # queued
+                await asyncio.to_thread(holder.release)  # handed to the waiter
+                admin.client_pause(2000, all=False)  # write commands wait 2 s
+                waiting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await waiting
+
+            run(main())  # returns after UNDO_PATIENCE; the undo task is cancelled
+            deadline = time.monotonic() + 10
+            while lock(name, backend="paused").locked():
+                assert time.monotonic() < deadline, "held by nobody until its ttl"
+                time.sleep(0.05)
+            assert lock(name, ttl=5, backend="paused").acquire(blocking=False)
+            locks["paused"].close()

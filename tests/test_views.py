@@ -235,6 +235,11 @@ def by_slug(request, slug):
     return HttpResponse("ok")
 
 
+@locked("sem:{slug}", backend=BACKEND, limit=5)
+def sem_by_slug(request, slug):
+    return HttpResponse("ok")
+
+
 class ApiBySlug(APIView):
     @locked("api-slug:{slug}", backend=BACKEND)
     def get(self, request, slug):
@@ -244,6 +249,7 @@ class ApiBySlug(APIView):
 urlpatterns = [
     path("slug/<str:slug>/", by_slug),
     path("api-slug/<str:slug>/", ApiBySlug.as_view()),
+    path("sem-slug/<str:slug>/", sem_by_slug),
     path("cbv/<slug:slug>/", DispatchLocked.as_view()),
     path("cbv-get/<slug:slug>/", HandlerLocked.as_view()),
     path("cbv-async/<slug:slug>/", AsyncHandlerLocked.as_view()),
@@ -556,6 +562,15 @@ def test_a_lock_name_from_the_url_that_no_lock_may_have_is_a_400(url, slug):
     assert client.get(f"{url}fine/").status_code == 200
     response = client.get(f"{url}{slug}/")
     assert response.status_code == 400
+    assert list(locks[BACKEND].list()) == []
+
+
+def test_a_semaphore_name_from_the_url_without_room_for_its_slots_is_a_400():
+    """Review r119: a semaphore's name must leave room for its slots' numbers; a name
+    short enough for a lock but not for that is the client's input too."""
+    client = Client()
+    assert client.get("/sem-slug/fine/").status_code == 200
+    assert client.get(f"/sem-slug/{'x' * 195}/").status_code == 400
     assert list(locks[BACKEND].list()) == []
 
 

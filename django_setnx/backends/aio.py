@@ -21,8 +21,13 @@ can still be lost there in the other commands sent through redis.asyncio's own
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+import functools
+import logging
+import threading
+from collections.abc import Callable, Coroutine
 from typing import Any
+
+logger = logging.getLogger("django_setnx")
 
 
 async def wait_at_most(future: asyncio.Future[Any], timeout: float | None) -> bool:
@@ -82,20 +87,38 @@ UNDO_PATIENCE = 0.5
 _undoing: set[asyncio.Task[Any]] = set()
 
 
-def _done(task: asyncio.Task[Any]) -> None:
+def _done(task: asyncio.Task[Any], if_cancelled: Callable[[], Any] | None) -> None:
     _undoing.discard(task)
     if not task.cancelled():
         task.exception()  # an undo reports its own errors: never "never retrieved"
+        return
+    # Cancelled by the loop's shutdown (asyncio.run and async_to_sync cancel every
+    # task left once their coroutine returns), which may come before the undo is
+    # done: a lock handed to a waiter that gave up would stay held for its ttl. The
+    # sync twin finishes it in a thread of its own, independent of the loop; not a
+    # daemon, so that the interpreter does not exit in the middle of it.
+    if if_cancelled is None:
+        logger.warning("An undo of django-setnx was cancelled before its end")
+        return
+    logger.info("An undo of django-setnx was cancelled; finishing it in a thread")
+    threading.Thread(target=if_cancelled, name="django-setnx-undo", daemon=False).start()
 
 
-async def undo(work: Coroutine[Any, Any, Any], patience: float = UNDO_PATIENCE) -> None:
+async def undo(
+    work: Coroutine[Any, Any, Any],
+    if_cancelled: Callable[[], Any] | None = None,
+    patience: float = UNDO_PATIENCE,
+) -> None:
     """Run ``work`` (an undo, which handles its own errors) to its end in a task of
     its own, waiting for it up to ``patience`` seconds. A cancellation of the caller
-    during that wait propagates at once; ``work`` is never cancelled by it, nor by
-    the caller's earlier cancellation that this undo follows."""
+    during that wait propagates at once; ``work`` is not cancelled by it, nor by the
+    caller's earlier cancellation that this undo follows. If ``work`` is cancelled
+    anyway (the event loop shuts down: its task is cancelled with every other),
+    ``if_cancelled()``, the same undo with sync calls, runs in a thread (it must
+    handle its own errors, and be harmless if ``work`` had done part of it)."""
     task = asyncio.ensure_future(work)
     _undoing.add(task)
-    task.add_done_callback(_done)
+    task.add_done_callback(functools.partial(_done, if_cancelled=if_cancelled))
     await wait_at_most(task, patience)
 
 

@@ -537,7 +537,11 @@ class DatabaseBackend(BaseLockBackend):
             else:
                 # The thread's own: its state goes with the thread (threading.local),
                 # and the connection then, not at a cyclic garbage collection.
-                weakref.finalize(state, _close_thread_connection, wrapper, os.getpid())
+                # Not at interpreter exit: daemon threads (renewals) may still be
+                # running statements on theirs then (review r119).
+                weakref.finalize(
+                    state, _close_thread_connection, wrapper, os.getpid()
+                ).atexit = False
         with self._wrappers_lock:
             self._in_use[wrapper] = self._in_use.get(wrapper, 0) + 1
         try:

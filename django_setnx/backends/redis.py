@@ -91,6 +91,7 @@ Connections of our own client (``LOCATION``) default to a ``socket_timeout`` of
 """
 
 import asyncio
+import functools
 import importlib
 import inspect
 import itertools
@@ -1330,7 +1331,10 @@ class RedisBackend(BaseLockBackend):
                 # As in acquire(): the script may have run. Undo it (also when the
                 # caller was cancelled mid-call), then report: after UNDO_PATIENCE at
                 # most, the undo going on in its own task (see aio.undo).
-                await undo(self._aabandon_quietly(name, token))
+                await undo(
+                    self._aabandon_quietly(name, token),
+                    functools.partial(self._abandon_quietly, name, token),
+                )
                 mark_undone(error)
                 raise
         if won:
