@@ -950,3 +950,32 @@ def test_a_waiter_cancelled_while_its_server_pauses_writes_leaves_the_lock_free(
                 time.sleep(0.05)
             assert lock(name, ttl=5, backend="paused").acquire(blocking=False)
             locks["paused"].close()
+
+
+def test_undos_left_running_on_a_server_that_stopped_answering_do_not_keep_the_process_alive():
+    """Review r120: the sync twins of undos cut short by the loop's shutdown ran in
+    non-daemon threads, and with no socket timeout (CONNECTION_KWARGS) on a server
+    that stopped answering the process never exited. They are waited for
+    TWINS_AT_EXIT (5 s) at exit, then left."""
+    import multiprocessing
+
+    from tests import workers
+
+    spawn = multiprocessing.get_context("spawn")
+    with RedisServer() as server:
+        returned = spawn.Event()
+        child = spawn.Process(
+            target=workers.cancel_waiters_of_a_stopped_server,
+            args=(workers.child_environment(), server.url, server.process.pid, returned),
+        )
+        child.start()
+        try:
+            assert returned.wait(60), "asyncio.run never returned"
+            child.join(30)
+            assert not child.is_alive(), "the process did not exit"
+            assert child.exitcode == 0
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+            if child.is_alive():
+                child.kill()
+                child.join(10)

@@ -295,6 +295,45 @@ def crash_holder_as(env, alias, name, ttl, owner_extra, acquired):
         time.sleep(60)
 
 
+def cancel_waiters_of_a_stopped_server(env, url, server_pid, returned):
+    """Waiters queue on the Redis server at ``url`` through a client with no socket
+    timeout; that server stops answering (SIGSTOP), every waiter is cancelled, and
+    asyncio.run returns. The undos that its shutdown cancels go on in threads (see
+    aio.undo): they must not keep this process from exiting."""
+    _setup(env)
+    import asyncio
+    import signal
+
+    from django.conf import settings
+    from django.test import override_settings
+
+    from django_setnx import lock
+
+    params = {
+        "BACKEND": "django_setnx.backends.redis.RedisBackend",
+        "LOCATION": url,
+        "KEY_PREFIX": "setnx-exit",
+        "OPTIONS": {"CONNECTION_KWARGS": {"socket_timeout": None}},
+    }
+    with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "exit": params}):
+        assert lock("held", ttl=60, backend="exit").acquire()
+
+        async def main():
+            waiters = [
+                asyncio.ensure_future(lock("held", ttl=30, backend="exit").aacquire(timeout=30))
+                for _ in range(5)
+            ]
+            await asyncio.sleep(0.3)  # queued
+            os.kill(server_pid, signal.SIGSTOP)
+            await asyncio.sleep(0.1)
+            for waiter in waiters:
+                waiter.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
+
+        asyncio.run(main())
+    returned.set()
+
+
 def fork_without_hooks():
     """fork(2) through libc, as uWSGI forks its workers by default: the
     ``os.register_at_fork`` hooks do not run in the child. Called through PyDLL,

@@ -21,11 +21,15 @@ can still be lost there in the other commands sent through redis.asyncio's own
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
+
+from ..forksafe import ForkSafeLock
 
 logger = logging.getLogger("django_setnx")
 
@@ -95,13 +99,51 @@ def _done(task: asyncio.Task[Any], if_cancelled: Callable[[], Any] | None) -> No
     # Cancelled by the loop's shutdown (asyncio.run and async_to_sync cancel every
     # task left once their coroutine returns), which may come before the undo is
     # done: a lock handed to a waiter that gave up would stay held for its ttl. The
-    # sync twin finishes it in a thread of its own, independent of the loop; not a
-    # daemon, so that the interpreter does not exit in the middle of it.
+    # sync twin finishes it in a thread of its own, independent of the loop.
     if if_cancelled is None:
         logger.warning("An undo of django-setnx was cancelled before its end")
         return
     logger.info("An undo of django-setnx was cancelled; finishing it in a thread")
-    threading.Thread(target=if_cancelled, name="django-setnx-undo", daemon=False).start()
+    _start_twin(if_cancelled)
+
+
+#: At interpreter exit, the sync twins still running are waited for this long in all
+#: (seconds), then left: a daemon thread each, so that a server that stopped
+#: answering to a client with no socket timeout cannot keep the process from
+#: exiting (review r120).
+TWINS_AT_EXIT = 5.0
+_twins: set[threading.Thread] = set()
+_twins_guard = ForkSafeLock()  # a forked child never waits on its parent's
+_twins_joined_at_exit = False
+
+
+def _start_twin(if_cancelled: Callable[[], Any]) -> None:
+    global _twins_joined_at_exit
+    thread = threading.Thread(
+        target=_run_twin, args=(if_cancelled,), name="django-setnx-undo", daemon=True
+    )
+    with _twins_guard:
+        if not _twins_joined_at_exit:
+            _twins_joined_at_exit = True
+            atexit.register(_join_twins)
+        _twins.add(thread)
+    thread.start()
+
+
+def _run_twin(if_cancelled: Callable[[], Any]) -> None:
+    try:
+        if_cancelled()
+    finally:
+        with _twins_guard:
+            _twins.discard(threading.current_thread())
+
+
+def _join_twins() -> None:
+    deadline = time.monotonic() + TWINS_AT_EXIT
+    with _twins_guard:
+        running = list(_twins)
+    for thread in running:
+        thread.join(max(deadline - time.monotonic(), 0.0))
 
 
 async def undo(
