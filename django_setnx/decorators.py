@@ -503,10 +503,11 @@ def locked(
         if isinstance(name, str) and not _template_roots(name):
             # Nothing filled from the call: a name no lock may have is the code's
             # fault, not the client's (whose requests would all get a 400).
+            literal = name.format()  # "{{" and "}}" are braces of the name
             try:
-                validate_name(name.format())
+                validate_name(literal)
                 if limit is not None:
-                    validate_semaphore_name(name.format(), limit)
+                    validate_semaphore_name(literal, limit)
             except (TypeError, ValueError) as exc:
                 raise ImproperlyConfigured(f"@locked: {exc}") from exc
         dotted = qualname(func)

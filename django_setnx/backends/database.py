@@ -1918,8 +1918,7 @@ def _classify(wrapper, raw, exc):
     statement back), ``_DISCONNECTED`` (the connection is gone), or None."""
     vendor = wrapper.vendor
     if vendor == "postgresql":
-        state = getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None) or ""
-        if state in POSTGRESQL_CONTENTION:
+        if _sqlstate(exc) in POSTGRESQL_CONTENTION:
             return _CONTENTION
         if connection_lost(exc, raw):
             return _DISCONNECTED
@@ -1942,12 +1941,16 @@ POSTGRESQL_OUTRACED = frozenset({"40P01", "40001"})
 MYSQL_OUTRACED = frozenset({1213})
 
 
+def _sqlstate(exc):
+    """A PostgreSQL error's SQLSTATE (psycopg 3: ``sqlstate``, psycopg 2: ``pgcode``)."""
+    return getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None) or ""
+
+
 def _outraced(wrapper, exc):
     """True for a contention error that a concurrent writer of the same rows caused
     (see POSTGRESQL_OUTRACED), not a row lock held for long or a busy SQLite file."""
     if wrapper.vendor == "postgresql":
-        state = getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None) or ""
-        return state in POSTGRESQL_OUTRACED
+        return _sqlstate(exc) in POSTGRESQL_OUTRACED
     if wrapper.vendor == "mysql":
         return bool(exc.args) and exc.args[0] in MYSQL_OUTRACED
     return False
