@@ -423,11 +423,18 @@ class _AsyncConnection:
     its coroutines (see redis_asyncio.InboxWaits)."""
 
     def __init__(self, client, socket_timeout, key_prefix):
-        from .redis_asyncio import IN_FLIGHT, BoundedScript, InboxWaits, ReadDeadlines
+        from .redis_asyncio import (
+            IN_FLIGHT,
+            BoundedScript,
+            CommandSlots,
+            InboxWaits,
+            ReadDeadlines,
+        )
 
         self.client = client
-        slots = asyncio.Semaphore(IN_FLIGHT)
-        deadlines = ReadDeadlines(asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        slots = CommandSlots(IN_FLIGHT, loop)
+        deadlines = ReadDeadlines(loop)
         for attribute, source in ASYNC_SCRIPTS.items():
             setattr(self, attribute, BoundedScript(client, source, slots, deadlines))
         self.max_block = _max_block(socket_timeout)

@@ -109,10 +109,56 @@ def async_client_from(sync_client, connect_check):
     return redis_asyncio.Redis(connection_pool=async_pool)
 
 
+class CommandSlots:
+    """The IN_FLIGHT command slots of one event loop's lock scripts (``async with``
+    takes one), and what became of the last command the server left unanswered.
+
+    A command whose reply did not come within ``socket_timeout`` (:meth:`timed_out`)
+    fails at once, with the same error, every command that was already waiting for a
+    slot when it timed out, instead of each being sent in turn and waiting out a
+    socket timeout of its own. Redis answers a connection's commands in order and
+    runs them one at a time: a server that left one unanswered that long (stopped,
+    partitioned away, stuck in a script) has not answered the ones queued behind it
+    either, and with more callers than slots those waits added up: 200 waiters on a
+    stopped server, 32 slots and a 5 s timeout kept the last one 35 s. Any reply
+    (:meth:`answered`, an error reply included) ends this, and commands that start
+    waiting after the timeout are sent as usual: each of them is the next probe.
+    """
+
+    __slots__ = ("loop", "semaphore", "timed_out_at", "answered_at", "error")
+
+    def __init__(self, count, loop):
+        self.loop = loop
+        self.semaphore = asyncio.Semaphore(count)
+        self.timed_out_at = self.answered_at = float("-inf")  # loop time
+        self.error = None
+
+    async def __aenter__(self):
+        queued_at = self.loop.time()
+        await self.semaphore.acquire()
+        # Strictly after we queued, and not answered since: ours is behind it.
+        if self.timed_out_at > queued_at and self.timed_out_at > self.answered_at:
+            self.semaphore.release()
+            raise redis.exceptions.TimeoutError(
+                f"{self.error} (a lock command queued before this one got no reply "
+                "within socket_timeout; this one was not sent)"
+            )
+
+    async def __aexit__(self, *exc_info):
+        self.semaphore.release()
+
+    def timed_out(self, error):
+        self.timed_out_at = self.loop.time()
+        self.error = error
+
+    def answered(self):
+        self.answered_at = self.loop.time()
+
+
 class BoundedScript:
     """A script of an event loop's client, called with ``EVALSHA`` on a connection of
-    the client's pool, taking one of ``slots`` (an ``asyncio.Semaphore`` of IN_FLIGHT
-    shared by the loop's scripts) while it runs.
+    the client's pool, taking one of ``slots`` (the loop's CommandSlots, shared by
+    its scripts) while it runs.
 
     The command goes straight to the connection (written as ``send_command`` would,
     see _send_packed, and its reply read as ``read_response`` would, with one timer
@@ -152,24 +198,36 @@ class BoundedScript:
 
     async def _call(self, keys, args):
         async with self.slots:
-            connection = await self._take()
             try:
-                if _closed_by_server(connection):
-                    await connection.disconnect()
-                    await connection.connect()
-                try:
-                    return await self._run(connection, keys, args)
-                except redis.exceptions.NoScriptError:
-                    await connection.send_command("SCRIPT", "LOAD", self.source)
-                    await connection.read_response()
-                    return await self._run(connection, keys, args)
+                result = await self._call_on_a_connection(keys, args)
             except redis.exceptions.ResponseError:
-                raise  # Redis answered: the connection is in step
-            except BaseException:
-                await connection.disconnect()
+                self.slots.answered()  # an error reply is an answer
                 raise
-            finally:
-                await self._give_back(connection)
+            except redis.exceptions.TimeoutError as error:  # connect, send or read
+                self.slots.timed_out(error)
+                raise
+            self.slots.answered()
+            return result
+
+    async def _call_on_a_connection(self, keys, args):
+        connection = await self._take()
+        try:
+            if _closed_by_server(connection):
+                await connection.disconnect()
+                await connection.connect()
+            try:
+                return await self._run(connection, keys, args)
+            except redis.exceptions.NoScriptError:
+                await connection.send_command("SCRIPT", "LOAD", self.source)
+                await connection.read_response()
+                return await self._run(connection, keys, args)
+        except redis.exceptions.ResponseError:
+            raise  # Redis answered: the connection is in step
+        except BaseException:
+            await connection.disconnect()
+            raise
+        finally:
+            await self._give_back(connection)
 
     async def _take(self):
         """A connection of the pool, ready to send. Taken from the pool's idle list
