@@ -219,6 +219,32 @@ def test_the_waits_connection_killed_by_the_server_wakes_its_waiters(name):
     admin.close()
 
 
+def test_a_message_that_comes_between_two_waits_is_kept_for_the_next_wait(name):
+    """Review r116: the loop's shared BLPOP took a message for an inbox whose waiter
+    was between two waits (retrying its acquire) and dropped it, so the next wait
+    on that inbox ran its whole period while a lock handed to it stayed
+    unconfirmed. The message is kept, and the next wait returns it at once, once."""
+    location = settings.SETNX_LOCKS["redis"]["LOCATION"]
+    inbox = f"setnx-test:{name}:inbox"
+
+    async def main():
+        client = redis.asyncio.Redis.from_url(location)
+        waits = redis_asyncio.InboxWaits(client, f"setnx-test:{name}:control", max_block=1.0)
+        assert await waits.wait(inbox, 0.2) is None  # the inbox is now covered
+        await client.rpush(inbox, "handed")
+        await asyncio.sleep(0.3)  # the shared BLPOP takes it, with nobody waiting
+        assert await client.llen(inbox) == 0
+        started = time.monotonic()
+        assert await waits.wait(inbox, 5) == b"handed"
+        assert time.monotonic() - started < 0.5
+        assert await waits.wait(inbox, 0.2) is None
+        waits.task.cancel()
+        await asyncio.gather(waits.task, return_exceptions=True)
+        await client.aclose()
+
+    run(main())
+
+
 def test_a_command_the_kernel_cannot_take_at_once_is_bounded_by_the_socket_timeout():
     """Lock commands are written without redis.asyncio's ``wait_for``: one the kernel
     takes whole needs no wait. One it cannot (an owner record of megabytes, to a

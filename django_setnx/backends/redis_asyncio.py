@@ -586,9 +586,13 @@ class InboxWaits:
     BLPOP is sent again with it. Inboxes stay covered for ``GRACE`` after their waiter
     left, so that a waiter retrying its acquire in between changes nothing.
 
-    An inbox message is only a wake-up (the truth is in the lock record), so one that
-    arrives after its waiter left is dropped. If the connection breaks, every waiter is
-    woken: its next acquire finds out what happened.
+    An inbox message is only a wake-up (the truth is in the lock record). One that
+    arrives while its waiter is between two waits (retrying its acquire) is kept for
+    that inbox's next wait, which returns it at once: dropped, it cost the waiter a
+    whole wait period while a lock handed to it stayed unconfirmed (review r116).
+    Kept messages go with their inbox, ``GRACE`` after its last wait. If the
+    connection breaks, every waiter is woken: its next acquire finds out what
+    happened.
     """
 
     GRACE = 5.0
@@ -599,6 +603,7 @@ class InboxWaits:
         self.max_block = max_block
         self.futures = {}  # inbox key (bytes) -> the future of its waiter, or None
         self.last_used = {}  # inbox key -> loop time of its last wait
+        self.kept = {}  # inbox key -> a message that came between its waits
         self.covered = None  # the inbox keys of the BLPOP in flight, None when idle
         self.poked = False  # a poke was sent since that BLPOP was
         self.task = None
@@ -608,6 +613,9 @@ class InboxWaits:
         message, True when the connection broke (the caller should look), or None."""
         key = inbox.encode() if isinstance(inbox, str) else inbox
         loop = asyncio.get_running_loop()
+        if key in self.kept:
+            self.last_used[key] = loop.time()
+            return self.kept.pop(key)
         future = loop.create_future()
         self.futures[key] = future
         self.last_used[key] = loop.time()
@@ -643,6 +651,7 @@ class InboxWaits:
                     if future is None and now - self.last_used[key] > self.GRACE
                 ]:
                     del self.futures[key], self.last_used[key]
+                    self.kept.pop(key, None)
                 if not self.futures:
                     return
                 keys = list(self.futures)
@@ -655,9 +664,12 @@ class InboxWaits:
                 finally:
                     self.covered = None
                 if reply is not None:
-                    future = self.futures.get(reply[0])
+                    key, message = reply
+                    future = self.futures.get(key)
                     if future is not None and not future.done():
-                        future.set_result(reply[1])
+                        future.set_result(message)
+                    elif key in self.futures:  # its waiter is between two waits
+                        self.kept[key] = message
         finally:
             self.covered = None
 
