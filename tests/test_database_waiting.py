@@ -238,6 +238,37 @@ def test_a_killed_waiter_next_in_line_costs_the_others_a_claim(backend_alias, na
     live.release()
 
 
+@pytest.mark.parametrize("backend_alias", DB_ALIASES)
+def test_a_waiter_killed_with_the_holder_costs_the_others_a_claim_after_the_expiry(
+    backend_alias, name, spawn
+):
+    """Review r122: the holder (ttl 2 s) and the waiter next in line are SIGKILLed
+    together (an OOM kill, a host taking both down). On PostgreSQL the dead waiter's
+    place outlived the expiry until PG_NEXT_LAPSE_MS (8 s) after its last renewal,
+    and everyone was refused meanwhile; it now lapses CLAIM_MS after the expiry (on
+    the other databases NEXT_LAPSE_MS after its last attempt, as before)."""
+    acquired = spawn.ctx.Event()
+    holder = spawn(
+        workers.crash_holder, workers.child_environment(), backend_alias, name, 2, acquired
+    )
+    assert acquired.wait(30)
+    info = locks[backend_alias].get(name)
+    expires_at = time.monotonic() + (info.expires_at_ms - info.now_ms) / 1000
+    ready = spawn.ctx.Event()
+    waiter = spawn(workers.queue_and_hang, workers.child_environment(), backend_alias, name, ready)
+    assert ready.wait(30)
+    _queued(backend_alias, name)
+    os.kill(waiter.pid, signal.SIGKILL)
+    os.kill(holder.pid, signal.SIGKILL)
+    waiter.join()
+    holder.join()
+    live = lock(name, ttl=30, backend=backend_alias)
+    assert live.acquire(timeout=20)
+    took = time.monotonic() - expires_at
+    assert took < 1.5, took
+    live.release()
+
+
 @pytest.mark.parametrize("backend_alias", PG)
 def test_a_release_past_a_dead_waiters_lapsed_place_wakes_the_others(backend_alias, name, spawn):
     """The waiter next in line was SIGKILLed and its place has lapsed; a live waiter
@@ -250,11 +281,7 @@ def test_a_release_past_a_dead_waiters_lapsed_place_wakes_the_others(backend_ali
     ready = spawn.ctx.Event()
     dead = spawn(workers.queue_and_hang, workers.child_environment(), backend_alias, name, ready)
     assert ready.wait(30)
-    deadline = time.monotonic() + 10
-    while not (_next_in_line(backend_alias, name) or time.monotonic() > deadline):
-        time.sleep(0.01)
-    dead_token = _next_in_line(backend_alias, name)
-    assert dead_token, "the first waiter never queued"
+    dead_token = _queued(backend_alias, name)
     os.kill(dead.pid, signal.SIGKILL)
     dead.join()
     live, answer = _slow_polling_waiter(spawn, backend_alias, name)
@@ -264,6 +291,16 @@ def test_a_release_past_a_dead_waiters_lapsed_place_wakes_the_others(backend_ali
     released_at = time.time()
     holder.release()
     _assert_woken_within(live, answer, released_at, database.STAND_IN_AFTER)
+
+
+def _queued(backend_alias, name):
+    """The token of the waiter next in line for ``name``, once one is (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while not (_next_in_line(backend_alias, name) or time.monotonic() > deadline):
+        time.sleep(0.01)
+    token = _next_in_line(backend_alias, name)
+    assert token, "no waiter queued"
+    return token
 
 
 def _next_in_line(backend_alias, name):

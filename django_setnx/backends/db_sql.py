@@ -93,11 +93,22 @@ class Dialect:
         # A row whose expiry this backend could not have written (see
         # MAX_PLAUSIBLE_MS: a hand-written year 33715, say) is listed as stale, so it
         # must not block an acquire either.
+        # On PostgreSQL the place next in line outlives its waiter's last renewal by
+        # PG_NEXT_LAPSE_MS (8 s): a waiter killed with the holder (an OOM kill, a host
+        # taking both down) kept the expired lock from everyone that long. Its waiter
+        # wakes at the expiry, so the place gives it CLAIM_MS from the expiry, as
+        # from a release that left it the lock (``release_any``); then anyone may
+        # take the lock.
+        claim_lapsed = (
+            f" OR {{t}}.expires_at <= {{x}}.acquired_at - {CLAIM_MS}"
+            if vendor == "postgresql"
+            else ""
+        )
         self.may_take = (
             f"({{t}}.expires_at <= {{x}}.acquired_at OR {{t}}.expires_at > {MAX_PLAUSIBLE_MS} "
             f"OR {{t}}.acquired_at < 0 OR {{t}}.acquired_at > {MAX_PLAUSIBLE_MS}) "
             "AND ({t}.next_token = '' OR {t}.next_token = {x}.token "
-            f"OR {{t}}.next_seen <= {{x}}.acquired_at - {lapse})"
+            f"OR {{t}}.next_seen <= {{x}}.acquired_at - {lapse}{claim_lapsed})"
         )
         # Leaves a tombstone (see FENCING_RETENTION_MS) that keeps the fencing token:
         # expired since the epoch, so free to an acquiring statement that began before
@@ -224,10 +235,14 @@ class Dialect:
         # the ms until anyone but the waiter next in line may take it: the holder's
         # expiry, or after it (or after a release to that waiter) the end of that
         # waiter's place.
+        place_kept = f"l.next_token <> '' AND l.next_seen > {now} - {lapse}"
+        place_left = f"l.next_seen + {lapse} - {now}"
+        if vendor == "postgresql":  # or CLAIM_MS after the expiry (see may_take)
+            place_kept += f" AND l.expires_at > {now} - {CLAIM_MS}"
+            place_left = f"LEAST(l.next_seen + {lapse}, l.expires_at + {CLAIM_MS}) - {now}"
         until_free = (
             f"CASE WHEN l.expires_at > {now} THEN l.expires_at - {now} "
-            f"WHEN l.next_token <> '' AND l.next_seen > {now} - {lapse} "
-            f"THEN l.next_seen + {lapse} - {now} ELSE 0 END"
+            f"WHEN {place_kept} THEN {place_left} ELSE 0 END"
         )
         self.holder = (
             f"SELECT {remaining.format(t='l', now=now)}, l.token, l.fencing, {until_free} "
