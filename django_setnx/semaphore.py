@@ -15,8 +15,9 @@ them and the common case, a free slot, costs one round trip like a lock. When
 every slot is taken, the caller queues on one of them (woken, or handed the slot,
 when its holder releases) for a slice, then looks at every slot again. The slice
 doubles with each look, from SLOT_WAIT_SLICE to SLOT_WAIT_MAX, so that a long wait
-costs about ``limit`` attempts a second, not ten times that (a thousand waiters
-looking every 0.1 s saturated their event loop and the server).
+costs about ``limit`` / SLOT_WAIT_MAX attempts a second (each look tries every other
+slot), not ten times that (a thousand waiters looking every 0.1 s saturated their
+event loop and the server).
 """
 
 from __future__ import annotations
