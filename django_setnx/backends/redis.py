@@ -423,24 +423,13 @@ class _AsyncConnection:
     its coroutines (see redis_asyncio.InboxWaits)."""
 
     def __init__(self, client, socket_timeout, key_prefix):
-        from .redis_asyncio import (
-            IN_FLIGHT,
-            BoundedScript,
-            CommandSlots,
-            InboxWaits,
-            NotSent,
-            ReadDeadlines,
-        )
+        from .redis_asyncio import IN_FLIGHT, BoundedScript, InboxWaits, ReadDeadlines
 
         self.client = client
-        self.not_sent = NotSent  # the error of a command failed unsent
-        loop = asyncio.get_running_loop()
-        slots = CommandSlots(IN_FLIGHT, loop)
-        deadlines = ReadDeadlines(loop)
+        slots = asyncio.Semaphore(IN_FLIGHT)
+        deadlines = ReadDeadlines(asyncio.get_running_loop())
         for attribute, source in ASYNC_SCRIPTS.items():
-            always_sent = attribute in ("release", "stop_waiting")  # see CommandSlots
-            script = BoundedScript(client, source, slots, deadlines, always_sent)
-            setattr(self, attribute, script)
+            setattr(self, attribute, BoundedScript(client, source, slots, deadlines))
         self.max_block = _max_block(socket_timeout)
         self.waits = InboxWaits(
             client, f"{key_prefix}:waits:{secrets.token_hex(8)}", self.max_block
@@ -1338,12 +1327,6 @@ class RedisBackend(BaseLockBackend):
                     keys=self._keys(name),
                     args=[token, ttl_ms, encode_owner(owner), self.retention_ms, wait_ms],
                 )
-            except conn.not_sent as error:
-                # Never sent (a probe of the server timed out, see CommandSlots): no
-                # undo, which would only queue behind commands that time out. (A
-                # place in line from an earlier attempt lapses by itself, WAITER_MS.)
-                mark_undone(error)
-                raise
             except (*self._network_errors, asyncio.CancelledError) as error:
                 # As in acquire(): the script may have run. Undo it (also when the
                 # caller was cancelled mid-call), then report: after UNDO_PATIENCE at

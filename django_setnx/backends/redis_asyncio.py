@@ -109,127 +109,10 @@ def async_client_from(sync_client, connect_check):
     return redis_asyncio.Redis(connection_pool=async_pool)
 
 
-class _Stall:
-    """The server left a lock command unanswered past its ``socket_timeout``; noted at
-    ``at`` (loop time) with that command's ``error``. ``verdict`` is settled when the
-    next command sent after ``at`` (the probe) ends: True if answered, False if it timed
-    out too, None if it ended otherwise (cancelled, a connection error: another
-    command probes)."""
-
-    __slots__ = ("at", "error", "verdict", "probing")
-
-    def __init__(self, loop, at, error):
-        self.at = at
-        self.error = error
-        self.verdict = loop.create_future()
-        self.probing = False
-
-
-class NotSent(redis.exceptions.TimeoutError):
-    """A lock command failed unsent: it waited for a probe of a server that had
-    stopped answering, and that probe timed out too (see CommandSlots). Nothing it
-    would have written can be there to undo."""
-
-
-def _settle(future, value):
-    if not future.done():
-        future.set_result(value)
-
-
-class CommandSlots:
-    """The IN_FLIGHT command slots of one event loop's lock scripts, and a breaker for
-    a server that stopped answering.
-
-    Once a command got no reply within ``socket_timeout`` (:meth:`timed_out`), the
-    loop's next command is sent alone, as a probe, and the others wait for it
-    (:meth:`take`): if it is answered, they are all sent; if it times out too, they
-    all fail at once with its timeout, unsent, and the next command probes again.
-    Without this, with more callers than slots, each wave of IN_FLIGHT commands
-    waited out a socket timeout of its own after the one before: 192 waiters on a
-    stopped server, 32 slots and a 3 s timeout kept the last one 19.8 s; now a caller
-    waits about two timeouts at most. A server that was only slow (a long script, a
-    fork) answers the probe, and nothing fails that would not have before (failing
-    every queued command at the first timeout did: review r121).
-
-    A timeout after which other commands were answered (one connection went silent,
-    not the server) changes nothing. Commands that free or withdraw (``release``,
-    ``stop_waiting``: ``always_sent``) never wait for a probe and are always sent: one
-    that times out may still run when the server resumes (it reads what the client
-    wrote before closing), where one never sent would leave a lock held by nobody for
-    its ttl. A command failed unsent raises :class:`NotSent`, and an acquire that did
-    has nothing to undo.
-    """
-
-    __slots__ = ("loop", "semaphore", "stall", "answered_at")
-
-    def __init__(self, count, loop):
-        self.loop = loop
-        self.semaphore = asyncio.Semaphore(count)
-        self.stall = None  # a _Stall while the server owes an answer
-        self.answered_at = float("-inf")  # loop time of the last reply
-
-    async def take(self, always_sent=False):
-        """Take a slot for a command, waiting while the server owes an answer (see the
-        class). Returns the _Stall this command is the probe of, or None; give the
-        slot back with :meth:`give_back`. Raises :class:`NotSent` if the probe this
-        command waited for timed out."""
-        while True:
-            await self.semaphore.acquire()
-            stall = self.stall
-            if stall is None or always_sent:
-                return None
-            if not stall.probing:
-                stall.probing = True
-                return stall
-            self.semaphore.release()  # waiting for the probe takes no slot
-            if await asyncio.shield(stall.verdict) is False:
-                raise NotSent(
-                    f"{stall.error} (the server answered no lock command of this event "
-                    "loop within socket_timeout, twice: this one was not sent)"
-                )
-
-    def give_back(self, probe):
-        """Give back the slot :meth:`take` returned ``probe`` with."""
-        self.semaphore.release()
-        if probe is not None:
-            self.probe_ended(probe)
-
-    def answered(self):
-        self.answered_at = self.loop.time()
-        stall = self.stall
-        if stall is not None:
-            self.stall = None
-            _settle(stall.verdict, True)
-
-    def timed_out(self, error, sent_at):
-        """A command sent at ``sent_at`` (loop time) got no reply in time."""
-        if self.answered_at > sent_at:
-            # Other commands were answered since it was sent: its connection alone
-            # went silent (a NAT that dropped its state), not the server.
-            return
-        stall = self.stall
-        if stall is None:
-            self.stall = _Stall(self.loop, self.loop.time(), error)
-        elif sent_at >= stall.at:
-            # Sent after the server fell behind, and still unanswered: fail those
-            # waiting for it, and let the next command probe again.
-            self.stall = _Stall(self.loop, self.loop.time(), error)
-            _settle(stall.verdict, False)
-        # Else it was sent before the stall was noted: it tells nothing new.
-
-    def probe_ended(self, stall):
-        """The probe of ``stall`` ended: if neither answered nor timed out (cancelled
-        before it was sent, a connection error), another waiting command probes."""
-        if self.stall is stall and not stall.verdict.done():
-            waiting, stall.verdict = stall.verdict, self.loop.create_future()
-            stall.probing = False
-            _settle(waiting, None)
-
-
 class BoundedScript:
     """A script of an event loop's client, called with ``EVALSHA`` on a connection of
-    the client's pool, taking one of ``slots`` (the loop's CommandSlots, shared by
-    its scripts) while it runs.
+    the client's pool, taking one of ``slots`` (an ``asyncio.Semaphore`` of IN_FLIGHT
+    shared by the loop's scripts) while it runs.
 
     The command goes straight to the connection (written as ``send_command`` would,
     see _send_packed, and its reply read as ``read_response`` would, with one timer
@@ -245,12 +128,11 @@ class BoundedScript:
     so no reply can reach the next command.
     """
 
-    def __init__(self, client, source, slots, deadlines=None, always_sent=False):
+    def __init__(self, client, source, slots, deadlines=None):
         self.pool = client.connection_pool
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
         self.slots = slots
-        self.always_sent = always_sent  # never held back by the breaker (CommandSlots)
         self.deadlines = deadlines
         self.direct = _can_take_directly(self.pool)
 
@@ -269,42 +151,25 @@ class BoundedScript:
         return result
 
     async def _call(self, keys, args):
-        slots = self.slots
-        probe = await slots.take(self.always_sent)
-        try:
-            sent_at = slots.loop.time()
+        async with self.slots:
+            connection = await self._take()
             try:
-                result = await self._call_on_a_connection(keys, args)
+                if _closed_by_server(connection):
+                    await connection.disconnect()
+                    await connection.connect()
+                try:
+                    return await self._run(connection, keys, args)
+                except redis.exceptions.NoScriptError:
+                    await connection.send_command("SCRIPT", "LOAD", self.source)
+                    await connection.read_response()
+                    return await self._run(connection, keys, args)
             except redis.exceptions.ResponseError:
-                slots.answered()  # an error reply is an answer
-                raise
-            except redis.exceptions.TimeoutError as error:  # connect, send or read
-                slots.timed_out(error, sent_at)
-                raise
-            slots.answered()
-            return result
-        finally:
-            slots.give_back(probe)
-
-    async def _call_on_a_connection(self, keys, args):
-        connection = await self._take()
-        try:
-            if _closed_by_server(connection):
+                raise  # Redis answered: the connection is in step
+            except BaseException:
                 await connection.disconnect()
-                await connection.connect()
-            try:
-                return await self._run(connection, keys, args)
-            except redis.exceptions.NoScriptError:
-                await connection.send_command("SCRIPT", "LOAD", self.source)
-                await connection.read_response()
-                return await self._run(connection, keys, args)
-        except redis.exceptions.ResponseError:
-            raise  # Redis answered: the connection is in step
-        except BaseException:
-            await connection.disconnect()
-            raise
-        finally:
-            await self._give_back(connection)
+                raise
+            finally:
+                await self._give_back(connection)
 
     async def _take(self):
         """A connection of the pool, ready to send. Taken from the pool's idle list
