@@ -322,9 +322,10 @@ class PostgresFunctions:
                 )
             else:
                 logger.info(
-                    "django-setnx's PostgreSQL functions (migration 0004) are not in "
-                    "this database, are another version's or may not be executed: the "
-                    "lock statements are sent as text until they are"
+                    "This version's django-setnx PostgreSQL functions (created by its "
+                    "latest migration, 0005) are not in this database, are another "
+                    "version's or may not be executed: the lock statements are sent as "
+                    "text until they are"
                 )
         return state.functions
 
