@@ -1054,3 +1054,64 @@ def test_undos_left_running_on_a_server_that_stopped_answering_do_not_keep_the_p
             if child.is_alive():
                 child.kill()
                 child.join(10)
+
+
+@pytest.mark.parametrize("call", ["acquire", "aacquire"])
+def test_an_acquire_a_stalled_server_runs_after_its_undo_timed_out_is_undone_once_it_answers(
+    stoppable, call
+):
+    """An acquire that got no answer is undone at once (withdraw, release under its
+    token); against a server still stalled, the undo gets no answer either, and the
+    acquire, which the server had read, ran when it resumed: a lock held by nobody
+    for its whole ttl (30 s here). The undo is now sent again until the server
+    answers it (redis_undo)."""
+    backend, stopped = stoppable
+    name, token = "ghost", "token-of-a-failed-acquire"
+    if call == "acquire":
+        assert backend.acquire("warm", "t", 30, {}).acquired  # a connection to the server
+        assert backend.release("warm", "t")
+        with stopped():
+            with pytest.raises(LockBackendError):
+                backend.acquire(name, token, 30, {})
+            time.sleep(1.0)  # the first undo and a retry or two go unanswered
+    else:
+
+        async def main():
+            assert (await backend.aacquire("warm", "t", 30, {})).acquired  # this loop's
+            assert await backend.arelease("warm", "t")
+            with stopped():
+                with pytest.raises(LockBackendError):
+                    await backend.aacquire(name, token, 30, {})
+                await asyncio.sleep(1.0)
+
+        run(main())
+    # The server ran the acquire when it resumed: its record, or the fence key its
+    # release left, is there.
+    fence_key = lock_keys(backend.key_prefix, name)[1]
+    deadline = time.monotonic() + 10
+    while (backend.get(name) is not None or backend._undo_retries) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert backend.get(name) is None, "the lock is held by nobody until its ttl"
+    assert backend.connection.client.exists(fence_key), "the acquire never ran"
+    assert not backend._undo_retries
+
+
+def test_a_caller_trying_again_with_the_token_of_an_unanswered_undo_keeps_the_lock(
+    stoppable, monkeypatch
+):
+    """The acquire is idempotent for its token: a caller may try again with the
+    token of an attempt that failed. The undo of that attempt, if still pending, is
+    taken back first, so the lock the caller wins is not released behind it."""
+    from django_setnx.backends import redis_undo
+
+    monkeypatch.setattr(redis_undo, "FIRST_DELAY", 0.5)
+    backend, _ = stoppable
+    name, token = "retried", "token-tried-again"
+    backend._retry_undo(name, token, 30)  # as after an undo that got no answer
+    assert backend._undo_retries.has(token)
+    assert backend.acquire(name, token, 30, {}).acquired
+    time.sleep(1.5)  # past the undo's first retry
+    assert backend.owns(name, token), "the undo released the lock won again"
+    assert not backend._undo_retries

@@ -136,6 +136,7 @@ from .redis_eviction import (
     unknown_policy_refusal,
 )
 from .redis_scripts import MAX_SCRIPT_MS, WAITER_MS
+from .redis_undo import UndoRetries
 
 try:
     import redis
@@ -1013,6 +1014,9 @@ class RedisBackend(BaseLockBackend):
         self._watch = None  # the _SharedPoolWatch of OPTIONS["CACHE"]'s pool, once connected
         #: id(event loop) -> (loop, pid, _AsyncConnection or None): see _aconnection.
         self._async_conns = {}
+        #: The undos of failed acquires that the server did not answer (redis_undo),
+        #: made at the first.
+        self._undo_retries = None
 
     # -- configuration ------------------------------------------------------------
 
@@ -1321,6 +1325,11 @@ class RedisBackend(BaseLockBackend):
             return await super().aacquire(name, token, ttl, owner, wait)
         ttl_ms = self.check_ttl(ttl)
         wait_ms = -1 if wait is None else int(min(max(wait, 0), WAITER_MS / 1000) * 1000)
+        retries = self._undo_retries
+        if retries is not None and retries.has(token):
+            # Trying again with that token (see redis_undo): in a thread, since an
+            # attempt of the undo being sent now is waited for.
+            await asyncio.to_thread(retries.withdraw, token)
         with _ReportedAs(self, "acquire", name, shared=False):
             try:
                 won, value = await conn.acquire(
@@ -1332,8 +1341,8 @@ class RedisBackend(BaseLockBackend):
                 # caller was cancelled mid-call), then report: after UNDO_PATIENCE at
                 # most, the undo going on in its own task (see aio.undo).
                 await undo(
-                    self._aabandon_quietly(name, token),
-                    functools.partial(self._abandon_quietly, name, token),
+                    self._aabandon_quietly(name, token, ttl_ms / 1000),
+                    functools.partial(self._abandon_quietly, name, token, ttl_ms / 1000),
                 )
                 mark_undone(error)
                 raise
@@ -1341,12 +1350,16 @@ class RedisBackend(BaseLockBackend):
             return AcquireResult.won(value)
         return AcquireResult.lost(retry_after=value / 1000)
 
-    async def _aabandon_quietly(self, name, token):
+    async def _aabandon_quietly(self, name, token, ttl):
+        """Async twin of :meth:`_abandon_quietly` (the retries are sync: a thread of
+        the process, not a task of this loop, which may end before the server
+        answers)."""
         try:
             await self.astop_waiting(name, token)
             await self.arelease(name, token)
-        except Exception:  # noqa: BLE001 - the original error is the one to report
-            pass
+        except Exception as error:  # noqa: BLE001 - the original error is the one to report
+            if self._unanswered(error):
+                self._retry_undo(name, token, ttl)
 
     async def arelease(self, name, token):
         """Async twin of :meth:`release`."""
@@ -1450,6 +1463,9 @@ class RedisBackend(BaseLockBackend):
         # The script caps the wait at WAITER_MS anyway; capping here keeps an absurd
         # one (a timeout of 1e20 s) a valid argument.
         wait_ms = -1 if wait is None else int(min(max(wait, 0), WAITER_MS / 1000) * 1000)
+        retries = self._undo_retries
+        if retries is not None and retries.has(token):
+            retries.withdraw(token)  # trying again with that token: see redis_undo
         with self._errors_as("acquire", name):
             conn = self.connection
             try:
@@ -1462,7 +1478,7 @@ class RedisBackend(BaseLockBackend):
                 # from the queue, release what we may hold) so no ghost lock blocks
                 # others for a whole ttl, then report the failure (the Lock does not
                 # undo it again: see aio.mark_undone).
-                self._abandon_quietly(name, token)
+                self._abandon_quietly(name, token, ttl_ms / 1000)
                 mark_undone(error)
                 raise
         if won:
@@ -1484,13 +1500,53 @@ class RedisBackend(BaseLockBackend):
             )
         return AcquireResult.won(fencing) if granted else None
 
-    def _abandon_quietly(self, name, token):
-        """Best effort, after an error: leave the queue and release whatever we hold."""
+    def _abandon_quietly(self, name, token, ttl):
+        """After an acquire that got no answer: leave the queue and release whatever
+        we hold. An undo that gets no answer either is sent again later, until the
+        server answers it (see redis_undo); its errors are never raised (the
+        acquire's is the one to report)."""
+        try:
+            answered = self._undo_once(name, token)
+        except Exception:  # noqa: BLE001 - answered, with an error: nothing to retry
+            return
+        if not answered:
+            self._retry_undo(name, token, ttl)
+
+    def _undo_once(self, name, token):
+        """Withdraw ``token`` from ``name``'s queue and release what it may hold.
+        Returns True if the server answered, False if it did not (see
+        :meth:`_unanswered`); raises for an answer that is an error."""
         try:
             self.stop_waiting(name, token)
             self._release(self.connection, name, token)
-        except Exception:  # noqa: BLE001 - the original error is the one to report
-            pass
+        except Exception as error:
+            if self._unanswered(error):
+                return False
+            raise
+        return True
+
+    def _unanswered(self, error):
+        """True if ``error`` (or the error it was raised from) says the server did not
+        run the command, or may not have: a timeout, a broken connection, a server
+        still loading its data (BusyLoadingError is a ConnectionError) or busy with
+        a script (BUSY)."""
+        for _ in range(3):
+            if isinstance(error, self._network_errors):
+                return True
+            if isinstance(error, redis.exceptions.ResponseError) and str(error).startswith("BUSY"):
+                return True
+            error = error.__cause__
+            if error is None:
+                return False
+        return False
+
+    def _retry_undo(self, name, token, ttl):
+        """Hand the undo of ``token``'s acquire of ``name`` to this process' retries."""
+        with self._conn_lock:
+            retries = self._undo_retries
+            if retries is None:
+                retries = self._undo_retries = UndoRetries(self.alias, self._undo_once)
+        retries.add(name, token, ttl)
 
     def _release(self, conn, name, token):
         return bool(
