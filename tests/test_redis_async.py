@@ -1115,3 +1115,35 @@ def test_a_caller_trying_again_with_the_token_of_an_unanswered_undo_keeps_the_lo
     time.sleep(1.5)  # past the undo's first retry
     assert backend.owns(name, token), "the undo released the lock won again"
     assert not backend._undo_retries
+
+
+def test_undos_pending_on_a_silent_server_are_sent_one_at_a_time_then_all_once_it_answers():
+    """Thousands of acquires may fail at once (asyncio waiters on a stalled or
+    restarting server): their undos must not flood a server that does not answer,
+    each sent again on its own schedule (a server that refuses connections fails
+    each attempt at once). One is sent at a time, with backoff; once the server
+    answers, the others follow at once."""
+    with RedisServer() as server:
+        backend = backend_on(server, "down", socket_timeout=SOCKET_TIMEOUT)
+        try:
+            assert backend.acquire("warm", "t", 30, {}).acquired
+            assert backend.release("warm", "t")
+            server.stop()  # connections refused: every attempt fails at once
+            backend._retry_undo("first", "token-0", 30)
+            retries = backend._undo_retries
+            attempts = []
+            send = retries._undo_once
+            retries._undo_once = lambda name, token: attempts.append(token) or send(name, token)
+            for i in range(1, 200):
+                backend._retry_undo(f"lock{i}", f"token-{i}", 30)
+            time.sleep(3.0)
+            # Backoff of 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s: five attempts in 3 s.
+            assert 1 <= len(attempts) <= 6, len(attempts)
+            server.start()
+            deadline = time.monotonic() + 10
+            while retries and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not retries, f"{len(retries)} undos still pending"
+            assert len(set(attempts)) == 200
+        finally:
+            backend.close()

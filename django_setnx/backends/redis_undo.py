@@ -38,9 +38,12 @@ logger = logging.getLogger("django_setnx")
 #: for its ttl. A server that answers none of them in that time and then runs the
 #: acquire leaves its lock held by nobody until its ttl, as before.
 RETRY_FOR = 300.0
-#: The first wait before sending an undo again (seconds), doubled after each
-#: unanswered attempt up to MAX_DELAY: a stalled server gets a command every
-#: MAX_DELAY seconds from each process at most, plus the attempt's own socket timeout.
+#: The wait before sending the undos again after one went unanswered (seconds),
+#: doubled after each unanswered attempt up to MAX_DELAY, and back to FIRST_DELAY once
+#: one is answered. One undo is sent at a time: while the server is silent, each
+#: process sends it one command every MAX_DELAY seconds at most (plus the attempt's
+#: own socket timeout), however many undos are pending; once it answers, the others
+#: follow back to back.
 FIRST_DELAY = 0.1
 MAX_DELAY = 2.0
 #: Unanswered undos kept per backend and process; beyond that the oldest is dropped,
@@ -49,29 +52,30 @@ MAX_PENDING = 10_000
 
 
 class _Pending:
-    """One unanswered undo: the lock's record name, when it was handed over and when
-    to give up (monotonic), when to send it next, and the wait after that."""
+    """One unanswered undo: the lock's record name, and when it was handed over and
+    when to give up (monotonic)."""
 
-    __slots__ = ("delay", "due", "give_up_at", "name", "since")
+    __slots__ = ("give_up_at", "name", "since")
 
     def __init__(self, name: str, since: float, give_up_at: float) -> None:
         self.name = name
         self.since = since
         self.give_up_at = give_up_at
-        self.due = since + FIRST_DELAY
-        self.delay = FIRST_DELAY
 
 
 class _State:
-    """This process' undos (a forked child starts with none: its parent retries
+    """This process' undos (a forked child starts with none: its parent sends
     them)."""
 
     def __init__(self) -> None:
         self.condition = threading.Condition()
-        self.pending: dict[str, _Pending] = {}  # token -> undo, oldest first
+        self.pending: dict[str, _Pending] = {}  # token -> undo, next to send first
         self.thread: threading.Thread | None = None
         self.in_flight: str | None = None  # the token being sent now
         self.withdrawn_in_flight = False
+        self.silent_until = 0.0  # no undo is sent before (monotonic)
+        self.delay = FIRST_DELAY  # the next silence's
+        self.dropped = 0  # undos dropped past MAX_PENDING
 
 
 class UndoRetries:
@@ -98,17 +102,22 @@ class UndoRetries:
             pending = state.pending
             pending.pop(token, None)
             if len(pending) >= MAX_PENDING:
-                oldest = next(iter(pending))
-                dropped = pending.pop(oldest)
-                logger.warning(
-                    "Lock backend %r: more than %d undos unanswered; gave up the undo of "
-                    "lock %r (if its acquire ran, the lock is held by nobody until its ttl)",
-                    self.alias,
-                    MAX_PENDING,
-                    dropped.name,
-                )
+                dropped = pending.pop(next(iter(pending)))  # the oldest
+                state.dropped += 1
+                if state.dropped % 1000 == 1:  # the first, then one in a thousand
+                    logger.warning(
+                        "Lock backend %r: more than %d undos unanswered; gave up %d, "
+                        "the last of lock %r (if its acquire ran, the lock is held by "
+                        "nobody until its ttl)",
+                        self.alias,
+                        MAX_PENDING,
+                        state.dropped,
+                        dropped.name,
+                    )
             pending[token] = _Pending(name, now, now + max(RETRY_FOR, ttl))
             if state.thread is None:
+                # Its first undo just went unanswered: the server is silent.
+                state.silent_until = now + state.delay
                 state.thread = threading.Thread(
                     target=self._run, args=(state,), name="django-setnx-undo-retry", daemon=True
                 )
@@ -143,13 +152,14 @@ class UndoRetries:
             with condition:
                 if not state.pending:
                     state.thread = None
+                    state.delay = FIRST_DELAY
                     return
-                token, undo = min(state.pending.items(), key=lambda item: item[1].due)
-                wait = undo.due - time.monotonic()
+                wait = state.silent_until - time.monotonic()
                 if wait > 0:
                     condition.wait(wait)
                     continue
-                del state.pending[token]
+                token = next(iter(state.pending))
+                undo = state.pending.pop(token)
                 state.in_flight = token
                 state.withdrawn_in_flight = False
             answered = self._send(undo.name, token)
@@ -157,22 +167,29 @@ class UndoRetries:
                 state.in_flight = None
                 withdrawn = state.withdrawn_in_flight
                 condition.notify_all()
-                if answered or withdrawn:
+                if answered:
+                    state.delay = FIRST_DELAY  # the others are sent right away
                     continue
                 now = time.monotonic()
-                if now >= undo.give_up_at:
-                    logger.warning(
-                        "Lock backend %r: the server did not answer the undo of a failed "
-                        "acquire of lock %r in %.0f s; gave up (if the acquire ran, the "
-                        "lock is held by nobody until its ttl)",
-                        self.alias,
-                        undo.name,
-                        now - undo.since,
-                    )
-                    continue
-                undo.due = now + undo.delay
-                undo.delay = min(undo.delay * 2, MAX_DELAY)
-                state.pending.setdefault(token, undo)
+                state.silent_until = now + state.delay
+                state.delay = min(state.delay * 2, MAX_DELAY)
+                if not withdrawn:
+                    state.pending[token] = undo  # behind the others
+                self._give_up_expired(state, now)
+
+    def _give_up_expired(self, state: _State, now: float) -> None:
+        """Drop the undos sent in vain for their whole time (under the condition)."""
+        expired = [token for token, undo in state.pending.items() if now >= undo.give_up_at]
+        for token in expired:
+            undo = state.pending.pop(token)
+            logger.warning(
+                "Lock backend %r: the server did not answer the undo of a failed acquire "
+                "of lock %r in %.0f s; gave up (if the acquire ran, the lock is held by "
+                "nobody until its ttl)",
+                self.alias,
+                undo.name,
+                now - undo.since,
+            )
 
     def _send(self, name: str, token: str) -> bool:
         """One attempt; True if it is over (answered, or answered with an error)."""
