@@ -41,8 +41,8 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
-from asgiref.sync import iscoroutinefunction
-from django.core.exceptions import BadRequest, ImproperlyConfigured
+from asgiref.sync import iscoroutinefunction, sync_to_async
+from django.core.exceptions import BadRequest, ImproperlyConfigured, SynchronousOnlyOperation
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views import View
 
@@ -134,6 +134,26 @@ def call_signature(func: Callable[..., Any]) -> inspect.Signature:
     return inspect.signature(func)
 
 
+def _bound_instance(func: Callable[..., Any]) -> tuple[str, Any] | None:
+    """``(name of the method's first parameter, instance)`` for the per-call
+    ``functools.partial`` of a bound method that Django's ``method_decorator`` makes
+    (also behind other decorators), else None: the template may refer to that
+    instance as the method itself does (``{self.kwargs[pk]}``), though the call
+    passes it bound, not as an argument."""
+    target: Any = func
+    seen = set()
+    while target is not None and id(target) not in seen:
+        seen.add(id(target))
+        if isinstance(target, functools.partial):
+            inner = target.func
+            if inspect.ismethod(inner) and not target.args and not target.keywords:
+                first = next(iter(inspect.signature(inner.__func__).parameters), None)
+                return None if first is None else (first, inner.__self__)
+            return None
+        target = getattr(target, "__wrapped__", None)
+    return None
+
+
 def _is_async_view_dispatch(func: Callable[..., Any]) -> bool:
     """True for the per-call partial of an async class-based view's method that is
     itself sync and returns the handler's coroutine (``View.dispatch`` of a view whose
@@ -154,6 +174,7 @@ class LockName:
         self.func = func
         self.template = template
         self.signature = call_signature(func)
+        self.instance = None if callable(template) else _bound_instance(func)
         if callable(template):
             return
         if not isinstance(template, str) or not template:
@@ -163,7 +184,9 @@ class LockName:
             )
         params = self.signature.parameters
         takes_any_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        unknown = _template_roots(template) - set(params)
+        unknown = set(_template_roots(template)) - set(params)
+        if self.instance is not None:
+            unknown.discard(self.instance[0])
         if unknown and not takes_any_keyword:
             raise ImproperlyConfigured(
                 f"Lock name template {template!r} refers to {', '.join(sorted(unknown))}, "
@@ -184,6 +207,8 @@ class LockName:
         for param in self.signature.parameters.values():
             if param.kind is param.VAR_KEYWORD:
                 arguments.update(arguments.pop(param.name, {}))
+        if self.instance is not None:
+            arguments.setdefault(*self.instance)
         try:
             return _formatter.vformat(self.template, (), arguments)
         except (KeyError, AttributeError, IndexError, LookupError) as exc:
@@ -433,9 +458,12 @@ def locked(
     views, class-based ones through ``method_decorator``. The owner record says what
     is guarded: the view's method and path, or the function's dotted name.
     """
-    validate_timeout(timeout)
     # Checked here, not on the first call, which may be a rare contended one in
     # production: everything but the backend alias, which names a setting read lazily.
+    try:
+        validate_timeout(timeout)
+    except (TypeError, ValueError) as exc:
+        raise ImproperlyConfigured(f"@locked: {exc}") from exc
     if ttl is not None:
         try:
             validate_ttl(ttl)
@@ -643,6 +671,20 @@ def _function_wrapper(
     return wrapper
 
 
+async def _abegin(
+    begin: _Begin, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[Lock | None, Any, HttpRequest | None]:
+    """``begin(args, kwargs)`` for an async callable: in the event loop, unless the
+    name needs the database (``{request.user.pk}`` loads the session's user: Django
+    refuses that in an event loop), then in a thread, as Django runs sync code for
+    an async view (review r126: every logged-in request was a 500). Building a name
+    only reads the arguments, so building it again is harmless."""
+    try:
+        return begin(args, kwargs)
+    except SynchronousOnlyOperation:
+        return await sync_to_async(begin, thread_sensitive=True)(args, kwargs)
+
+
 def _coroutine_wrapper(
     func: Callable[..., Any],
     begin: _Begin,
@@ -654,7 +696,7 @@ def _coroutine_wrapper(
 
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        lk, request, http_request = begin(args, kwargs)
+        lk, request, http_request = await _abegin(begin, args, kwargs)
         if lk is None or deferred_lock(lk) is not None:
             result = func(*args, **kwargs)
             return await result if inspect.isawaitable(result) else result
@@ -733,7 +775,7 @@ def _async_generator_wrapper(
 ) -> Callable[..., Any]:
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
-        lk, request, _ = begin(args, kwargs)
+        lk, request, _ = await _abegin(begin, args, kwargs)
         if lk is None or deferred_lock(lk) is not None:
             async for item in _delegate(func(*args, **kwargs)):
                 yield item

@@ -1302,6 +1302,8 @@ def test_an_async_call_that_finds_every_shared_connection_busy_fails_clearly(
         ({"HEALTH_CHECK_AFTER": -1}, "HEALTH_CHECK_AFTER"),
         ({"HEALTH_CHECK_AFTER": True}, "HEALTH_CHECK_AFTER"),
         ({"LOCAL_WAKEUPS": "no"}, "LOCAL_WAKEUPS"),
+        ({"SQLITE_WAL": "False"}, "SQLITE_WAL"),  # review r126: switched to WAL for good
+        ({"SQLITE_WAL": 0}, "SQLITE_WAL"),
         ({"PREPARED_STATEMENTS": "yes"}, "PREPARED_STATEMENTS"),
         ({"PREPARED_STATEMENTS": 1}, "PREPARED_STATEMENTS"),
         ({"SQLITE_SYNCHRONOUS": "OFF"}, "SQLITE_SYNCHRONOUS"),
@@ -1316,6 +1318,18 @@ def test_bad_connection_options_are_named(options, named):
         DatabaseBackend("bad", params)
     errors = DatabaseBackend.check_params("bad", params)
     assert [e.id for e in errors] == ["django_setnx.E022"] and named in errors[0].msg
+
+
+@pytest.mark.no_db
+@pytest.mark.parametrize("key", ["KEY_PREFIX", "LOCATION"])
+def test_redis_only_settings_on_a_database_alias_are_reported_as_ignored(key):
+    """Review r126: an alias moved from Redis kept KEY_PREFIX, which the database
+    backend ignores (two projects sharing a database would share their locks)."""
+    params = {key: "project-a", "OPTIONS": {"DATABASE": "default"}}
+    errors = DatabaseBackend.check_params("moved", params)
+    assert [e.id for e in errors] == ["django_setnx.W022"]
+    assert f"'moved'][{key!r}] is ignored" in errors[0].msg
+    assert DatabaseBackend.check_params("moved", {"OPTIONS": {"DATABASE": "default"}}) == []
 
 
 @pytest.mark.no_db

@@ -181,8 +181,11 @@ def test_bad_decorator_arguments():
         match="on_contention must be 'raise', 'skip' or a callable, got 'ignore'",
     ):
         locked("x", on_contention="ignore")
-    with pytest.raises(ValueError, match="got -1.0"):
+    # Review r126: a ValueError, where every other bad argument is ImproperlyConfigured.
+    with pytest.raises(ImproperlyConfigured, match="@locked: .*got -1.0"):
         locked("x", timeout=-1)
+    with pytest.raises(ImproperlyConfigured, match="@locked: .*nan"):
+        locked("x", timeout=float("nan"))
     with pytest.raises(ImproperlyConfigured, match="positional field"):
         locked("x:{}")(lambda a: a)
 

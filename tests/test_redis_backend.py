@@ -640,6 +640,8 @@ def test_check_params_accepts_valid_settings():
     [
         ({}, "E011"),
         ({"LOCATION": ""}, "E011"),
+        ({"LOCATION": "http://h/0"}, "E011"),  # review r126: passed, failed the first lock
+        ({"LOCATION": "redis://h:port/0"}, "E011"),
         ({"LOCATION": "redis://h/0", "OPTIONS": {"CACHE": "default"}}, "E012"),
         ({"LOCATION": "redis://h/0", "KEY_PREFIX": ""}, "E013"),
         ({"LOCATION": "redis://h/0", "KEY_PREFIX": 5}, "E013"),
@@ -687,6 +689,28 @@ def test_a_key_prefix_with_braces_is_refused_by_the_backend_too(backend_path, lo
             "x", {"BACKEND": backend_path, "LOCATION": location, "KEY_PREFIX": prefix}
         )
     assert repr(prefix) in str(refused.value)
+
+
+def test_a_cache_that_is_not_django_redis_is_refused_by_the_checks():
+    """Review r126: OPTIONS['CACHE'] naming a locmem cache passed the checks and
+    failed the first lock."""
+    with override_settings(
+        CACHES={"local": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+    ):
+        errors = RedisBackend.check_params(
+            "x", {"BACKEND": BACKEND, "OPTIONS": {"CACHE": "local"}}
+        )
+    assert [e.id for e in errors] == ["django_setnx.E016"]
+    assert "is not a django-redis cache" in errors[0].msg and "'local'" in errors[0].msg
+
+
+def test_a_location_redis_py_cannot_read_is_a_configuration_error_naming_the_alias():
+    """Review r126: the first lock raised redis-py's bare ValueError. The password
+    of the URL is not repeated."""
+    backend = RedisBackend("bad-url", {"BACKEND": BACKEND, "LOCATION": "http://:secret@h/0"})
+    with pytest.raises(ImproperlyConfigured, match=r"SETNX_LOCKS\['bad-url'\]") as refused:
+        backend.owns("name", "token")
+    assert "secret" not in str(refused.value)
 
 
 def test_an_unknown_option_is_left_to_the_system_checks_warning():

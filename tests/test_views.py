@@ -246,7 +246,30 @@ class ApiBySlug(APIView):
         return Response({"ok": True})
 
 
+@locked("auser:{request.user.pk}", backend=BACKEND)
+async def async_by_user(request):
+    """Review r126: an async view whose lock name reads the session's user (a query)."""
+    SEEN["async_user"] = held(f"auser:{request.user.pk}")
+    return HttpResponse("user ok")
+
+
+@method_decorator(locked("self:{self.kwargs[slug]}", backend=BACKEND), name="dispatch")
+class SelfLocked(View):
+    """Review r126: a template naming the view instance through method_decorator."""
+
+    def get(self, request, slug):
+        SEEN["self"] = held(f"self:{slug}")
+        return HttpResponse("self ok")
+
+    @method_decorator(locked("self-post:{self.kwargs[slug]}", backend=BACKEND))
+    def post(self, request, slug):
+        SEEN["self_post"] = held(f"self-post:{slug}")
+        return HttpResponse("self post ok")
+
+
 urlpatterns = [
+    path("auser/", async_by_user),
+    path("self/<slug:slug>/", SelfLocked.as_view()),
     path("slug/<str:slug>/", by_slug),
     path("api-slug/<str:slug>/", ApiBySlug.as_view()),
     path("sem-slug/<str:slug>/", sem_by_slug),
@@ -579,3 +602,38 @@ def test_unlocked_methods_must_be_a_sequence_of_names():
 
     with pytest.raises(ImproperlyConfigured, match="'OPTIONS'"):
         locked("x", unlocked_methods="OPTIONS")
+
+
+def test_an_async_view_may_name_its_lock_from_the_logged_in_user():
+    """Review r126: ``{request.user.pk}`` loads the session's user, a query, which
+    Django refuses in an event loop: every logged-in request was a 500. The name is
+    now built in a thread when it needs the database."""
+    from django.contrib.auth.models import User
+
+    user = User.objects.create_user("r126-async-user")
+    try:
+        client = AsyncClient()
+        client.force_login(user)
+        response = asyncio.run(client.get("/auser/"))
+        assert response.status_code == 200 and SEEN["async_user"] is True
+        assert not held(f"auser:{user.pk}")
+        with lock(f"auser:{user.pk}", ttl=30, backend=BACKEND):
+            assert asyncio.run(client.get("/auser/")).status_code == 409
+        anonymous = asyncio.run(AsyncClient().get("/auser/"))
+        assert anonymous.status_code == 200  # request.user.pk is None: "auser:None"
+    finally:
+        user.delete()
+
+
+@pytest.mark.parametrize("method, name", [("get", "self:s1"), ("post", "self-post:s1")])
+def test_a_template_may_name_the_view_instance_through_method_decorator(method, name):
+    """Review r126: ``{self.kwargs[pk]}`` on dispatch (a ValueError) or on a handler
+    (ImproperlyConfigured) failed every request: method_decorator passes the method
+    bound, so ``self`` is not among the call's arguments; it is taken from the bound
+    method."""
+    client = Client()
+    response = getattr(client, method)("/self/s1/")
+    assert response.status_code == 200
+    assert SEEN["self" if method == "get" else "self_post"] is True
+    with lock(name, ttl=30, backend=BACKEND):
+        assert getattr(client, method)("/self/s1/").status_code == 409

@@ -275,7 +275,7 @@ class DatabaseBackend(BaseLockBackend):
         self._wrapper_class = None
         self._channel = None
         self.database = self.options.get("DATABASE", "default")
-        self.sqlite_wal = bool(self.options.get("SQLITE_WAL", True))
+        self.sqlite_wal = self.options.get("SQLITE_WAL", True)
         # None: NORMAL, unless the database's own init_command sets it (see _connect).
         synchronous = self.options.get("SQLITE_SYNCHRONOUS")
         self.sqlite_synchronous = None if synchronous is None else str(synchronous).upper()
@@ -345,6 +345,24 @@ class DatabaseBackend(BaseLockBackend):
             checks.Error(problem, id="django_setnx.E022")
             for problem in _option_problems(alias, options)
         ]
+        for key in ("KEY_PREFIX", "LOCATION"):
+            if params.get(key) is not None:
+                # Accepted by every backend (handler.py), used only by Redis': an alias
+                # moved from Redis keeps them, and KEY_PREFIX would seem to separate
+                # two projects' locks in one database.
+                errors.append(
+                    checks.Warning(
+                        f"SETNX_LOCKS[{alias!r}][{key!r}] is ignored by the database "
+                        f"backend: its locks are rows of the django_setnx_lock table of "
+                        f"database {options.get('DATABASE', 'default')!r}, named as given.",
+                        hint=(
+                            "Remove it. To keep two projects' locks apart in one database, "
+                            "give each a database of its own (OPTIONS['DATABASE']), or "
+                            "prefix the lock names."
+                        ),
+                        id="django_setnx.W022",
+                    )
+                )
         database = options.get("DATABASE", "default")
         if database not in getattr(settings, "DATABASES", {}):
             return errors + [
@@ -1600,7 +1618,7 @@ def _holder_result(token, holder):
 
 def _option_problems(alias, options):
     """Messages for invalid ``OPERATION_TIMEOUT``, ``HEALTH_CHECK_AFTER``,
-    ``STALE_RETENTION``, ``SQLITE_SYNCHRONOUS``, ``LOCAL_WAKEUPS``,
+    ``STALE_RETENTION``, ``SQLITE_SYNCHRONOUS``, ``LOCAL_WAKEUPS``, ``SQLITE_WAL``,
     ``ASYNC_CONNECTIONS`` and ``PREPARED_STATEMENTS`` values."""
     problems = []
     where = f"SETNX_LOCKS[{alias!r}]['OPTIONS']"
@@ -1628,9 +1646,12 @@ def _option_problems(alias, options):
             f"{where}['SQLITE_SYNCHRONOUS'] must be one of "
             f"{', '.join(map(repr, SQLITE_SYNCHRONOUS))}, got {synchronous!r}."
         )
-    local_wakeups = options.get("LOCAL_WAKEUPS", True)
-    if not isinstance(local_wakeups, bool):
-        problems.append(f"{where}['LOCAL_WAKEUPS'] must be True or False, got {local_wakeups!r}.")
+    for flag in ("LOCAL_WAKEUPS", "SQLITE_WAL"):
+        # Strictly a bool: the string "False" (a setting read from the environment)
+        # would be true, and switch the database file to WAL for good.
+        value = options.get(flag, True)
+        if not isinstance(value, bool):
+            problems.append(f"{where}[{flag!r}] must be True or False, got {value!r}.")
     shared = options.get("ASYNC_CONNECTIONS", DEFAULT_ASYNC_CONNECTIONS)
     if not isinstance(shared, int) or isinstance(shared, bool) or shared < 1:
         problems.append(

@@ -1055,6 +1055,17 @@ class RedisBackend(BaseLockBackend):
                 "E011",
                 f"{where}['LOCATION'] must be a non-empty redis:// URL string, got {location!r}.",
             )
+        elif location is not None and redis is not None and "CLIENT_CLASS" not in options:
+            # What redis.Redis.from_url will make of it, without connecting (review
+            # r126: an http:// URL or a port that is not a number passed the checks
+            # and failed the first lock). The message never repeats the URL: it may
+            # hold a password. A CLIENT_CLASS may take other URLs.
+            from redis.connection import parse_url
+
+            try:
+                parse_url(location)
+            except ValueError as exc:
+                error("E011", f"{where}['LOCATION'] is not a Redis URL: {exc}.")
         prefix_problem = key_prefix_problem(params.get("KEY_PREFIX", DEFAULT_KEY_PREFIX))
         if prefix_problem is not None:
             error("E013", f"{where}['KEY_PREFIX'] {prefix_problem}.")
@@ -1069,7 +1080,7 @@ class RedisBackend(BaseLockBackend):
                     f"{where}['OPTIONS']['{option}'] must be a positive number of "
                     f"seconds, got {options[option]!r}.",
                 )
-        if cache is not None:
+        if cache is not None and location is None:
             from django.conf import settings
 
             if cache not in getattr(settings, "CACHES", {}):
@@ -1080,13 +1091,29 @@ class RedisBackend(BaseLockBackend):
                 )
             else:
                 try:
-                    import django_redis  # noqa: F401
+                    from django_redis.cache import RedisCache
                 except ImportError:
                     error(
                         "E016",
                         f"{where}['OPTIONS']['CACHE'] needs django-redis, which is not installed.",
                         hint="pip install django-setnx[django-redis]",
                     )
+                else:
+                    cache_backend = settings.CACHES[cache].get("BACKEND", "")
+                    try:
+                        cache_class = import_dotted(cache_backend)
+                    except ImportError:
+                        cache_class = None  # Django's own checks report that one
+                    if cache_class is not None and not (
+                        isinstance(cache_class, type) and issubclass(cache_class, RedisCache)
+                    ):
+                        error(
+                            "E016",
+                            f"{where}['OPTIONS']['CACHE'] is {cache!r}, whose BACKEND "
+                            f"{cache_backend!r} is not a django-redis cache.",
+                            hint="Point it at a django_redis.cache.RedisCache alias, or set "
+                            "LOCATION to the Redis URL instead.",
+                        )
         client_class = options.get("CLIENT_CLASS")
         if client_class is not None and not isinstance(client_class, str):
             error(
@@ -1135,6 +1162,14 @@ class RedisBackend(BaseLockBackend):
         factory = import_dotted(self.options.get("CLIENT_CLASS", DEFAULT_CLIENT_CLASS))
         try:
             client = factory(self.location, **kwargs)
+        except ValueError as exc:
+            # A URL redis-py cannot read (the system check says so too, E011): a
+            # configuration error naming the alias, not a bare ValueError at the first
+            # lock. (Not the URL itself: it may hold a password.)
+            raise ImproperlyConfigured(
+                f"SETNX_LOCKS[{self.alias!r}]: cannot make a Redis client from LOCATION "
+                f"and CONNECTION_KWARGS: {exc}"
+            ) from exc
         except Exception as exc:
             # A client that connects while it is built (RedisCluster) wraps a refusal
             # found on its first node in an error of its own.
