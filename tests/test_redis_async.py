@@ -1032,23 +1032,34 @@ def test_undos_left_running_on_a_server_that_stopped_answering_do_not_keep_the_p
     non-daemon threads, and with no socket timeout (CONNECTION_KWARGS) on a server
     that stopped answering the process never exited. They are waited for
     TWINS_AT_EXIT (5 s) at exit, then left."""
+    from tests import workers
+
+    with _child_with_a_server(workers.cancel_waiters_of_a_stopped_server) as (_, child, returned):
+        assert returned.wait(60), "asyncio.run never returned"
+        child.join(30)
+        assert not child.is_alive(), "the process did not exit"
+        assert child.exitcode == 0
+
+
+@contextlib.contextmanager
+def _child_with_a_server(target):
+    """A private server and a spawned process running ``target(env, the server's url,
+    its pid, event)``: ``(server, process, event)``; at the end the server is resumed
+    (SIGCONT), the process reaped and the server stopped."""
     import multiprocessing
 
     from tests import workers
 
     spawn = multiprocessing.get_context("spawn")
     with RedisServer() as server:
-        returned = spawn.Event()
+        event = spawn.Event()
         child = spawn.Process(
-            target=workers.cancel_waiters_of_a_stopped_server,
-            args=(workers.child_environment(), server.url, server.process.pid, returned),
+            target=target,
+            args=(workers.child_environment(), server.url, server.process.pid, event),
         )
         child.start()
         try:
-            assert returned.wait(60), "asyncio.run never returned"
-            child.join(30)
-            assert not child.is_alive(), "the process did not exit"
-            assert child.exitcode == 0
+            yield server, child, event
         finally:
             os.kill(server.process.pid, signal.SIGCONT)
             if child.is_alive():
@@ -1109,8 +1120,8 @@ def test_a_caller_trying_again_with_the_token_of_an_unanswered_undo_keeps_the_lo
     monkeypatch.setattr(redis_undo, "FIRST_DELAY", 0.5)
     backend, _ = stoppable
     name, token = "retried", "token-tried-again"
-    backend._retry_undo(name, token, 30)  # as after an undo that got no answer
-    assert backend._undo_retries.has(token)
+    _unanswered_undo(backend, name, token)
+    assert backend._undo_retries.has(name, token)
     assert backend.acquire(name, token, 30, {}).acquired
     time.sleep(1.5)  # past the undo's first retry
     assert backend.owns(name, token), "the undo released the lock won again"
@@ -1129,13 +1140,13 @@ def test_undos_pending_on_a_silent_server_are_sent_one_at_a_time_then_all_once_i
             assert backend.acquire("warm", "t", 30, {}).acquired
             assert backend.release("warm", "t")
             server.stop()  # connections refused: every attempt fails at once
-            backend._retry_undo("first", "token-0", 30)
+            _unanswered_undo(backend, "first", "token-0")
             retries = backend._undo_retries
             attempts = []
             send = retries._undo_once
             retries._undo_once = lambda name, token: attempts.append(token) or send(name, token)
             for i in range(1, 200):
-                backend._retry_undo(f"lock{i}", f"token-{i}", 30)
+                _unanswered_undo(backend, f"lock{i}", f"token-{i}")
             time.sleep(3.0)
             # Backoff of 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s: five attempts in 3 s.
             assert 1 <= len(attempts) <= 6, len(attempts)
@@ -1147,3 +1158,59 @@ def test_undos_pending_on_a_silent_server_are_sent_one_at_a_time_then_all_once_i
             assert len(set(attempts)) == 200
         finally:
             backend.close()
+
+
+def _unanswered_undo(backend, name, token, ttl=30):
+    """What a failed acquire's undo that got no answer leaves: pending retries."""
+    retries = backend._undo_retries_made()
+    retries.begin(name, token)
+    retries.end(name, token, False, ttl)
+
+
+def test_an_async_caller_trying_again_while_its_undo_is_still_being_sent_keeps_the_lock():
+    """Review r125: an async caller gets its error UNDO_PATIENCE into its undo, whose
+    first attempt may go on for a socket timeout. Tried again with the same token
+    then, the acquire was answered "won" and the undo, answered after it, released
+    that lock. It now waits for that attempt to end."""
+    with RedisServer() as server:
+        backend = backend_on(server, "patient", socket_timeout=2.0)
+        name, token = "tried-again", "token-of-two-tries"
+
+        async def main():
+            assert (await backend.aacquire("warm", "t", 30, {})).acquired  # this loop's
+            assert await backend.arelease("warm", "t")
+            with _stopped(server):
+                with pytest.raises(LockBackendError):
+                    await backend.aacquire(name, token, 30, {})
+                # The error came after UNDO_PATIENCE: the undo's first command is
+                # still waiting for its socket timeout.
+                again = asyncio.ensure_future(backend.aacquire(name, token, 30, {}))
+                await asyncio.sleep(0.3)
+            assert (await asyncio.wait_for(again, 10)).acquired
+            await asyncio.sleep(1.0)  # an undo sent after the acquire would be here
+            assert await backend.aowns(name, token), "the undo released the lock won again"
+            await backend.aclose()
+
+        try:
+            run(main())
+        finally:
+            backend.close()
+
+
+def test_undos_pending_at_exit_are_sent_once_more_before_the_process_ends():
+    """Review r125: the retries are a daemon thread; a process that exited with an
+    undo pending (a management command, a worker recycled by max_requests) left its
+    lock held by nobody for its ttl (600 s here). The exit hook sends it again for
+    AT_EXIT seconds at most."""
+    from tests import workers
+
+    with _child_with_a_server(workers.fail_an_acquire_then_exit) as (server, child, failed):
+        assert failed.wait(60), "the acquire never failed"
+        time.sleep(1.0)  # the child is exiting, its exit hook sending the undo
+        os.kill(server.process.pid, signal.SIGCONT)
+        child.join(30)
+        assert child.exitcode == 0
+        client = redis.Redis.from_url(server.url)
+        lock_key, fence_key = lock_keys("setnx-exit", "left-at-exit")[:2]
+        assert not client.exists(lock_key), "the lock is held by nobody for 600 s"
+        assert client.exists(fence_key), "the acquire never ran"

@@ -334,6 +334,38 @@ def cancel_waiters_of_a_stopped_server(env, url, server_pid, returned):
     returned.set()
 
 
+def fail_an_acquire_then_exit(env, url, server_pid, failed):
+    """An acquire against the Redis server at ``url``, which stops answering
+    (SIGSTOP) just before: it times out, so does its undo, and the process then
+    exits with the undo pending (review r125: a short-lived process, a management
+    command or a recycled worker, left the lock held by nobody). The exit hook of
+    redis_undo sends it once more, for AT_EXIT seconds at most."""
+    _setup(env)
+    import signal
+
+    from django_setnx.backends.redis import RedisBackend
+    from django_setnx.exceptions import LockBackendError
+
+    backend = RedisBackend(
+        "exiting",
+        {
+            "BACKEND": "django_setnx.backends.redis.RedisBackend",
+            "LOCATION": url,
+            "KEY_PREFIX": "setnx-exit",
+            "OPTIONS": {"CONNECTION_KWARGS": {"socket_timeout": 0.5}},
+        },
+    )
+    assert backend.acquire("warm", "t", 30, {}).acquired  # a connection to the server
+    assert backend.release("warm", "t")
+    os.kill(server_pid, signal.SIGSTOP)
+    try:
+        backend.acquire("left-at-exit", "token-at-exit", 600, {})
+    except LockBackendError:
+        pass
+    assert len(backend._undo_retries) == 1
+    failed.set()
+
+
 def fork_without_hooks():
     """fork(2) through libc, as uWSGI forks its workers by default: the
     ``os.register_at_fork`` hooks do not run in the child. Called through PyDLL,

@@ -1268,7 +1268,9 @@ class RedisBackend(BaseLockBackend):
     def close(self):
         """Disconnect our connection pool (a django-redis one is left to django-redis)
         and the connections our lock commands keep beside it, and forget the asyncio
-        clients (see :meth:`aclose`)."""
+        clients (see :meth:`aclose`). Undos still being sent again (redis_undo) go
+        on, on a connection of their own making: the backend, kept by their thread,
+        is garbage once they are done, and its connections with it."""
         with self._conn_lock:
             conn, self._conn = self._conn, None
             entries, self._async_conns = self._async_conns, {}
@@ -1361,10 +1363,11 @@ class RedisBackend(BaseLockBackend):
         ttl_ms = self.check_ttl(ttl)
         wait_ms = -1 if wait is None else int(min(max(wait, 0), WAITER_MS / 1000) * 1000)
         retries = self._undo_retries
-        if retries is not None and retries.has(token):
+        if retries is not None and retries.has(name, token):
             # Trying again with that token (see redis_undo): in a thread, since an
-            # attempt of the undo being sent now is waited for.
-            await asyncio.to_thread(retries.withdraw, token)
+            # attempt of the undo being sent now (maybe by a task of this loop) is
+            # waited for.
+            await asyncio.to_thread(retries.withdraw, name, token)
         with _ReportedAs(self, "acquire", name, shared=False):
             try:
                 won, value = await conn.acquire(
@@ -1374,11 +1377,15 @@ class RedisBackend(BaseLockBackend):
             except (*self._network_errors, asyncio.CancelledError) as error:
                 # As in acquire(): the script may have run. Undo it (also when the
                 # caller was cancelled mid-call), then report: after UNDO_PATIENCE at
-                # most, the undo going on in its own task (see aio.undo).
-                await undo(
-                    self._aabandon_quietly(name, token, ttl_ms / 1000),
-                    functools.partial(self._abandon_quietly, name, token, ttl_ms / 1000),
-                )
+                # most, the undo going on in its own task (see aio.undo), known to
+                # the retries from now on: a caller trying again with this token
+                # waits for it (see redis_undo).
+                if not isinstance(error, redis.exceptions.BusyLoadingError):
+                    self._undo_retries_made().begin(name, token)
+                    await undo(
+                        self._aabandon_quietly(name, token, ttl_ms / 1000),
+                        functools.partial(self._abandon_quietly, name, token, ttl_ms / 1000),
+                    )
                 mark_undone(error)
                 raise
         if won:
@@ -1386,15 +1393,17 @@ class RedisBackend(BaseLockBackend):
         return AcquireResult.lost(retry_after=value / 1000)
 
     async def _aabandon_quietly(self, name, token, ttl):
-        """Async twin of :meth:`_abandon_quietly` (the retries are sync: a thread of
-        the process, not a task of this loop, which may end before the server
-        answers)."""
+        """Async twin of :meth:`_abandon_quietly`, its first attempt begun by the
+        caller (the retries are sync: a thread of the process, not a task of this
+        loop, which may end before the server answers). Cancelled (the loop shuts
+        down), it leaves the attempt to its sync twin, which ends it."""
+        answered = True
         try:
             await self.astop_waiting(name, token)
             await self.arelease(name, token)
         except Exception as error:  # noqa: BLE001 - the original error is the one to report
-            if self._unanswered(error):
-                self._retry_undo(name, token, ttl)
+            answered = not self._unanswered(error)
+        self._undo_retries_made().end(name, token, answered, ttl)
 
     async def arelease(self, name, token):
         """Async twin of :meth:`release`."""
@@ -1499,8 +1508,8 @@ class RedisBackend(BaseLockBackend):
         # one (a timeout of 1e20 s) a valid argument.
         wait_ms = -1 if wait is None else int(min(max(wait, 0), WAITER_MS / 1000) * 1000)
         retries = self._undo_retries
-        if retries is not None and retries.has(token):
-            retries.withdraw(token)  # trying again with that token: see redis_undo
+        if retries is not None and retries.has(name, token):
+            retries.withdraw(name, token)  # trying again with that token: see redis_undo
         with self._errors_as("acquire", name):
             conn = self.connection
             try:
@@ -1512,8 +1521,10 @@ class RedisBackend(BaseLockBackend):
                 # The script may have run before the connection broke: undo it (withdraw
                 # from the queue, release what we may hold) so no ghost lock blocks
                 # others for a whole ttl, then report the failure (the Lock does not
-                # undo it again: see aio.mark_undone).
-                self._abandon_quietly(name, token, ttl_ms / 1000)
+                # undo it again: see aio.mark_undone). A server still loading its data
+                # (LOADING) ran nothing.
+                if not isinstance(error, redis.exceptions.BusyLoadingError):
+                    self._abandon_quietly(name, token, ttl_ms / 1000)
                 mark_undone(error)
                 raise
         if won:
@@ -1540,12 +1551,15 @@ class RedisBackend(BaseLockBackend):
         we hold. An undo that gets no answer either is sent again later, until the
         server answers it (see redis_undo); its errors are never raised (the
         acquire's is the one to report)."""
+        retries = self._undo_retries_made()
+        retries.begin(name, token)
+        answered = True
         try:
             answered = self._undo_once(name, token)
         except Exception:  # noqa: BLE001 - answered, with an error: nothing to retry
-            return
-        if not answered:
-            self._retry_undo(name, token, ttl)
+            pass
+        finally:
+            retries.end(name, token, answered, ttl)
 
     def _undo_once(self, name, token):
         """Withdraw ``token`` from ``name``'s queue and release what it may hold.
@@ -1575,13 +1589,15 @@ class RedisBackend(BaseLockBackend):
                 return False
         return False
 
-    def _retry_undo(self, name, token, ttl):
-        """Hand the undo of ``token``'s acquire of ``name`` to this process' retries."""
-        with self._conn_lock:
-            retries = self._undo_retries
-            if retries is None:
-                retries = self._undo_retries = UndoRetries(self.alias, self._undo_once)
-        retries.add(name, token, ttl)
+    def _undo_retries_made(self):
+        """This backend's UndoRetries, made at the first undo."""
+        retries = self._undo_retries
+        if retries is None:
+            with self._conn_lock:
+                retries = self._undo_retries
+                if retries is None:
+                    retries = self._undo_retries = UndoRetries(self.alias, self._undo_once)
+        return retries
 
     def _release(self, conn, name, token):
         return bool(

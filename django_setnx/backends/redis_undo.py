@@ -19,18 +19,26 @@ those (it accepts them first); the acquire was sent before its undo, on another
 connection (a connection is dropped when its reply times out).
 
 A caller that tries again with the same token (the acquire is idempotent for it)
-takes its undo back first (:meth:`UndoRetries.withdraw`): the lock it wins must not be
-released behind it.
+takes the undo back first (:meth:`UndoRetries.withdraw`), waiting for an attempt
+being sent, the caller's own first one included (an async caller gets its error
+before its undo's first attempt ends, see aio.UNDO_PATIENCE): the lock it wins must
+not be released behind it (review r125).
+
+At interpreter exit the undos still pending are sent once more, for AT_EXIT seconds
+at most; what is left then is logged (a short-lived process, a management command
+or a worker recycled by ``max_requests``, would otherwise leave them).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
-from ..forksafe import PerProcess
+from ..forksafe import ForkSafeLock, PerProcess
 
 logger = logging.getLogger("django_setnx")
 
@@ -40,51 +48,69 @@ logger = logging.getLogger("django_setnx")
 RETRY_FOR = 300.0
 #: The wait before sending the undos again after one went unanswered (seconds),
 #: doubled after each unanswered attempt up to MAX_DELAY, and back to FIRST_DELAY once
-#: one is answered. One undo is sent at a time: while the server is silent, each
-#: process sends it one command every MAX_DELAY seconds at most (plus the attempt's
-#: own socket timeout), however many undos are pending; once it answers, the others
-#: follow back to back.
+#: one is answered. One undo is sent at a time: while the server is silent (stalled,
+#: or refusing connections), each process sends one undo every MAX_DELAY seconds at
+#: most (plus the attempt's own timeouts), however many are pending; once it
+#: answers, the others follow back to back.
 FIRST_DELAY = 0.1
 MAX_DELAY = 2.0
-#: Unanswered undos kept per backend and process; beyond that the oldest is dropped,
-#: with a warning (its lock, if the acquire runs, is held until its ttl).
+#: Unanswered undos kept per backend and process; beyond that the oldest is dropped
+#: (its lock, if its acquire runs, is held until its ttl), logged once in a thousand.
 MAX_PENDING = 10_000
+#: The longest a caller trying an acquire again with the token of a pending undo
+#: waits for an attempt of that undo being sent (seconds): two commands, each a
+#: socket timeout at most, are far less; an undo whose first attempt never ended (its
+#: thread died with the interpreter) is not waited for past this.
+WITHDRAW_PATIENCE = 30.0
+#: At interpreter exit, the longest the pending undos of all backends are sent for.
+AT_EXIT = 5.0
+
+_Key = tuple[str, str]  # (record name, token)
 
 
 class _Pending:
-    """One unanswered undo: the lock's record name, and when it was handed over and
-    when to give up (monotonic)."""
+    """One unanswered undo: when it was handed over and when to give up
+    (monotonic)."""
 
-    __slots__ = ("give_up_at", "name", "since")
+    __slots__ = ("give_up_at", "since")
 
-    def __init__(self, name: str, since: float, give_up_at: float) -> None:
-        self.name = name
+    def __init__(self, since: float, give_up_at: float) -> None:
         self.since = since
         self.give_up_at = give_up_at
 
 
 class _State:
-    """This process' undos (a forked child starts with none: its parent sends
-    them)."""
+    """This process' undos of one backend (a forked child starts with none: its
+    parent sends them). Every field is read and written under ``condition``."""
 
     def __init__(self) -> None:
         self.condition = threading.Condition()
-        self.pending: dict[str, _Pending] = {}  # token -> undo, next to send first
+        self.pending: dict[_Key, _Pending] = {}  # next to send first
+        #: First attempts being made by their callers (a sync acquire's thread, an
+        #: async acquire's undo task), and the key the thread is sending now.
+        self.undoing: set[_Key] = set()
+        self.in_flight: _Key | None = None
+        #: Keys taken back while being sent: not to be pending again.
+        self.withdrawn: set[_Key] = set()
         self.thread: threading.Thread | None = None
-        self.in_flight: str | None = None  # the token being sent now
-        self.withdrawn_in_flight = False
         self.silent_until = 0.0  # no undo is sent before (monotonic)
         self.delay = FIRST_DELAY  # the next silence's
         self.dropped = 0  # undos dropped past MAX_PENDING
+
+
+#: Every UndoRetries of the process, for the exit hook.
+_ALL: weakref.WeakSet[UndoRetries] = weakref.WeakSet()
+_exit_hook = ForkSafeLock()
+_exit_hook_registered = False
 
 
 class UndoRetries:
     """The unanswered undos of one backend, sent again by a thread of their own.
 
     ``undo_once(name, token)`` sends the undo once: it returns True if the server
-    answered it, False if it did not (a timeout, a broken connection, a server
-    loading or busy with a script), and raises for an answer that is an error (the
-    undo is then given up, logged). The thread exists only while undos are
+    answered it, False if it did not (a timeout, a broken or refused connection, a
+    server loading or busy with a script), and raises for an answer that is an error
+    (the undo is then given up, logged). The thread exists only while undos are
     pending.
     """
 
@@ -92,59 +118,96 @@ class UndoRetries:
         self.alias = alias
         self._undo_once = undo_once
         self._states: PerProcess[_State] = PerProcess(_State)
+        _ALL.add(self)
 
-    def add(self, name: str, token: str, ttl: float) -> None:
-        """Send the undo of ``token``'s acquire of ``name`` (a lock of ``ttl``
-        seconds) again until the server answers it."""
+    # -- what the backend calls ----------------------------------------------------
+
+    def begin(self, name: str, token: str) -> None:
+        """A caller is about to send the first undo of ``token``'s acquire of
+        ``name`` (it calls :meth:`end` when that attempt is over)."""
         state = self._states.get()
-        now = time.monotonic()
         with state.condition:
-            pending = state.pending
-            pending.pop(token, None)
-            if len(pending) >= MAX_PENDING:
-                dropped = pending.pop(next(iter(pending)))  # the oldest
-                state.dropped += 1
-                if state.dropped % 1000 == 1:  # the first, then one in a thousand
-                    logger.warning(
-                        "Lock backend %r: more than %d undos unanswered; gave up %d, "
-                        "the last of lock %r (if its acquire ran, the lock is held by "
-                        "nobody until its ttl)",
-                        self.alias,
-                        MAX_PENDING,
-                        state.dropped,
-                        dropped.name,
-                    )
-            pending[token] = _Pending(name, now, now + max(RETRY_FOR, ttl))
-            if state.thread is None:
-                # Its first undo just went unanswered: the server is silent.
-                state.silent_until = now + state.delay
-                state.thread = threading.Thread(
-                    target=self._run, args=(state,), name="django-setnx-undo-retry", daemon=True
-                )
-                state.thread.start()
+            state.undoing.add((name, token))
+
+    def end(self, name: str, token: str, answered: bool, ttl: float) -> None:
+        """The caller's first attempt is over: if the server did not answer it, the
+        undo is sent again until it does (unless taken back meanwhile)."""
+        state = self._states.get()
+        key = (name, token)
+        with state.condition:
+            state.undoing.discard(key)
+            withdrawn = key in state.withdrawn
+            state.withdrawn.discard(key)
+            if not answered and not withdrawn:
+                self._add(state, key, ttl)
             state.condition.notify_all()
 
-    def has(self, token: str) -> bool:
-        """True if an undo of ``token`` is pending or being sent (read without the
-        lock: a hint for the hot path, confirmed by :meth:`withdraw`)."""
+    def has(self, name: str, token: str) -> bool:
+        """True if an undo of ``token``'s acquire of ``name`` is pending or being
+        sent."""
         state = self._states.get()
-        return token in state.pending or state.in_flight == token
-
-    def withdraw(self, token: str) -> None:
-        """Forget the undo of ``token``, waiting for an attempt being sent now to
-        end (a socket timeout at most): its caller is about to try the acquire
-        again with that token."""
-        state = self._states.get()
+        key = (name, token)
         with state.condition:
-            state.pending.pop(token, None)
-            if state.in_flight == token:
-                state.withdrawn_in_flight = True
-                while state.in_flight == token:
-                    state.condition.wait()
+            return key in state.pending or key in state.undoing or state.in_flight == key
+
+    def withdraw(self, name: str, token: str) -> None:
+        """Forget the undo of ``token``'s acquire of ``name``, waiting for an attempt
+        being sent now to end (WITHDRAW_PATIENCE at most): its caller is about to
+        try the acquire again with that token."""
+        state = self._states.get()
+        key = (name, token)
+        deadline = time.monotonic() + WITHDRAW_PATIENCE
+        with state.condition:
+            state.pending.pop(key, None)
+            while key in state.undoing or state.in_flight == key:
+                state.withdrawn.add(key)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    state.undoing.discard(key)
+                    break
+                state.condition.wait(left)
+            state.pending.pop(key, None)
 
     def __len__(self) -> int:
+        """Undos pending or being sent by the thread."""
         state = self._states.get()
-        return len(state.pending) + (state.in_flight is not None)
+        with state.condition:
+            return len(state.pending) + (state.in_flight is not None)
+
+    # -- the thread ------------------------------------------------------------------
+
+    def _add(self, state: _State, key: _Key, ttl: float) -> None:
+        """Make ``key`` pending (under the condition), starting the thread."""
+        global _exit_hook_registered
+        now = time.monotonic()
+        pending = state.pending
+        pending.pop(key, None)
+        if len(pending) >= MAX_PENDING:
+            oldest = next(iter(pending))
+            del pending[oldest]
+            state.dropped += 1
+            if state.dropped % 1000 == 1:  # the first, then one in a thousand
+                logger.warning(
+                    "Lock backend %r: more than %d undos unanswered; gave up %d so far, "
+                    "the last of lock %r (if its acquire ran, the lock is held by "
+                    "nobody until its ttl)",
+                    self.alias,
+                    MAX_PENDING,
+                    state.dropped,
+                    oldest[0],
+                )
+        pending[key] = _Pending(now, now + max(RETRY_FOR, ttl))
+        if state.thread is None:
+            # Its first attempt just went unanswered: the server is silent.
+            state.silent_until = now + state.delay
+            state.thread = threading.Thread(
+                target=self._run, args=(state,), name="django-setnx-undo-retry", daemon=True
+            )
+            state.thread.start()
+            with _exit_hook:
+                if not _exit_hook_registered:
+                    _exit_hook_registered = True
+                    atexit.register(_send_at_exit)
 
     def _run(self, state: _State) -> None:
         condition = state.condition
@@ -153,43 +216,49 @@ class UndoRetries:
                 if not state.pending:
                     state.thread = None
                     state.delay = FIRST_DELAY
+                    condition.notify_all()
                     return
                 wait = state.silent_until - time.monotonic()
                 if wait > 0:
                     condition.wait(wait)
                     continue
-                token = next(iter(state.pending))
-                undo = state.pending.pop(token)
-                state.in_flight = token
-                state.withdrawn_in_flight = False
-            answered = self._send(undo.name, token)
+                # Marked in flight before it leaves ``pending``, and pending again
+                # before the mark goes: has() never misses it (review r125).
+                key = next(iter(state.pending))
+                state.in_flight = key
+                undo = state.pending.pop(key)
+            answered = self._send(*key)
             with condition:
-                state.in_flight = None
-                withdrawn = state.withdrawn_in_flight
-                condition.notify_all()
                 if answered:
                     state.delay = FIRST_DELAY  # the others are sent right away
-                    continue
-                now = time.monotonic()
-                state.silent_until = now + state.delay
-                state.delay = min(state.delay * 2, MAX_DELAY)
-                if not withdrawn:
-                    state.pending[token] = undo  # behind the others
-                self._give_up_expired(state, now)
+                else:
+                    now = time.monotonic()
+                    state.silent_until = now + state.delay
+                    state.delay = min(state.delay * 2, MAX_DELAY)
+                    if key not in state.withdrawn:
+                        state.pending[key] = undo  # behind the others
+                    self._give_up_expired(state, now)
+                state.withdrawn.discard(key)
+                state.in_flight = None
+                condition.notify_all()
 
     def _give_up_expired(self, state: _State, now: float) -> None:
-        """Drop the undos sent in vain for their whole time (under the condition)."""
-        expired = [token for token, undo in state.pending.items() if now >= undo.give_up_at]
-        for token in expired:
-            undo = state.pending.pop(token)
-            logger.warning(
-                "Lock backend %r: the server did not answer the undo of a failed acquire "
-                "of lock %r in %.0f s; gave up (if the acquire ran, the lock is held by "
-                "nobody until its ttl)",
-                self.alias,
-                undo.name,
-                now - undo.since,
-            )
+        """Drop the undos sent in vain for their whole time (under the condition),
+        with one warning for all."""
+        expired = [key for key, undo in state.pending.items() if now >= undo.give_up_at]
+        if not expired:
+            return
+        for key in expired:
+            del state.pending[key]
+        logger.warning(
+            "Lock backend %r: the server answered none of the undos of %d failed "
+            "acquires in %.0f s or more (lock %r among them); gave them up (a lock whose "
+            "acquire ran is held by nobody until its ttl)",
+            self.alias,
+            len(expired),
+            RETRY_FOR,
+            expired[0][0],
+        )
 
     def _send(self, name: str, token: str) -> bool:
         """One attempt; True if it is over (answered, or answered with an error)."""
@@ -203,3 +272,33 @@ class UndoRetries:
                 exc_info=True,
             )
             return True
+
+    def _flush(self, deadline: float) -> int:
+        """At exit: send what is pending now, until ``deadline``. Returns how many
+        undos are left."""
+        state = self._states.get()
+        with state.condition:
+            state.silent_until = 0.0
+            state.delay = FIRST_DELAY
+            state.condition.notify_all()
+            while (state.pending or state.in_flight) and state.thread is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                state.condition.wait(min(left, 0.05))
+            return len(state.pending) + (state.in_flight is not None)
+
+
+def _send_at_exit() -> None:
+    """The exit hook: the pending undos of every backend, sent for AT_EXIT seconds at
+    most in all, and what is left logged."""
+    deadline = time.monotonic() + AT_EXIT
+    for retries in list(_ALL):
+        left = retries._flush(deadline)
+        if left:
+            logger.warning(
+                "Lock backend %r: %d undos of failed acquires were still unanswered at "
+                "exit (a lock whose acquire ran is held by nobody until its ttl)",
+                retries.alias,
+                left,
+            )
