@@ -58,9 +58,9 @@ logger = logging.getLogger("django_setnx")
 
 RAISE = "raise"
 SKIP = "skip"
-#: ``begin(args, kwargs) -> (lock or None, request, HttpRequest or None)`` and
+#: ``begin(args, kwargs[, lock_name]) -> (lock or None, request, HttpRequest or None)`` and
 #: ``contended(lock, request, args, kwargs) -> result`` of one decorated callable.
-_Begin = Callable[[Sequence[Any], dict[str, Any]], tuple[Lock | None, Any, HttpRequest | None]]
+_Begin = Callable[..., tuple[Lock | None, Any, HttpRequest | None]]
 _Contended = Callable[[Lock, Any, Sequence[Any], dict[str, Any]], Any]
 
 _formatter = string.Formatter()
@@ -95,11 +95,25 @@ def _template_roots(template: str) -> frozenset[str]:
     return frozenset(roots)
 
 
+#: Parameter kinds a bound method's instance is passed as.
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _instance_parameter(function: Callable[..., Any]) -> str | None:
+    """The name of ``function``'s first parameter if a bound method's instance is
+    passed as it, else None (``(*args, **kwargs)``, a decorator that kept no
+    signature: the instance is one of ``args``)."""
+    first = next(iter(inspect.signature(function).parameters.values()), None)
+    return first.name if first is not None and first.kind in _POSITIONAL else None
+
+
 @functools.lru_cache(maxsize=512)
 def _unbound_signature(function: Callable[..., Any]) -> inspect.Signature:
     """The signature of ``function`` called as a bound method (its first parameter
-    dropped), computed once per function."""
+    dropped, if the instance is passed as it), computed once per function."""
     signature = inspect.signature(function)
+    if _instance_parameter(function) is None:
+        return signature  # (*args, **kwargs): binding takes the instance from args
     return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
@@ -147,7 +161,7 @@ def _bound_instance(func: Callable[..., Any]) -> tuple[str, Any] | None:
         if isinstance(target, functools.partial):
             inner = target.func
             if inspect.ismethod(inner) and not target.args and not target.keywords:
-                first = next(iter(inspect.signature(inner.__func__).parameters), None)
+                first = _instance_parameter(inner.__func__)
                 return None if first is None else (first, inner.__self__)
             return None
         target = getattr(target, "__wrapped__", None)
@@ -541,14 +555,15 @@ def locked(
         dotted = qualname(func)
 
         def begin(
-            args: Sequence[Any], kwargs: dict[str, Any]
+            args: Sequence[Any], kwargs: dict[str, Any], lock_name: str | None = None
         ) -> tuple[Lock | None, Any, HttpRequest | None]:
             """``(lock, request, http_request)`` for one call; lock is None for an
-            unlocked request method."""
+            unlocked request method. ``lock_name``: the name, if built already."""
             request, http_request = find_request(args)
             if http_request is not None and http_request.method in unlocked:
                 return None, request, http_request
-            lock_name = make_name(args, kwargs)
+            if lock_name is None:
+                lock_name = make_name(args, kwargs)
             if http_request is not None:
                 try:
                     validate_name(lock_name)
@@ -582,6 +597,8 @@ def locked(
                 # nested call takes a slot of its own (or meets contention).
                 _refuse_reentry(lk, func)
             return lk, request, http_request
+
+        begin.make_name = make_name  # type: ignore[attr-defined]  # see _abegin
 
         async def acontended(
             lk: Lock, request: Any, args: Sequence[Any], kwargs: dict[str, Any]
@@ -674,15 +691,20 @@ def _function_wrapper(
 async def _abegin(
     begin: _Begin, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[Lock | None, Any, HttpRequest | None]:
-    """``begin(args, kwargs)`` for an async callable: in the event loop, unless the
-    name needs the database (``{request.user.pk}`` loads the session's user: Django
-    refuses that in an event loop), then in a thread, as Django runs sync code for
-    an async view (review r126: every logged-in request was a 500). Building a name
-    only reads the arguments, so building it again is harmless."""
+    """``begin(args, kwargs)`` for an async callable, in the event loop. A name that
+    needs the database (``{request.user.pk}`` loads the session's user: Django
+    refuses that in an event loop) is built again in a thread, as Django runs sync
+    code for an async view (review r126: every logged-in request was a 500); the
+    rest of ``begin``, the re-entry check included, runs in the loop (review r129:
+    in the thread, a recursive call was not seen as one, and waited for its own
+    lock). So a name callable may run twice for one call: once up to its query, then
+    whole."""
     try:
         return begin(args, kwargs)
     except SynchronousOnlyOperation:
-        return await sync_to_async(begin, thread_sensitive=True)(args, kwargs)
+        pass  # (the thread is called outside the except: its errors are its own)
+    name = await sync_to_async(begin.make_name, thread_sensitive=True)(args, kwargs)  # type: ignore[attr-defined]
+    return begin(args, kwargs, name)
 
 
 def _coroutine_wrapper(

@@ -18,6 +18,7 @@ import gc
 import itertools
 import logging
 import os
+import queue
 import secrets
 import select
 import shutil
@@ -2247,6 +2248,86 @@ def test_a_mariadb_session_that_lost_its_prepared_statements_prepares_them_again
     assert _executed_prepared(backend) - before == 4
 
 
+@needs(MYSQL_ALIASES)
+def test_a_mariadb_session_reset_gets_its_lock_wait_timeouts_back(name, make_backend):
+    """Review r127: a session reset (COM_RESET_CONNECTION, from a proxy or pooler)
+    also puts the lock wait timeouts back to the server's defaults (50 s, a day): a
+    blocked acquire then outlived its read timeout and ran after the caller had
+    given up. The reset is found when the prepared statements are gone, and the
+    timeouts are set again with them."""
+    if not connections[MYSQL_ALIASES[0]].mysql_is_mariadb:
+        pytest.skip("prepared statements are MariaDB's only")
+    backend = make_backend(MYSQL_ALIASES[0])
+    _acquire_extend_release(backend, name, times=1)
+    wanted = _sql(
+        backend, "SELECT @@session.innodb_lock_wait_timeout, @@session.lock_wait_timeout"
+    )
+    assert wanted[0] < 50
+
+    def reset(cursor, sql, raw):
+        raw._execute_command(0x1F, b"")  # COM_RESET_CONNECTION
+        raw._read_ok_packet()
+
+    backend._run("test", reset, retry=False)
+    assert _sql(backend, "SELECT @@session.innodb_lock_wait_timeout")[0] == 50
+    _acquire_extend_release(backend, name, times=1)
+    assert (
+        _sql(backend, "SELECT @@session.innodb_lock_wait_timeout, @@session.lock_wait_timeout")
+        == wanted
+    )
+
+
+@needs(MYSQL_ALIASES)
+def test_a_statement_interrupted_by_kill_query_is_retried(name, make_backend):
+    """Review r127: ``KILL QUERY`` (a DBA, pt-kill) of a lock statement is error 1317,
+    which failed the operation (a killed release left the lock held until its ttl);
+    the statement was rolled back, and is retried as a PostgreSQL cancel is."""
+    backend = make_backend(MYSQL_ALIASES[0], OPERATION_TIMEOUT=10)
+    blocker = make_backend(MYSQL_ALIASES[0])
+    assert backend.acquire(name, "holder", 30, {}).acquired
+    _sql(blocker, "START TRANSACTION")
+    _sql(blocker, "SELECT name FROM {lock} WHERE name = {p} FOR UPDATE", (name,))
+    session, released = queue.Queue(), []
+
+    def release():
+        session.put(_sql(backend, "SELECT CONNECTION_ID()")[0])  # this thread's
+        released.append(backend.release(name, "holder"))
+
+    releaser = threading.Thread(target=release)
+    releaser.start()
+    try:
+        lock_session = session.get(timeout=10)
+        time.sleep(0.5)  # the release waits for the row lock
+        _sql(make_backend(MYSQL_ALIASES[0]), f"KILL QUERY {int(lock_session)}")
+        time.sleep(0.3)  # its retry waits for the row lock again
+    finally:
+        _sql(blocker, "COMMIT")
+    releaser.join(15)
+    assert released == [True]
+    assert backend.get(name) is None
+
+
+@needs(MYSQL_ALIASES)
+def test_an_ssl_context_in_the_database_options_is_not_copied(name, make_backend):
+    """Review r127: the lock connection deep-copied the database's settings, and an
+    ``ssl.SSLContext`` in OPTIONS (which PyMySQL takes) cannot be copied: every
+    lock call raised TypeError. The settings are copied a level deep; the context is
+    the project's own, passed on as it is."""
+    import ssl
+
+    from django_setnx.backends.database import _private_wrapper
+
+    alias = MYSQL_ALIASES[0]
+    options = connections[alias].settings_dict.setdefault("OPTIONS", {})
+    options["ssl"] = context = ssl.create_default_context()
+    try:
+        wrapper = _private_wrapper("ssl", alias, 5.0)
+    finally:
+        del options["ssl"]
+    assert wrapper.settings_dict["OPTIONS"]["ssl"] is context
+    assert "ssl" not in connections[alias].settings_dict["OPTIONS"]  # a copy was changed
+
+
 @pytest.mark.no_db
 def test_a_prepared_statement_is_named_after_its_database_and_text():
     """MariaDB binds a prepared statement to the table of the database it was
@@ -2408,14 +2489,15 @@ def test_a_deallocate_error_after_a_refusal_fails_the_operation_not_the_next(nam
     def kill_the_first_deallocate(execute, raw, statement, params):
         if statement.startswith("DEALLOCATE") and not failed:
             failed.append(statement)
-            raise raw.OperationalError(1317, "Query execution was interrupted")
+            # (Not 1317, a KILL QUERY: a contention error now, retried.)
+            raise raw.OperationalError(1105, "Unknown error")
         return execute(statement, params)
 
     _wrap_cursors(backend, kill_the_first_deallocate)
     token = _token()
     assert backend.acquire(name, token, 30, OWNER).acquired
     assert backend.extend(name, token, 30)
-    with pytest.raises(LockBackendError, match="1317"):
+    with pytest.raises(LockBackendError, match="1105"):
         backend.owns(name, token)
     prepared.clear()  # the server takes PREPAREs again
     before = backend._state().prepared_session

@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 from django.conf import settings
+from django.core.cache.backends.base import BaseCache
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
@@ -701,16 +702,49 @@ def test_a_cache_that_is_not_django_redis_is_refused_by_the_checks():
             "x", {"BACKEND": BACKEND, "OPTIONS": {"CACHE": "local"}}
         )
     assert [e.id for e in errors] == ["django_setnx.E016"]
-    assert "is not a django-redis cache" in errors[0].msg and "'local'" in errors[0].msg
+    assert "not a django-redis cache" in errors[0].msg and "'local'" in errors[0].msg
 
 
-def test_a_location_redis_py_cannot_read_is_a_configuration_error_naming_the_alias():
-    """Review r126: the first lock raised redis-py's bare ValueError. The password
-    of the URL is not repeated."""
-    backend = RedisBackend("bad-url", {"BACKEND": BACKEND, "LOCATION": "http://:secret@h/0"})
+@pytest.mark.parametrize("location", ["http://:secret@h/0", "redis://default:secret/pw@h:6379/0"])
+def test_a_location_redis_py_cannot_read_is_a_configuration_error_naming_the_alias(location):
+    """Review r126: the first lock raised redis-py's bare ValueError. Review r129:
+    neither message repeats the password, which redis-py quotes as a "port" when it
+    has an unencoded "/" or "#"."""
+    (error,) = RedisBackend.check_params("bad-url", {"BACKEND": BACKEND, "LOCATION": location})
+    assert error.id == "django_setnx.E011" and "secret" not in error.msg
+    backend = RedisBackend("bad-url", {"BACKEND": BACKEND, "LOCATION": location})
     with pytest.raises(ImproperlyConfigured, match=r"SETNX_LOCKS\['bad-url'\]") as refused:
         backend.owns("name", "token")
     assert "secret" not in str(refused.value)
+
+
+class WrappingCache(BaseCache):
+    """A cache that wraps django-redis' (an instrumenting one, say), not a subclass:
+    it lends its connection all the same (``client.get_client()``)."""
+
+    def __init__(self, location, params):
+        from django_redis.cache import RedisCache
+
+        super().__init__(params)
+        self.inner = RedisCache(location, params)
+
+    @property
+    def client(self):
+        return self.inner.client
+
+
+def test_a_cache_that_wraps_django_redis_passes_the_checks():
+    """Review r129: E016 asked for a subclass of django-redis' cache, and refused a
+    wrapping one that works (so `check` and `migrate` failed)."""
+    with override_settings(
+        CACHES={
+            "wrapped": {
+                "BACKEND": "tests.test_redis_backend.WrappingCache",
+                "LOCATION": "redis://h/0",
+            }
+        }
+    ):
+        assert ids({"OPTIONS": {"CACHE": "wrapped"}}) == []
 
 
 def test_an_unknown_option_is_left_to_the_system_checks_warning():

@@ -8,6 +8,7 @@ without another holder of the lock.
 
 import asyncio
 import json
+import time
 
 import django
 import pytest
@@ -267,7 +268,28 @@ class SelfLocked(View):
         return HttpResponse("self post ok")
 
 
+def _without_wraps(method):
+    """A decorator that keeps no signature: the method becomes (*args, **kwargs)."""
+
+    def inner(*args, **kwargs):
+        return method(*args, **kwargs)
+
+    return inner
+
+
+class NoWraps(View):
+    """Review r129: under method_decorator, a handler of (*args, **kwargs) lost its
+    first positional argument (the request) as if it were the instance."""
+
+    @method_decorator(locked("nw:{slug}", backend=BACKEND))
+    @_without_wraps
+    def get(self, request, slug):
+        SEEN["no_wraps"] = held(f"nw:{slug}")
+        return HttpResponse("no wraps ok")
+
+
 urlpatterns = [
+    path("nw/<slug:slug>/", NoWraps.as_view()),
     path("auser/", async_by_user),
     path("self/<slug:slug>/", SelfLocked.as_view()),
     path("slug/<str:slug>/", by_slug),
@@ -637,3 +659,35 @@ def test_a_template_may_name_the_view_instance_through_method_decorator(method, 
     assert SEEN["self" if method == "get" else "self_post"] is True
     with lock(name, ttl=30, backend=BACKEND):
         assert getattr(client, method)("/self/s1/").status_code == 409
+
+
+def test_a_handler_without_a_signature_is_locked_through_method_decorator():
+    client = Client()
+    assert client.get("/nw/x/").status_code == 200 and SEEN["no_wraps"] is True
+    with lock("nw:x", ttl=30, backend=BACKEND):
+        assert client.get("/nw/x/").status_code == 409
+
+
+def test_a_recursive_async_call_whose_name_is_built_in_a_thread_is_refused():
+    """Review r129: a name that needs the database is built in a thread (see the
+    test above), and the re-entry check ran there too, where the caller's task is
+    not the runner: the recursive call waited for its own lock (for ever, with
+    timeout=None). The check runs in the loop."""
+    from django.contrib.auth.models import User
+
+    from django_setnx.exceptions import LockError
+
+    def name_from_the_database(depth):
+        return f"recursive:{User.objects.filter(pk=-1).count()}"  # a query
+
+    @locked(name_from_the_database, backend=BACKEND, timeout=5)
+    async def recurse(depth):
+        if depth:
+            return await recurse(depth - 1)
+        return "done"
+
+    started = time.monotonic()
+    with pytest.raises(LockError, match="already held"):
+        asyncio.run(recurse(1))
+    assert time.monotonic() - started < 2
+    assert asyncio.run(recurse(0)) == "done"

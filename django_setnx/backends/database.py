@@ -72,7 +72,9 @@ waiters otherwise retry only at the holder's expiry or every PG_SAFETY_POLL (abo
 one statement a second per waiter behind a long hold). Elsewhere (MySQL/MariaDB,
 SQLite, psycopg 2) the waiter next in line polls from HEAD_POLL, backing off to
 HEAD_POLL_MAX, and the others back off to WAITER_MAX_BACKOFF (at most about 20
-statements a second each), never past the holder's expiry; and on SQLite and MySQL
+statements a second each), never past the holder's expiry, except behind a waiter
+of their own process that is next in line: they wait for it (LOCAL_HEAD_POLL at
+most, a safety net); and on SQLite and MySQL
 the processes of one host wake each other's waiters where a PostgreSQL release
 would NOTIFY (``OPTIONS["LOCAL_WAKEUPS"]``, see db_local_wakeups). Async waits await a
 future or ``asyncio.sleep``: a coroutine holds a thread (and a shared connection)
@@ -99,7 +101,6 @@ the lock before writing, or release it after the commit.
 """
 
 import contextlib
-import copy
 import functools
 import inspect
 import logging
@@ -169,6 +170,12 @@ HEAD_POLL = 0.0005
 SQLITE_SYNCHRONOUS = ("NORMAL", "FULL", "EXTRA")
 HEAD_POLL_MAX = 0.125
 WAITER_MAX_BACKOFF = 0.25
+#: Without wake-ups, a waiter behind another waiter of its own process that has the
+#: place next in line does not poll: it waits for that waiter to wake it (when it
+#: takes the lock or gives up), or this long (jittered down by up to a sixth), a
+#: safety net. The place next in line cannot be taken from a live waiter, nor the
+#: lock before it, so its polls would only find what the waiter ahead finds first.
+LOCAL_HEAD_POLL = 2.0
 #: PostgreSQL with its listener up: a waiter retries when NOTIFY wakes it, at the
 #: holder's expiry, or after this many seconds (jittered down by up to a sixth), a
 #: safety net: about one statement a second per waiter behind a long hold.
@@ -204,9 +211,11 @@ CONTENTION_BACKOFF = 0.002
 CONTENTION_MAX_BACKOFF = 0.1
 
 #: Errors of MySQL/MariaDB that mean the statement was rolled back, most likely
-#: because of a concurrent one: deadlock, lock wait timeout, and MariaDB's
-#: max_statement_time, which a project may set (see POSTGRESQL_CONTENTION). Retried.
-MYSQL_CONTENTION = frozenset({1213, 1205, 1969})
+#: because of a concurrent one: deadlock, lock wait timeout, MariaDB's
+#: max_statement_time, which a project may set (see POSTGRESQL_CONTENTION), and a
+#: statement interrupted by ``KILL QUERY`` (a DBA, pt-kill: review r127), as a
+#: PostgreSQL cancel is. Retried.
+MYSQL_CONTENTION = frozenset({1213, 1205, 1969, 1317})
 #: ... and those that mean the connection is gone: server gone away, lost during
 #: query, lost (system error), killed (MariaDB), disconnected for inactivity
 #: (MySQL 8), server shutting down.
@@ -252,8 +261,11 @@ class DatabaseBackend(BaseLockBackend):
         problems = _option_problems(alias, self.options)
         if problems:
             raise ImproperlyConfigured(" ".join(problems))
-        # token -> _Waiter, for the refused callers of this process that will retry.
+        # token -> _Waiter, for the refused callers of this process that will retry;
+        # and name -> the one of them that last took the place next in line (see
+        # _behind_a_local_head).
         self._waiting = {}
+        self._heads = {}
         self._wakeups = Wakeups()  # their wake-ups, by lock name (see db_wakeups)
         self._wakeups.is_ours = self._waiting.__contains__
         # What a dropped backend leaves behind, stopped or closed when it is garbage
@@ -652,15 +664,17 @@ class DatabaseBackend(BaseLockBackend):
                     # Row locks (InnoDB) and table locks (metadata, e.g. a migration
                     # altering the table) are waited for OPERATION_TIMEOUT at most.
                     wait = _whole_seconds(self.operation_timeout)
-                    cursor.execute(
+                    setup = (
                         "SET SESSION innodb_lock_wait_timeout = %s, lock_wait_timeout = %s",
                         (wait, wait),
                     )
+                    cursor.execute(*setup)
                     if self._mariadb_prepared is not None:
-                        # The database the statements will be prepared in names them.
+                        # The database the statements will be prepared in names them;
+                        # a session reset (found when they are gone) undoes the SET.
                         cursor.execute("SELECT DATABASE()")
                         (database,) = cursor.fetchone()
-                        state.prepared_session = PreparedSession(database)
+                        state.prepared_session = PreparedSession(database, setup=[setup])
                 elif wrapper.vendor == "sqlite" and self.sqlite_wal:
                     state.sqlite_wal_pending = not self._sqlite_setup(wrapper, cursor)
             finally:
@@ -924,7 +938,7 @@ class DatabaseBackend(BaseLockBackend):
                 result = AcquireResult.won(fencing)
             elif wait != 0 and sql.queue_and_holder is not None:
                 # Refused, will retry (PostgreSQL): queue and read the holder at once.
-                waiter = self._waiter(token, attempted_at)
+                waiter = self._waiter(name, token, attempted_at)
                 self._execute(
                     cursor,
                     sql.queue_and_holder,
@@ -982,7 +996,7 @@ class DatabaseBackend(BaseLockBackend):
     def _queue(self, cursor, sql, name, token, attempted_at):
         """Ask for (or renew) the place next in line; remember whether we have it.
         Returns True if the statement gave (or renewed) it."""
-        waiter = self._waiter(token, attempted_at)
+        waiter = self._waiter(name, token, attempted_at)
         if waiter.head and not waiter.woken and time.monotonic() - waiter.renewed < sql.next_renew:
             # Ours, and renewed recently enough not to lapse. (Not after a wake-up:
             # one that did not bring the lock says the place next in line changed
@@ -991,10 +1005,10 @@ class DatabaseBackend(BaseLockBackend):
         self._execute(cursor, sql.queue, self._queue_params(name, token, waiter))
         return self._queued(waiter, cursor.rowcount == 1)
 
-    def _waiter(self, token, attempted_at):
+    def _waiter(self, name, token, attempted_at):
         waiter = self._waiting.get(token)
         if waiter is None:
-            waiter = self._waiting[token] = _Waiter()
+            waiter = self._waiting[token] = _Waiter(name, token)
         waiter.attempted_at = attempted_at
         return waiter
 
@@ -1002,13 +1016,30 @@ class DatabaseBackend(BaseLockBackend):
     def _queue_params(name, token, waiter):
         return (token, waiter.since_ms, name, token, token, waiter.since_ms)
 
-    @staticmethod
-    def _queued(waiter, head):
+    def _queued(self, waiter, head):
         if head and not waiter.head:
             waiter.polls = 0
+            self._heads[waiter.name] = waiter
         waiter.head = head
         waiter.renewed = time.monotonic()
         return head
+
+    def _behind_a_local_head(self, waiter):
+        """True if another waiter of this process, which began waiting before
+        ``waiter``, has the place next in line for its lock (by its last queue
+        statement): while it waits, it renews that place, which no later waiter may
+        take, and it takes the lock before anyone else may. So ``waiter`` need not
+        poll (see LOCAL_HEAD_POLL)."""
+        name = waiter.name
+        head = self._heads.get(name)
+        if head is None or head is waiter:
+            return False
+        if head.head and self._waiting.get(head.token) is head:
+            # Unless this one began waiting first: it takes the place over.
+            return head.since_ms <= waiter.since_ms
+        if self._heads.get(name) is head:  # it left, or lost the place: forget it
+            self._heads.pop(name, None)
+        return False
 
     def _refused(self, token, holder, head):
         """The result of a refused attempt that queued (``head``: it is next in
@@ -1026,7 +1057,8 @@ class DatabaseBackend(BaseLockBackend):
     def stop_waiting(self, name, token):
         """Give up the place next in line, if this caller had asked for it. Returns
         None: a database lock is never handed to a caller that is not retrying."""
-        if self._waiting.pop(token, None) is None:
+        waiter = self._waiting.pop(token, None)
+        if waiter is None:
             return None
 
         def work(cursor, sql, raw):
@@ -1036,6 +1068,9 @@ class DatabaseBackend(BaseLockBackend):
                 # now, free to take): the other waiters (who may wait for a wake-up,
                 # not a poll) compete for it now.
                 self._notify(cursor, sql, name)
+            elif waiter.head:
+                # This process' other waiters wait for it (see _behind_a_local_head).
+                self._wakeups.wake_one(name)
 
         self._run("stop waiting", work)
         return None
@@ -1102,6 +1137,13 @@ class DatabaseBackend(BaseLockBackend):
         waiter = self._waiting.get(token)
         since = waiter.attempted_at if waiter is not None else time.monotonic()
         if listener_ready_at is None:
+            if waiter is not None and not waiter.head and self._behind_a_local_head(waiter):
+                # Polling would only find what that waiter finds first; it wakes this
+                # process' others when it takes the lock or leaves the line (review
+                # r127: 300 coroutines on MariaDB sent 215 statements an acquisition,
+                # and every async lock call of the process waited behind them).
+                delay = LOCAL_HEAD_POLL * random.uniform(5 / 6, 1.0)
+                return since, max(delay if max_wait is None else min(delay, max_wait), 0.0)
             return since, self.retry_delay(token, attempt, max_wait, retry_after)
         if listener_ready_at > since:
             # The LISTEN began after that attempt: a NOTIFY in between was missed.
@@ -1574,9 +1616,11 @@ class DatabaseBackend(BaseLockBackend):
 class _Waiter:
     """A refused caller of this process that will retry."""
 
-    __slots__ = ("since_ms", "head", "renewed", "polls", "attempted_at", "woken")
+    __slots__ = ("name", "token", "since_ms", "head", "renewed", "polls", "attempted_at", "woken")
 
-    def __init__(self):
+    def __init__(self, name, token):
+        self.name = name
+        self.token = token
         # When it started waiting, by this app server's clock: only compared with
         # other waiters' to find the longest-waiting one (fairness, never safety).
         self.since_ms = int(time.time() * 1000)
@@ -2067,7 +2111,12 @@ def _private_wrapper(alias, database, operation_timeout):
         base = connections[database]
     except ConnectionDoesNotExist as exc:
         raise LockBackendError(alias, f"database {database!r} is not configured") from exc
-    settings_dict = copy.deepcopy(base.settings_dict)
+    # Copied a level deep, not deeply: OPTIONS may hold what cannot be copied (an
+    # ssl.SSLContext for PyMySQL: review r127), and nothing in it is changed here.
+    settings_dict = {
+        key: dict(value) if isinstance(value, dict) else value
+        for key, value in base.settings_dict.items()
+    }
     settings_dict.update(
         AUTOCOMMIT=True, ATOMIC_REQUESTS=False, CONN_MAX_AGE=0, CONN_HEALTH_CHECKS=False
     )

@@ -47,17 +47,22 @@ REFUSALS = frozenset({1461, 1295, 1064, 1149})
 
 class PreparedSession:
     """What one connection has prepared: the names, or ``plain`` once the server
-    refused (then every statement of that connection is sent as text).
+    refused (then every statement of that connection is sent as text), and the
+    settings to restore after a session reset (``setup``).
     ``database``: the one the connection uses (``SELECT DATABASE()`` when it was
     made: ``OPTIONS`` or an option file may name another than ``NAME``), part of
     every statement's name."""
 
-    __slots__ = ("database", "names", "plain")
+    __slots__ = ("database", "names", "plain", "setup")
 
-    def __init__(self, database=None):
+    def __init__(self, database=None, setup=()):
         self.database = database
         self.names = set()
         self.plain = False
+        #: ``(statement, params)`` the connection ran when it was made (its lock wait
+        #: timeouts), run again when its prepared statements turn out to be gone: a
+        #: session reset (COM_RESET_CONNECTION from a proxy) undoes those too.
+        self.setup = list(setup)
 
 
 class MariaDBStatements:
@@ -105,8 +110,13 @@ class MariaDBStatements:
             except self._errors as exc:
                 if _code(exc) != UNKNOWN_STATEMENT:
                     raise
-            # The session lost it (a pooler's or a proxy's reset): nothing ran.
+            # The session lost it (a pooler's or a proxy's reset): nothing ran. The
+            # reset also undid the connection's session settings (review r127: a
+            # blocked acquire then waited the server's 50 s default, not
+            # OPERATION_TIMEOUT, and outlived its read timeout).
             session.names.discard(name)
+            for setup in session.setup:
+                cursor.execute(*setup)
         else:
             # Prepared, and unknown again at once: something between us and the
             # server does not keep a session's statements. Plain text from now on;

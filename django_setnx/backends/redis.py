@@ -180,6 +180,12 @@ DEFAULT_WAKE_TTL = 1
 #: increasing across a release if Redis' clock steps back by less than this.
 DEFAULT_FENCING_RETENTION = 60
 DEFAULT_CLIENT_CLASS = "redis.Redis.from_url"
+#: What a Redis URL needs, said instead of redis-py's message for one it cannot read
+#: (which may quote part of a password).
+UNREADABLE_URL = (
+    "that redis-py can read: it needs the scheme redis://, rediss:// or unix://, a "
+    "port that is a number, and a password whose #, /, ? and @ are percent-encoded."
+)
 OPTION_NAMES = {
     "CACHE",
     "CONNECTION_KWARGS",
@@ -318,6 +324,27 @@ def printable_name(name):
     if _is_text(name):
         return name
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _not_a_django_redis_cache(alias, redis_cache_class):
+    """Why the cache ``alias`` cannot lend its connection to the locks (what
+    ``django_redis.get_redis_connection`` needs: ``cache.client.get_client()``), or
+    None if it can. Building the cache object connects to nothing; a cache that
+    cannot be built is left to Django's own checks. Duck-typed, not a subclass test:
+    a cache that wraps or instruments django-redis' lends its connection too (review
+    r129)."""
+    from django.core.cache import caches
+
+    try:
+        cache = caches[alias]
+    except Exception:  # noqa: BLE001 - Django's checks and first use report it
+        return None
+    if isinstance(cache, redis_cache_class):
+        return None
+    client = getattr(cache, "client", None)
+    if callable(getattr(client, "get_client", None)):
+        return None
+    return f"a {type(cache).__module__}.{type(cache).__qualname__}, not a django-redis cache."
 
 
 def import_dotted(path):
@@ -1064,8 +1091,8 @@ class RedisBackend(BaseLockBackend):
 
             try:
                 parse_url(location)
-            except ValueError as exc:
-                error("E011", f"{where}['LOCATION'] is not a Redis URL: {exc}.")
+            except ValueError:
+                error("E011", f"{where}['LOCATION'] is not a Redis URL {UNREADABLE_URL}")
         prefix_problem = key_prefix_problem(params.get("KEY_PREFIX", DEFAULT_KEY_PREFIX))
         if prefix_problem is not None:
             error("E013", f"{where}['KEY_PREFIX'] {prefix_problem}.")
@@ -1099,18 +1126,11 @@ class RedisBackend(BaseLockBackend):
                         hint="pip install django-setnx[django-redis]",
                     )
                 else:
-                    cache_backend = settings.CACHES[cache].get("BACKEND", "")
-                    try:
-                        cache_class = import_dotted(cache_backend)
-                    except ImportError:
-                        cache_class = None  # Django's own checks report that one
-                    if cache_class is not None and not (
-                        isinstance(cache_class, type) and issubclass(cache_class, RedisCache)
-                    ):
+                    problem = _not_a_django_redis_cache(cache, RedisCache)
+                    if problem is not None:
                         error(
                             "E016",
-                            f"{where}['OPTIONS']['CACHE'] is {cache!r}, whose BACKEND "
-                            f"{cache_backend!r} is not a django-redis cache.",
+                            f"{where}['OPTIONS']['CACHE'] is {cache!r}, {problem}",
                             hint="Point it at a django_redis.cache.RedisCache alias, or set "
                             "LOCATION to the Redis URL instead.",
                         )
@@ -1165,10 +1185,12 @@ class RedisBackend(BaseLockBackend):
         except ValueError as exc:
             # A URL redis-py cannot read (the system check says so too, E011): a
             # configuration error naming the alias, not a bare ValueError at the first
-            # lock. (Not the URL itself: it may hold a password.)
+            # lock. Neither the URL nor redis-py's message, which quotes the "port"
+            # (review r129: a password with a "/" or "#" is read as one), only as the
+            # cause.
             raise ImproperlyConfigured(
                 f"SETNX_LOCKS[{self.alias!r}]: cannot make a Redis client from LOCATION "
-                f"and CONNECTION_KWARGS: {exc}"
+                f"and CONNECTION_KWARGS: LOCATION may not be a Redis URL {UNREADABLE_URL}"
             ) from exc
         except Exception as exc:
             # A client that connects while it is built (RedisCluster) wraps a refusal
@@ -1367,7 +1389,15 @@ class RedisBackend(BaseLockBackend):
             # Trying again with that token (see redis_undo): in a thread, since an
             # attempt of the undo being sent now (maybe by a task of this loop) is
             # waited for.
-            await asyncio.to_thread(retries.withdraw, name, token)
+            try:
+                await asyncio.to_thread(retries.withdraw, name, token)
+            except asyncio.CancelledError:
+                # The thread may take the undo back all the same, and this acquire,
+                # which would have replaced it, is not sent: the undo is sent again
+                # (review r128). Harmless if the lock is ours or nobody's by then.
+                retries.begin(name, token)
+                retries.end(name, token, False, ttl_ms / 1000)
+                raise
         with _ReportedAs(self, "acquire", name, shared=False):
             try:
                 won, value = await conn.acquire(
@@ -1553,11 +1583,11 @@ class RedisBackend(BaseLockBackend):
         acquire's is the one to report)."""
         retries = self._undo_retries_made()
         retries.begin(name, token)
-        answered = True
+        answered = False  # unless it ends (an interruption does not: review r128)
         try:
             answered = self._undo_once(name, token)
         except Exception:  # noqa: BLE001 - answered, with an error: nothing to retry
-            pass
+            answered = True
         finally:
             retries.end(name, token, answered, ttl)
 

@@ -119,6 +119,7 @@ class UndoRetries:
         self._undo_once = undo_once
         self._states: PerProcess[_State] = PerProcess(_State)
         _ALL.add(self)
+        _register_exit_hook()
 
     # -- what the backend calls ----------------------------------------------------
 
@@ -126,8 +127,12 @@ class UndoRetries:
         """A caller is about to send the first undo of ``token``'s acquire of
         ``name`` (it calls :meth:`end` when that attempt is over)."""
         state = self._states.get()
+        key = (name, token)
         with state.condition:
-            state.undoing.add((name, token))
+            state.undoing.add(key)
+            # A withdraw that stopped waiting for an earlier attempt (see
+            # WITHDRAW_PATIENCE) left its mark: it is not about this one.
+            state.withdrawn.discard(key)
 
     def end(self, name: str, token: str, answered: bool, ttl: float) -> None:
         """The caller's first attempt is over: if the server did not answer it, the
@@ -178,7 +183,6 @@ class UndoRetries:
 
     def _add(self, state: _State, key: _Key, ttl: float) -> None:
         """Make ``key`` pending (under the condition), starting the thread."""
-        global _exit_hook_registered
         now = time.monotonic()
         pending = state.pending
         pending.pop(key, None)
@@ -204,10 +208,6 @@ class UndoRetries:
                 target=self._run, args=(state,), name="django-setnx-undo-retry", daemon=True
             )
             state.thread.start()
-            with _exit_hook:
-                if not _exit_hook_registered:
-                    _exit_hook_registered = True
-                    atexit.register(_send_at_exit)
 
     def _run(self, state: _State) -> None:
         condition = state.condition
@@ -281,12 +281,26 @@ class UndoRetries:
             state.silent_until = 0.0
             state.delay = FIRST_DELAY
             state.condition.notify_all()
-            while (state.pending or state.in_flight) and state.thread is not None:
+            while state.undoing or ((state.pending or state.in_flight) and state.thread):
+                # (A first attempt still being made, a sync twin's, ends in pending.)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 state.condition.wait(min(left, 0.05))
-            return len(state.pending) + (state.in_flight is not None)
+            return len(state.pending) + len(state.undoing) + (state.in_flight is not None)
+
+
+def _register_exit_hook() -> None:
+    """Register :func:`_send_at_exit` once per process, when the first UndoRetries
+    is made: before the sync twins of async undos register theirs (aio), so that it
+    runs after them (atexit runs the last registered first), and they hand it what
+    they could not send (review r128). One registered while the hooks run is never
+    called."""
+    global _exit_hook_registered
+    with _exit_hook:
+        if not _exit_hook_registered:
+            _exit_hook_registered = True
+            atexit.register(_send_at_exit)
 
 
 def _send_at_exit() -> None:
