@@ -172,10 +172,14 @@ HEAD_POLL_MAX = 0.125
 WAITER_MAX_BACKOFF = 0.25
 #: Without wake-ups, a waiter behind another waiter of its own process that has the
 #: place next in line does not poll: it waits for that waiter to wake it (when it
-#: takes the lock or gives up), or this long (jittered down by up to a sixth), a
-#: safety net. The place next in line cannot be taken from a live waiter, nor the
-#: lock before it, so its polls would only find what the waiter ahead finds first.
+#: takes the lock or gives up), rechecking, without a statement, at most this often
+#: (jittered down by up to a sixth) and when that waiter's place would lapse had it
+#: stopped renewing it. The place next in line cannot be taken from a live waiter,
+#: nor the lock before it, so its polls would only find what the waiter ahead finds
+#: first.
 LOCAL_HEAD_POLL = 2.0
+#: What DatabaseBackend._wait_on returns when a wait is over.
+_RETRY = object()
 #: PostgreSQL with its listener up: a waiter retries when NOTIFY wakes it, at the
 #: holder's expiry, or after this many seconds (jittered down by up to a sixth), a
 #: safety net: about one statement a second per waiter behind a long hold.
@@ -263,9 +267,9 @@ class DatabaseBackend(BaseLockBackend):
             raise ImproperlyConfigured(" ".join(problems))
         # token -> _Waiter, for the refused callers of this process that will retry;
         # and name -> the one of them that last took the place next in line (see
-        # _behind_a_local_head).
+        # _local_head_until), weakly: the entry goes with the waiter (review r130).
         self._waiting = {}
-        self._heads = {}
+        self._heads = weakref.WeakValueDictionary()
         self._wakeups = Wakeups()  # their wake-ups, by lock name (see db_wakeups)
         self._wakeups.is_ours = self._waiting.__contains__
         # What a dropped backend leaves behind, stopped or closed when it is garbage
@@ -1024,22 +1028,23 @@ class DatabaseBackend(BaseLockBackend):
         waiter.renewed = time.monotonic()
         return head
 
-    def _behind_a_local_head(self, waiter):
-        """True if another waiter of this process, which began waiting before
-        ``waiter``, has the place next in line for its lock (by its last queue
-        statement): while it waits, it renews that place, which no later waiter may
-        take, and it takes the lock before anyone else may. So ``waiter`` need not
-        poll (see LOCAL_HEAD_POLL)."""
-        name = waiter.name
-        head = self._heads.get(name)
-        if head is None or head is waiter:
-            return False
-        if head.head and self._waiting.get(head.token) is head:
-            # Unless this one began waiting first: it takes the place over.
-            return head.since_ms <= waiter.since_ms
-        if self._heads.get(name) is head:  # it left, or lost the place: forget it
-            self._heads.pop(name, None)
-        return False
+    def _local_head_until(self, waiter, lapse_ms):
+        """If another waiter of this process, which began waiting before ``waiter``,
+        has the place next in line for its lock (by its last queue statement, renewed
+        less than ``lapse_ms`` ago), the monotonic time its place lapses unless it
+        renews it; else None. While it waits, it renews that place, which no later
+        waiter may take, and it takes the lock before anyone else may: ``waiter``
+        need not poll before then (see LOCAL_HEAD_POLL). One that stopped renewing
+        (its event loop blocked, say: review r130) is not waited for past that."""
+        head = self._heads.get(waiter.name)
+        if head is None or head is waiter or not head.head:
+            return None
+        if self._waiting.get(head.token) is not head:
+            return None  # it left (the entry goes with it: a weak reference)
+        if head.since_ms > waiter.since_ms:
+            return None  # this one began waiting first: it takes the place over
+        lapses_at = head.renewed + lapse_ms / 1000
+        return lapses_at if lapses_at > time.monotonic() else None
 
     def _refused(self, token, holder, head):
         """The result of a refused attempt that queued (``head``: it is next in
@@ -1068,8 +1073,10 @@ class DatabaseBackend(BaseLockBackend):
                 # now, free to take): the other waiters (who may wait for a wake-up,
                 # not a poll) compete for it now.
                 self._notify(cursor, sql, name)
-            elif waiter.head:
-                # This process' other waiters wait for it (see _behind_a_local_head).
+            else:
+                # This process' other waiters may wait for this one (see
+                # _local_head_until), or it was woken to take its turn and leaves
+                # instead (cancelled, timed out): one of them takes it (review r130).
                 self._wakeups.wake_one(name)
 
         self._run("stop waiting", work)
@@ -1095,14 +1102,18 @@ class DatabaseBackend(BaseLockBackend):
         PostgreSQL, a NOTIFY from any process: see db_wakeups), the next poll
         (:meth:`retry_delay`, or PG_SAFETY_POLL while the PostgreSQL listener is
         up), the holder's expiry or ``max_wait``. Returns None: the caller retries."""
-        since, delay = self._wait_plan(
-            token, attempt, max_wait, retry_after, self._listener_ready()
-        )
-        if delay > 0:
+        deadline = None if max_wait is None else time.monotonic() + max_wait
+        while True:
+            since, delay = self._wait_plan(
+                token, attempt, max_wait, retry_after, self._listener_ready()
+            )
+            if delay <= 0:
+                return None
             self._listen_locally()
             woken = self._wakeups.wait(name, delay, since, self._rank(token), token)
-            self._woken(token, woken)
-        return None
+            max_wait = self._wait_on(token, woken, deadline)
+            if max_wait is _RETRY:
+                return None
 
     async def await_release(self, name, *, token, attempt, max_wait, retry_after):
         """Async twin of :meth:`wait`: the wait is an awaited future, no thread is
@@ -1110,12 +1121,32 @@ class DatabaseBackend(BaseLockBackend):
         ready = self._listener_ready(start=False)
         if ready is None and self._listens():
             ready = await sync_to_async(self._listener_ready, thread_sensitive=False)()
-        since, delay = self._wait_plan(token, attempt, max_wait, retry_after, ready)
-        if delay > 0:
+        deadline = None if max_wait is None else time.monotonic() + max_wait
+        while True:
+            since, delay = self._wait_plan(token, attempt, max_wait, retry_after, ready)
+            if delay <= 0:
+                return None
             self._listen_locally()  # a bind and a thread start, once per process
             woken = await self._wakeups.await_wakeup(name, delay, since, self._rank(token), token)
-            self._woken(token, woken)
-        return None
+            max_wait = self._wait_on(token, woken, deadline)
+            if max_wait is _RETRY:
+                return None
+
+    def _wait_on(self, token, woken, deadline):
+        """After a wait that ended (``woken``: by a wake-up): the seconds left to wait
+        on (None: no limit) if the caller was not woken and is still behind a live
+        waiter of this process next in line (an attempt now would only be refused:
+        review r130), else _RETRY (its wait is over: it retries)."""
+        self._woken(token, woken)
+        waiter = self._waiting.get(token)
+        if woken or waiter is None or waiter.head or self._dialect is None:
+            return _RETRY
+        if self._local_head_until(waiter, self._dialect.next_lapse_ms) is None:
+            return _RETRY
+        if deadline is None:
+            return None
+        left = deadline - time.monotonic()
+        return left if left > 0 else _RETRY
 
     def _woken(self, token, woken):
         """Note whether the wait of the caller with ``token`` ended by a wake-up."""
@@ -1137,12 +1168,18 @@ class DatabaseBackend(BaseLockBackend):
         waiter = self._waiting.get(token)
         since = waiter.attempted_at if waiter is not None else time.monotonic()
         if listener_ready_at is None:
-            if waiter is not None and not waiter.head and self._behind_a_local_head(waiter):
+            head_until = None
+            if waiter is not None and not waiter.head:
+                head_until = self._local_head_until(waiter, self._dialect.next_lapse_ms)
+            if head_until is not None:
                 # Polling would only find what that waiter finds first; it wakes this
                 # process' others when it takes the lock or leaves the line (review
                 # r127: 300 coroutines on MariaDB sent 215 statements an acquisition,
                 # and every async lock call of the process waited behind them).
-                delay = LOCAL_HEAD_POLL * random.uniform(5 / 6, 1.0)
+                delay = min(
+                    LOCAL_HEAD_POLL * random.uniform(5 / 6, 1.0),
+                    head_until - time.monotonic() + HEAD_POLL_MAX,
+                )
                 return since, max(delay if max_wait is None else min(delay, max_wait), 0.0)
             return since, self.retry_delay(token, attempt, max_wait, retry_after)
         if listener_ready_at > since:
@@ -1616,7 +1653,17 @@ class DatabaseBackend(BaseLockBackend):
 class _Waiter:
     """A refused caller of this process that will retry."""
 
-    __slots__ = ("name", "token", "since_ms", "head", "renewed", "polls", "attempted_at", "woken")
+    __slots__ = (
+        "name",
+        "token",
+        "since_ms",
+        "head",
+        "renewed",
+        "polls",
+        "attempted_at",
+        "woken",
+        "__weakref__",
+    )
 
     def __init__(self, name, token):
         self.name = name
