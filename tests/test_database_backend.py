@@ -144,7 +144,7 @@ def test_the_longest_waiting_caller_takes_the_place(db_alias, name):
     # place over at its next attempt; the late one cannot take it back.
     assert not backend.acquire(name, late, 30, OWNER, wait=10).acquired
     assert _row(db_alias, name).next_token == late
-    backend._waiting[early] = database._Waiter()
+    backend._waiting[early] = database._Waiter(name, early)
     backend._waiting[early].since_ms = backend._waiting[late].since_ms - 1000
     assert not backend.acquire(name, early, 30, OWNER, wait=10).acquired
     assert _row(db_alias, name).next_token == early
@@ -172,7 +172,7 @@ def test_a_waiter_woken_for_a_freed_place_asks_for_it(db_alias, name):
     holder, waiter, early = _token(), _token(), _token()
     assert backend.acquire(name, holder, 30, OWNER).acquired
     assert not backend.acquire(name, waiter, 30, OWNER, wait=10).acquired
-    backend._waiting[early] = database._Waiter()
+    backend._waiting[early] = database._Waiter(name, early)
     backend._waiting[early].since_ms = backend._waiting[waiter].since_ms - 1000
     assert not backend.acquire(name, early, 30, OWNER, wait=10).acquired
     assert _row(db_alias, name).next_token == early
