@@ -1197,14 +1197,21 @@ def test_an_async_caller_trying_again_while_its_undo_is_still_being_sent_keeps_t
             backend.close()
 
 
-def test_undos_pending_at_exit_are_sent_once_more_before_the_process_ends():
+@pytest.mark.parametrize("ending", ["exit", "forked-child", "celery-child"])
+def test_undos_pending_at_exit_are_sent_once_more_before_the_process_ends(ending):
     """Review r125: the retries are a daemon thread; a process that exited with an
     undo pending (a management command, a worker recycled by max_requests) left its
     lock held by nobody for its ttl (600 s here). The exit hook sends it again for
-    AT_EXIT seconds at most."""
+    AT_EXIT seconds at most. Review r128: so do a multiprocessing child started by
+    fork and a Celery prefork child, which end with ``os._exit`` (no atexit)."""
     from tests import workers
 
-    with _child_with_a_server(workers.fail_an_acquire_then_exit) as (server, child, failed):
+    target = {
+        "exit": workers.fail_an_acquire_then_exit,
+        "forked-child": workers.fail_an_acquire_in_a_forked_child,
+        "celery-child": workers.fail_an_acquire_then_end_as_a_celery_child,
+    }[ending]
+    with _child_with_a_server(target) as (server, child, failed):
         assert failed.wait(60), "the acquire never failed"
         time.sleep(1.0)  # the child is exiting, its exit hook sending the undo
         os.kill(server.process.pid, signal.SIGCONT)
@@ -1214,3 +1221,40 @@ def test_undos_pending_at_exit_are_sent_once_more_before_the_process_ends():
         lock_key, fence_key = lock_keys("setnx-exit", "left-at-exit")[:2]
         assert not client.exists(lock_key), "the lock is held by nobody for 600 s"
         assert client.exists(fence_key), "the acquire never ran"
+
+
+@pytest.mark.parametrize("call", ["acquire", "aacquire"])
+@pytest.mark.parametrize("warm", [False, True], ids=["no-connection", "idle-connection"])
+def test_an_acquire_refused_at_connect_is_not_undone(call, warm):
+    """Reviews r125, r128: an acquire whose connection was refused never left, so
+    it has nothing to undo. It was undone all the same: its undo, unanswered, sent
+    again every 2 s, then at exit (a short-lived process waited AT_EXIT, 5 s, and
+    logged that its lock "may be held by nobody"). Covered: a pool with no
+    connection yet, and one whose idle connection the server closed as it went
+    down."""
+    with RedisServer() as server:
+        backend = backend_on(server, "refused", socket_timeout=SOCKET_TIMEOUT)
+        try:
+
+            async def main():
+                if warm:
+                    assert (await backend.aacquire("warm", "t", 30, {})).acquired
+                    assert await backend.arelease("warm", "t")
+                server.stop()
+                with pytest.raises(LockBackendError):
+                    await backend.aacquire("never-sent", "token", 30, {})
+                await backend.aclose()
+
+            if call == "aacquire":
+                run(main())
+            else:
+                if warm:
+                    assert backend.acquire("warm", "t", 30, {}).acquired
+                    assert backend.release("warm", "t")
+                server.stop()
+                with pytest.raises(LockBackendError):
+                    backend.acquire("never-sent", "token", 30, {})
+            retries = backend._undo_retries
+            assert retries is None or not retries.has("never-sent", "token")
+        finally:
+            backend.close()

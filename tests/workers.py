@@ -7,6 +7,7 @@ databases and the Redis server the parent is using (see :func:`child_environment
 
 import json
 import os
+import sys
 import time
 
 
@@ -341,6 +342,38 @@ def fail_an_acquire_then_exit(env, url, server_pid, failed):
     command or a recycled worker, left the lock held by nobody). The exit hook of
     redis_undo sends it once more, for AT_EXIT seconds at most."""
     _setup(env)
+    _fail_an_acquire(url, server_pid, failed)
+
+
+def fail_an_acquire_in_a_forked_child(env, url, server_pid, failed):
+    """fail_an_acquire_then_exit in a multiprocessing child started by fork, which
+    ends with ``os._exit`` (atexit hooks skipped): its finalizers send the undo
+    (review r128)."""
+    _setup(env)
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(
+        target=_fail_an_acquire, args=(url, server_pid, failed)
+    )
+    child.start()
+    child.join()
+    sys.exit(child.exitcode)
+
+
+def fail_an_acquire_then_end_as_a_celery_child(env, url, server_pid, failed):
+    """fail_an_acquire_then_exit, ended as a Celery prefork pool child ends: its
+    ``worker_process_shutdown`` signal, then ``os._exit`` (atexit hooks skipped)."""
+    _setup(env)
+    from celery import signals
+
+    import django_setnx.contrib.celery  # noqa: F401 - connects its receivers
+
+    _fail_an_acquire(url, server_pid, failed)
+    signals.worker_process_shutdown.send(sender="worker", pid=os.getpid(), exitcode=0)
+    os._exit(0)
+
+
+def _fail_an_acquire(url, server_pid, failed):
     import signal
 
     from django_setnx.backends.redis import RedisBackend

@@ -180,10 +180,34 @@ def mark_undone(error: BaseException) -> None:
 def was_undone(error: BaseException) -> bool:
     """True if ``error``, or an error it was raised from, is marked by
     :func:`mark_undone`."""
+    return _marked(error, _UNDONE)
+
+
+#: The attribute of an error raised before a command was sent (see
+#: :func:`mark_unsent`).
+_UNSENT = "django_setnx_unsent"
+
+
+def mark_unsent(error: BaseException) -> None:
+    """Mark ``error``, raised before any byte of a command left for the server (the
+    connection was refused, or failed in its handshake): the command did not run, so
+    there is nothing to undo. Its undo would have nothing to undo either, and on a
+    server that is down it would only wait: retried in the background, then at
+    interpreter exit (see redis_undo)."""
+    setattr(error, _UNSENT, True)
+
+
+def was_unsent(error: BaseException) -> bool:
+    """True if ``error``, or an error it was raised from, is marked by
+    :func:`mark_unsent`."""
+    return _marked(error, _UNSENT)
+
+
+def _marked(error: BaseException, attribute: str) -> bool:
     seen = 0
     current: BaseException | None = error
     while current is not None and seen < 5:
-        if getattr(current, _UNDONE, False):
+        if getattr(current, attribute, False):
             return True
         current, seen = current.__cause__, seen + 1
     return False

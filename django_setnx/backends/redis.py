@@ -112,7 +112,7 @@ from ..globs import compile_glob, redis_match
 from ..globs import escape as _escape_glob
 from ..validation import ttl_to_ms
 from . import paging, redis_scripts
-from .aio import mark_undone, undo
+from .aio import mark_undone, mark_unsent, undo, was_unsent
 from .base import (
     HELD,
     STALE,
@@ -799,7 +799,11 @@ def _exchange_on_pool(client, exchange, links):
     applies it, when ``links.retries`` (on our own client, none unless
     CONNECTION_KWARGS gives one, see _no_retry; on a shared django-redis pool, none:
     never the cache's)."""
-    conn = links.take()
+    try:
+        conn = links.take()  # a pool's get_connection connects (see _PoolCheckout)
+    except Exception as error:
+        mark_unsent(error)
+        raise
 
     if _RETRY_ONLY_ON_LISTED_ERRORS:
         # redis-py < 6 retries only the errors in the connection's retry_on_error
@@ -812,6 +816,15 @@ def _exchange_on_pool(client, exchange, links):
             conn.disconnect()
 
     try:
+        if conn._sock is None:
+            # Connect first (under the connection's own retry policy, as the send
+            # would): refused here, the command never left, and an acquire has
+            # nothing to undo (see aio.mark_unsent).
+            try:
+                conn.connect()
+            except Exception as error:
+                mark_unsent(error)
+                raise
         if not links.retries:
             return exchange(conn)  # once (see _PoolCheckout); errors handled below
         return conn.retry.call_with_retry(lambda: exchange(conn), failed)
@@ -1409,8 +1422,8 @@ class RedisBackend(BaseLockBackend):
                 # caller was cancelled mid-call), then report: after UNDO_PATIENCE at
                 # most, the undo going on in its own task (see aio.undo), known to
                 # the retries from now on: a caller trying again with this token
-                # waits for it (see redis_undo).
-                if not isinstance(error, redis.exceptions.BusyLoadingError):
+                # waits for it (see redis_undo). Not sent, it has nothing to undo.
+                if not (isinstance(error, redis.exceptions.BusyLoadingError) or was_unsent(error)):
                     self._undo_retries_made().begin(name, token)
                     await undo(
                         self._aabandon_quietly(name, token, ttl_ms / 1000),
@@ -1552,8 +1565,8 @@ class RedisBackend(BaseLockBackend):
                 # from the queue, release what we may hold) so no ghost lock blocks
                 # others for a whole ttl, then report the failure (the Lock does not
                 # undo it again: see aio.mark_undone). A server still loading its data
-                # (LOADING) ran nothing.
-                if not isinstance(error, redis.exceptions.BusyLoadingError):
+                # (LOADING) ran nothing, nor did an acquire refused at connect.
+                if not (isinstance(error, redis.exceptions.BusyLoadingError) or was_unsent(error)):
                     self._abandon_quietly(name, token, ttl_ms / 1000)
                 mark_undone(error)
                 raise

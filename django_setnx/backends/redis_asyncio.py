@@ -25,7 +25,7 @@ from redis.asyncio import connection as async_connection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from .aio import cancellations, raise_lost_cancellation, wait_at_most
+from .aio import cancellations, mark_unsent, raise_lost_cancellation, wait_at_most
 from .redis import _should_reconnect, get_connection_args
 
 #: The connection settings carried over from the sync client's pool (what a user
@@ -152,11 +152,19 @@ class BoundedScript:
 
     async def _call(self, keys, args):
         async with self.slots:
-            connection = await self._take()
+            try:
+                connection = await self._take()  # connects (ensure_connection)
+            except Exception as error:
+                mark_unsent(error)  # the command never left: nothing to undo
+                raise
             try:
                 if _closed_by_server(connection):
                     await connection.disconnect()
-                    await connection.connect()
+                    try:
+                        await connection.connect()
+                    except Exception as error:
+                        mark_unsent(error)
+                        raise
                 try:
                     return await self._run(connection, keys, args)
                 except redis.exceptions.NoScriptError:

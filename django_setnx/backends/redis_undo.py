@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import sys
 import threading
 import time
 import weakref
@@ -102,6 +104,10 @@ class _State:
 _ALL: weakref.WeakSet[UndoRetries] = weakref.WeakSet()
 _exit_hook = ForkSafeLock()
 _exit_hook_registered = False
+#: The process whose exit hook already ran (see send_at_exit), and the process
+#: whose multiprocessing finalizer is registered (see _register_child_exit_hook).
+_sent_at_exit_in: int | None = None
+_child_hook_in: int | None = None
 
 
 class UndoRetries:
@@ -202,6 +208,7 @@ class UndoRetries:
                 )
         pending[key] = _Pending(now, now + max(RETRY_FOR, ttl))
         if state.thread is None:
+            _register_child_exit_hook()
             # Its first attempt just went unanswered: the server is silent.
             state.silent_until = now + state.delay
             state.thread = threading.Thread(
@@ -291,7 +298,7 @@ class UndoRetries:
 
 
 def _register_exit_hook() -> None:
-    """Register :func:`_send_at_exit` once per process, when the first UndoRetries
+    """Register :func:`send_at_exit` once per process, when the first UndoRetries
     is made: before the sync twins of async undos register theirs (aio), so that it
     runs after them (atexit runs the last registered first), and they hand it what
     they could not send (review r128). One registered while the hooks run is never
@@ -300,12 +307,40 @@ def _register_exit_hook() -> None:
     with _exit_hook:
         if not _exit_hook_registered:
             _exit_hook_registered = True
-            atexit.register(_send_at_exit)
+            atexit.register(send_at_exit)
 
 
-def _send_at_exit() -> None:
+def _register_child_exit_hook() -> None:
+    """In a multiprocessing child (``Process``, ``Pool``), also run
+    :func:`send_at_exit` as one of its finalizers: a forked child ends with
+    ``os._exit``, which skips atexit (review r128). Registered when undos first
+    become pending in the process, since a child starts with its parent's finalizers
+    cleared. (A Celery prefork child ends with ``os._exit`` too, before billiard's
+    finalizers: contrib.celery calls send_at_exit on ``worker_process_shutdown``.)"""
+    global _child_hook_in
+    multiprocessing = sys.modules.get("multiprocessing")
+    if multiprocessing is None or multiprocessing.parent_process() is None:
+        return
+    pid = os.getpid()
+    with _exit_hook:
+        if _child_hook_in == pid:
+            return
+        _child_hook_in = pid
+    from multiprocessing import util
+
+    util.Finalize(None, send_at_exit, exitpriority=0)
+
+
+def send_at_exit() -> None:
     """The exit hook: the pending undos of every backend, sent for AT_EXIT seconds at
-    most in all, and what is left logged."""
+    most in all, and what is left logged. Runs once per process (a spawned
+    multiprocessing child runs its finalizers, then atexit)."""
+    global _sent_at_exit_in
+    pid = os.getpid()
+    with _exit_hook:
+        if _sent_at_exit_in == pid:
+            return
+        _sent_at_exit_in = pid
     deadline = time.monotonic() + AT_EXIT
     for retries in list(_ALL):
         left = retries._flush(deadline)

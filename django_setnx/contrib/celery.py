@@ -1332,3 +1332,18 @@ class _RequestHeaders:
 
 
 _install_revoke_hook()
+
+
+@cast(
+    "Callable[[_F], _F]",
+    celery_signals.worker_process_shutdown.connect(
+        weak=False, dispatch_uid="django_setnx_undos_at_child_exit"
+    ),
+)
+def _send_undos_at_child_exit(sender: Any = None, **kwargs: Any) -> None:
+    """A prefork pool child ends with ``os._exit``, which skips atexit: the undos of
+    its failed Redis acquires still unanswered are sent once more here, as at any
+    interpreter exit (redis_undo.send_at_exit, AT_EXIT seconds at most)."""
+    from ..backends import redis_undo
+
+    redis_undo.send_at_exit()
