@@ -579,6 +579,64 @@ def test_waiters_behind_one_of_their_process_next_in_line_do_not_poll(
     assert per_s <= 150, per_s
 
 
+@pytest.mark.parametrize("backend_alias", LOCAL)
+def test_a_waiter_woken_to_take_its_turn_that_leaves_instead_wakes_the_next(
+    backend_alias, name, monkeypatch
+):
+    """Review r130: the head of this process' waiters (A) leaves and wakes the next
+    (B), which is cancelled before it acts on the wake-up. B, not next in line,
+    woke nobody when it left, so C, waiting for A, slept on until A's place would
+    have lapsed, with the lock possibly free. B now passes the wake-up on."""
+    backend = locks[backend_alias]
+    wake_ups = []
+    wake_one = backend._wakeups.wake_one
+
+    def recorded(lock_name):
+        woke = wake_one(lock_name)
+        wake_ups.append(woke)
+        return woke
+
+    monkeypatch.setattr(backend._wakeups, "wake_one", recorded)
+
+    async def until(condition, what):
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0)
+
+    def waiting_on_wakeups(token):
+        return [w for w in backend._wakeups._waiters.get(name, ()) if w.token == token]
+
+    async def main():
+        holder = lock(name, ttl=30, backend=backend_alias)
+        assert await holder.aacquire()
+        tasks, tokens, waiters = [], [], []
+        for what in "ABC":
+            waiters.append(lock(name, ttl=30, backend=backend_alias))
+            tasks.append(asyncio.create_task(waiters[-1].aacquire(timeout=30)))
+            await until(lambda: len(backend._waiting) == len(tasks), f"{what} never queued")
+            tokens.append(list(backend._waiting)[-1])
+            await until(lambda: waiting_on_wakeups(tokens[-1]), f"{what} never waited")
+        a, b, c = tasks
+        await until(lambda: backend._waiting[tokens[0]].head, "A is not next in line")
+        await until(lambda: waiting_on_wakeups(tokens[2]), "C is not waiting")
+        a.cancel()  # A leaves the line: it wakes B
+        await until(
+            lambda: any(w.woken for w in waiting_on_wakeups(tokens[1])), "A's leaving woke nobody"
+        )
+        woken_before = len(wake_ups)
+        b.cancel()  # before B acts on its wake-up
+        for task in (a, b):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert True in wake_ups[woken_before:], "B left without waking C"
+        await holder.arelease()
+        assert await asyncio.wait_for(c, 30)
+        await waiters[2].arelease()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("backend_alias", DB_ALIASES)
 def test_async_waiters_hold_no_thread_while_they_wait(backend_alias, name):
     """200 coroutines wait on a held lock: the threads in use stay those of the
