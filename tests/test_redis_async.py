@@ -1258,3 +1258,48 @@ def test_an_acquire_refused_at_connect_is_not_undone(call, warm):
             assert retries is None or not retries.has("never-sent", "token")
         finally:
             backend.close()
+
+
+def test_a_process_forked_with_undos_pending_leaves_them_to_its_parent(stoppable):
+    """Reviews r125, r128 (their fork probes): a process that forks with undos
+    pending (a Celery prefork or gunicorn --preload master whose acquire failed)
+    gives its child none of them: the child neither sends them again nor waits for
+    them at its exit, and the parent's thread, which the fork did not copy, goes on
+    and frees the lock once the server answers."""
+    backend, stopped = stoppable
+    name, token = "forked-ghost", "token-before-the-fork"
+    assert backend.acquire("warm", "t", 30, {}).acquired
+    assert backend.release("warm", "t")
+    with stopped():
+        with pytest.raises(LockBackendError):
+            backend.acquire(name, token, 30, {})
+        assert backend._undo_retries.has(name, token)
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never return into pytest
+            code = 1
+            try:
+                os.close(read_end)
+                retries = backend._undo_retries
+                left_at_exit = retries._flush(time.monotonic() + 5)
+                seen = (len(retries), retries.has(name, token), left_at_exit)
+                os.write(write_end, repr(seen).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write_end)
+        try:
+            with os.fdopen(read_end, "rb") as reported:
+                child_saw = reported.read().decode()
+        finally:
+            _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert child_saw == repr((0, False, 0)), child_saw
+        assert backend._undo_retries.has(name, token), "the parent lost its undo"
+    deadline = time.monotonic() + 10
+    while (backend.get(name) is not None or backend._undo_retries) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert backend.get(name) is None, "the lock is held by nobody until its ttl"
+    assert not backend._undo_retries
