@@ -637,6 +637,54 @@ def test_a_waiter_woken_to_take_its_turn_that_leaves_instead_wakes_the_next(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("backend_alias", PG)
+def test_postgres_followers_of_a_stuck_local_head_find_the_lock_it_left_free(backend_alias, name):
+    """Review r131: with the PostgreSQL listener up, a waiter whose safety poll
+    (PG_SAFETY_POLL, 3.5 s) ran out went back to waiting while a waiter of its
+    process ahead of it in line had renewed its place in the last PG_NEXT_LAPSE_MS
+    (8 s), even if that one could not act (its event loop blocked): the lock that a
+    release left to it sat free until then. A follower's safety poll finds it."""
+    holder = lock(name, ttl=30, backend=backend_alias)
+    assert holder.acquire()
+    queued, unblocked = threading.Event(), threading.Event()
+
+    def stuck_head():
+        async def main():
+            head = lock(name, ttl=30, backend=backend_alias)
+            attempt = asyncio.create_task(head.aacquire(timeout=60))
+            await asyncio.sleep(0.6)  # queued first: the place next in line
+            queued.set()
+            time.sleep(6.0)  # the loop blocked: it can take nothing
+            unblocked.set()
+            if await attempt:
+                await head.arelease()
+
+        asyncio.run(main())
+
+    def follow():
+        follower = lock(name, ttl=30, backend=backend_alias)
+        if follower.acquire(timeout=60):
+            seen.append(unblocked.is_set())
+            follower.release()
+
+    seen = []
+    head_thread = threading.Thread(target=stuck_head)
+    head_thread.start()
+    try:
+        assert queued.wait(10)
+        followed = threading.Thread(target=follow)
+        followed.start()
+        time.sleep(0.6)
+        holder.release()  # left to the head, whose claim lapses unconfirmed
+        followed.join(60)
+        assert seen, "the follower never got the lock"
+        # Its safety poll (3.5 s at most) and the head's claim (0.5 s) end well
+        # before the head's loop runs again (6 s).
+        assert seen == [False], "the lock left free was taken only once the head woke"
+    finally:
+        head_thread.join(60)
+
+
 @pytest.mark.parametrize("backend_alias", DB_ALIASES)
 def test_async_waiters_hold_no_thread_while_they_wait(backend_alias, name):
     """200 coroutines wait on a held lock: the threads in use stay those of the

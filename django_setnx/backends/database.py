@@ -1104,14 +1104,13 @@ class DatabaseBackend(BaseLockBackend):
         up), the holder's expiry or ``max_wait``. Returns None: the caller retries."""
         deadline = None if max_wait is None else time.monotonic() + max_wait
         while True:
-            since, delay = self._wait_plan(
-                token, attempt, max_wait, retry_after, self._listener_ready()
-            )
+            ready = self._listener_ready()
+            since, delay = self._wait_plan(token, attempt, max_wait, retry_after, ready)
             if delay <= 0:
                 return None
             self._listen_locally()
             woken = self._wakeups.wait(name, delay, since, self._rank(token), token)
-            max_wait = self._wait_on(token, woken, deadline)
+            max_wait = self._wait_on(token, woken, deadline, ready)
             if max_wait is _RETRY:
                 return None
 
@@ -1128,18 +1127,27 @@ class DatabaseBackend(BaseLockBackend):
                 return None
             self._listen_locally()  # a bind and a thread start, once per process
             woken = await self._wakeups.await_wakeup(name, delay, since, self._rank(token), token)
-            max_wait = self._wait_on(token, woken, deadline)
+            max_wait = self._wait_on(token, woken, deadline, ready)
             if max_wait is _RETRY:
                 return None
 
-    def _wait_on(self, token, woken, deadline):
+    def _wait_on(self, token, woken, deadline, listener_ready_at):
         """After a wait that ended (``woken``: by a wake-up): the seconds left to wait
         on (None: no limit) if the caller was not woken and is still behind a live
         waiter of this process next in line (an attempt now would only be refused:
-        review r130), else _RETRY (its wait is over: it retries)."""
+        review r130), else _RETRY (its wait is over: it retries). Not with the
+        PostgreSQL listener up (``listener_ready_at``, see _wait_plan): its waiters'
+        waits are safety polls, which must find a lock that head left free (its place
+        outlives it by PG_NEXT_LAPSE_MS, 8 s: review r131)."""
         self._woken(token, woken)
         waiter = self._waiting.get(token)
-        if woken or waiter is None or waiter.head or self._dialect is None:
+        if (
+            woken
+            or waiter is None
+            or waiter.head
+            or self._dialect is None
+            or listener_ready_at is not None
+        ):
             return _RETRY
         if self._local_head_until(waiter, self._dialect.next_lapse_ms) is None:
             return _RETRY
