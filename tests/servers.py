@@ -596,11 +596,12 @@ class ReplyDroppingProxy:
     connection is closed: the command ran, but the client never hears how. That is
     the window in which a client retrying "failed" commands re-sends one that already
     took effect. Usable as a context manager (starts, then closes every socket).
+    Closed, it refuses connections; a new one on its ``port`` takes them again.
     """
 
-    def __init__(self, target_port):
+    def __init__(self, target_port, port=0):
         self.target_port = target_port
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = socket.create_server(("127.0.0.1", port))
         self.port = self._listener.getsockname()[1]
         self._marker = None
         self.dropped = 0

@@ -1176,3 +1176,74 @@ def test_a_waiting_cycle_is_one_blocking_read_and_one_attempt(private_redis):
         assert attempts == blocking_reads + 2, (blocking_reads, attempts)
         holder.release()
         locks.close_all()
+
+
+def test_a_waiter_whose_next_attempt_is_refused_at_connect_undoes_the_lock_it_was_handed(
+    private_redis,
+):
+    """Review r132: a queued waiter's attempt pipelined behind its BLPOP took the
+    lock a release handed it, and the reply was lost (wait() says nothing: the next
+    attempt reports). That next attempt, refused at connect, ran nothing itself, so
+    it was not undone: the lock stayed held by a token nobody knew, for its whole
+    ttl. An attempt refused at connect is skipped by the undo only if no earlier
+    attempt under its token may have run."""
+    server, client = private_redis
+    proxy = ReplyDroppingProxy(server.port).start()
+    waiter = make_backend(proxy.url, alias="waiter", CONNECTION_KWARGS={"socket_timeout": 2.0})
+    holder = make_backend(server.url, alias="holder")
+    name, token = "handed", "token-of-the-waiter"
+    try:
+        assert holder.acquire(name, "holder", 60, OWNER).acquired
+        assert not waiter.acquire(name, token, 60, OWNER, wait=30).acquired  # queued
+        proxy.drop_reply_to(b"BLPOP")
+        waited = threading.Thread(
+            target=waiter.wait,
+            args=(name,),
+            kwargs={"token": token, "attempt": 1, "max_wait": 30, "retry_after": 60},
+        )
+        waited.start()
+        time.sleep(0.3)  # blocked in its BLPOP, its next attempt right behind
+        assert holder.release(name, "holder")  # handed to the waiter
+        waited.join(10)
+        assert proxy.dropped == 1
+        assert client.hget(lock_keys("setnx-edge", name)[0], "token") == token.encode()
+        port = proxy.port
+        proxy.close()  # connections refused from now on
+        with pytest.raises(LockBackendError):
+            waiter.acquire(name, token, 60, OWNER, wait=30)
+        proxy = ReplyDroppingProxy(server.port, port=port).start()  # the server is back
+        deadline = time.monotonic() + 10
+        while client.exists(lock_keys("setnx-edge", name)[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not client.exists(lock_keys("setnx-edge", name)[0]), (
+            "the lock handed to the waiter is held by nobody until its ttl"
+        )
+    finally:
+        waiter.close()
+        holder.close()
+        proxy.close()
+
+
+def test_a_pool_with_a_client_side_cache_sends_the_lock_commands(private_redis, monkeypatch):
+    """Review r132: a pool with a client-side cache lends CacheProxyConnection,
+    which keeps its socket on the connection it wraps: reading ``_sock`` on it
+    failed every lock command with AttributeError. (redis-py asks for Redis 7.4 for
+    its cache; what it uses, CLIENT TRACKING over RESP3, is in 6.0, so the test's
+    server stands in for one.)"""
+    CacheConfig = pytest.importorskip("redis.cache", reason="redis-py < 5.1").CacheConfig
+    monkeypatch.setattr(redis.connection.CacheProxyConnection, "MIN_ALLOWED_VERSION", "6.0.0")
+    server, client = private_redis
+    backend = make_backend(
+        server.url, CONNECTION_KWARGS={"protocol": 3, "cache_config": CacheConfig()}
+    )
+    try:
+        conn = backend.connection.client.connection_pool.get_connection()
+        assert isinstance(conn, redis.connection.CacheProxyConnection)
+        backend.connection.client.connection_pool.release(conn)
+        result = backend.acquire("cached", "token", 30, OWNER)
+        assert result.acquired
+        assert backend.owns("cached", "token")
+        assert backend.release("cached", "token")
+        assert not client.exists(lock_keys("setnx-edge", "cached")[0])
+    finally:
+        backend.close()

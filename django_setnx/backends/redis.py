@@ -816,7 +816,7 @@ def _exchange_on_pool(client, exchange, links):
             conn.disconnect()
 
     try:
-        if conn._sock is None:
+        if getattr(conn, "_sock", True) is None:  # (a CacheProxyConnection has none)
             # Connect first (under the connection's own retry policy, as the send
             # would): refused here, the command never left, and an acquire has
             # nothing to undo (see aio.mark_unsent).
@@ -1049,6 +1049,8 @@ class RedisBackend(BaseLockBackend):
         )
         #: token -> (ttl_ms, owner_json) of a queued caller's attempt (see wait).
         self._queued = {}
+        #: Tokens of async callers queued by an aacquire (see _earlier_may_have_run).
+        self._aqueued = set()
         self._conn = None
         self._conn_lock = ForkSafeLock()  # a child may build its client
         self._watch = None  # the _SharedPoolWatch of OPTIONS["CACHE"]'s pool, once connected
@@ -1398,7 +1400,8 @@ class RedisBackend(BaseLockBackend):
         ttl_ms = self.check_ttl(ttl)
         wait_ms = -1 if wait is None else int(min(max(wait, 0), WAITER_MS / 1000) * 1000)
         retries = self._undo_retries
-        if retries is not None and retries.has(name, token):
+        withdrew = retries is not None and retries.has(name, token)
+        if withdrew:
             # Trying again with that token (see redis_undo): in a thread, since an
             # attempt of the undo being sent now (maybe by a task of this loop) is
             # waited for.
@@ -1422,8 +1425,9 @@ class RedisBackend(BaseLockBackend):
                 # caller was cancelled mid-call), then report: after UNDO_PATIENCE at
                 # most, the undo going on in its own task (see aio.undo), known to
                 # the retries from now on: a caller trying again with this token
-                # waits for it (see redis_undo). Not sent, it has nothing to undo.
-                if not (isinstance(error, redis.exceptions.BusyLoadingError) or was_unsent(error)):
+                # waits for it (see redis_undo). Unless it ran nothing, nor may an
+                # earlier attempt under its token have (see _earlier_may_have_run).
+                if not self._ran_nothing(error, token, withdrew):
                     self._undo_retries_made().begin(name, token)
                     await undo(
                         self._aabandon_quietly(name, token, ttl_ms / 1000),
@@ -1432,7 +1436,10 @@ class RedisBackend(BaseLockBackend):
                 mark_undone(error)
                 raise
         if won:
+            self._aqueued.discard(token)
             return AcquireResult.won(value)
+        if wait != 0:
+            self._aqueued.add(token)  # queued: a release may hand it the lock
         return AcquireResult.lost(retry_after=value / 1000)
 
     async def _aabandon_quietly(self, name, token, ttl):
@@ -1496,6 +1503,7 @@ class RedisBackend(BaseLockBackend):
         conn = self._aconnection()
         if conn is None:
             return await super().astop_waiting(name, token)
+        self._aqueued.discard(token)
         with _ReportedAs(self, "stop waiting for", name, shared=False):
             granted, fencing = await conn.stop_waiting(
                 keys=[*self._keys(name), self._inbox_key(name, token)],
@@ -1551,7 +1559,8 @@ class RedisBackend(BaseLockBackend):
         # one (a timeout of 1e20 s) a valid argument.
         wait_ms = -1 if wait is None else int(min(max(wait, 0), WAITER_MS / 1000) * 1000)
         retries = self._undo_retries
-        if retries is not None and retries.has(name, token):
+        withdrew = retries is not None and retries.has(name, token)
+        if withdrew:
             retries.withdraw(name, token)  # trying again with that token: see redis_undo
         with self._errors_as("acquire", name):
             conn = self.connection
@@ -1564,9 +1573,9 @@ class RedisBackend(BaseLockBackend):
                 # The script may have run before the connection broke: undo it (withdraw
                 # from the queue, release what we may hold) so no ghost lock blocks
                 # others for a whole ttl, then report the failure (the Lock does not
-                # undo it again: see aio.mark_undone). A server still loading its data
-                # (LOADING) ran nothing, nor did an acquire refused at connect.
-                if not (isinstance(error, redis.exceptions.BusyLoadingError) or was_unsent(error)):
+                # undo it again: see aio.mark_undone). Unless it ran nothing, nor may
+                # an earlier attempt under its token have (see _ran_nothing).
+                if not self._ran_nothing(error, token, withdrew):
                     self._abandon_quietly(name, token, ttl_ms / 1000)
                 mark_undone(error)
                 raise
@@ -1582,12 +1591,26 @@ class RedisBackend(BaseLockBackend):
         """Withdraw ``token`` from the queue. Returns ``AcquireResult.won(fencing)`` if
         a release handed it the lock meanwhile (the caller holds it), else None."""
         self._queued.pop(token, None)
+        self._aqueued.discard(token)  # (the sync twin of an async undo, see aio.undo)
         with self._errors_as("stop waiting for", name):
             granted, fencing = self.connection.stop_waiting(
                 keys=[*self._keys(name), self._inbox_key(name, token)],
                 args=[token, self.retention_ms, self.wake_ms, self.fence_ms],
             )
         return AcquireResult.won(fencing) if granted else None
+
+    def _ran_nothing(self, error, token, withdrew):
+        """True if an acquire that failed with ``error`` has nothing to undo: the
+        server ran nothing of it (a server still loading its data, LOADING; a
+        connection refused or failed in its handshake, see aio.mark_unsent), and no
+        earlier attempt under ``token`` may have written anything either. One may
+        have if the caller queued with it (a release may have handed it the lock, and
+        the attempt pipelined behind a sync waiter's BLPOP confirms that: review
+        r132), or if an undo of an earlier attempt was just taken back
+        (``withdrew``)."""
+        if withdrew or token in self._queued or token in self._aqueued:
+            return False
+        return isinstance(error, redis.exceptions.BusyLoadingError) or was_unsent(error)
 
     def _abandon_quietly(self, name, token, ttl):
         """After an acquire that got no answer: leave the queue and release whatever

@@ -132,6 +132,7 @@ class UndoRetries:
     def begin(self, name: str, token: str) -> None:
         """A caller is about to send the first undo of ``token``'s acquire of
         ``name`` (it calls :meth:`end` when that attempt is over)."""
+        _register_child_exit_hook()  # (an attempt may outlive a child's run: r132)
         state = self._states.get()
         key = (name, token)
         with state.condition:
@@ -208,7 +209,6 @@ class UndoRetries:
                 )
         pending[key] = _Pending(now, now + max(RETRY_FOR, ttl))
         if state.thread is None:
-            _register_child_exit_hook()
             # Its first attempt just went unanswered: the server is silent.
             state.silent_until = now + state.delay
             state.thread = threading.Thread(
@@ -313,11 +313,14 @@ def _register_exit_hook() -> None:
 def _register_child_exit_hook() -> None:
     """In a multiprocessing child (``Process``, ``Pool``), also run
     :func:`send_at_exit` as one of its finalizers: a forked child ends with
-    ``os._exit``, which skips atexit (review r128). Registered when undos first
-    become pending in the process, since a child starts with its parent's finalizers
+    ``os._exit``, which skips atexit (review r128). Registered when the process'
+    first undo begins (its first attempt may still be under way when the child's
+    work returns: review r132), since a child starts with its parent's finalizers
     cleared. (A Celery prefork child ends with ``os._exit`` too, before billiard's
     finalizers: contrib.celery calls send_at_exit on ``worker_process_shutdown``.)"""
     global _child_hook_in
+    if _child_hook_in == os.getpid():
+        return
     multiprocessing = sys.modules.get("multiprocessing")
     if multiprocessing is None or multiprocessing.parent_process() is None:
         return
