@@ -10,7 +10,10 @@ worker it killed for a timeout. That process frees the dead one's locks here:
 - only locks whose owner record names this host and the dead pid (and, for Celery,
   the task id), so nothing of another process or host is touched;
 - only once that pid has exited (the observer may hear of the death a moment before
-  the kill lands);
+  the kill lands), and never a record of a process that runs now: a pid is reused,
+  and a new process may have the dead one's by the time its locks are read, so a
+  record carries its process' start time too (``started``), and one whose pid and
+  start time are those of a running process is left alone;
 - each with ``delete(name, fencing_token=...)``: the very acquisition that was read,
   so a lock that meanwhile passed to someone else stays with them.
 
@@ -30,7 +33,7 @@ from typing import Any
 from .backends.base import LockInfo
 from .exceptions import LockBackendError
 from .handler import locks
-from .locking import _hostname, pid_namespace
+from .locking import _hostname, pid_namespace, process_started
 from .signals import lock_force_released
 
 logger = logging.getLogger("django_setnx")
@@ -103,7 +106,18 @@ def owned_by(info: LockInfo, pid: int, host: str | None = None, **fields: Any) -
 def free(alias: str, info: LockInfo, reason: str) -> LockInfo | None:
     """Force-release the acquisition ``info`` of backend ``alias`` (fencing-checked),
     log it and send ``lock_force_released``. Returns the removed LockInfo, or None
-    when the lock had changed hands or was gone. Raises LockBackendError."""
+    when the lock had changed hands or was gone, or when the process that took it
+    runs now (see :func:`runs_now`). Raises LockBackendError."""
+    if runs_now(info.owner):
+        logger.info(
+            "Lock %r on %r is held by %s, which runs: a new process with a dead one's pid; "
+            "left alone (%s)",
+            info.name,
+            alias,
+            _describe(info.owner),
+            reason,
+        )
+        return None
     backend = locks[alias]
     removed = backend.delete(info.name, fencing_token=info.fencing_token)
     if removed is None:
@@ -120,6 +134,22 @@ def free(alias: str, info: LockInfo, reason: str) -> LockInfo | None:
         sender=type(backend), backend=alias, name=info.name, info=removed, user=None, reason=reason
     )
     return removed
+
+
+def runs_now(owner: object) -> bool:
+    """Whether the process named by owner record ``owner`` runs now on this host:
+    a process with its pid and its start time (``started``, see
+    :func:`~django_setnx.locking.process_started`). A pid that was reused is another
+    process, started later (review r133: the dead worker's pid, given to a new
+    process before its locks were read, had that process' live locks freed). A
+    record without a start time (another OS, an older version) is never taken for
+    a running process's."""
+    if not isinstance(owner, dict):
+        return False
+    pid, started = owner.get("pid"), owner.get("started")
+    if type(pid) is not int or type(started) is not int:
+        return False
+    return process_started(pid) == started
 
 
 def free_locks_of_pid(

@@ -66,6 +66,44 @@ def pid_namespace() -> int | None:
     return _PID_NAMESPACE  # type: ignore[return-value]
 
 
+#: (pid, its start time) of this process, once read (see process_started).
+_STARTED: tuple[int, int | None] | None = None
+
+
+def process_started(pid: int | None = None) -> int | None:
+    """When process ``pid`` (default: this one) started, in clock ticks after the
+    host's boot (Linux: field 22 of ``/proc/<pid>/stat``), or None where that cannot
+    be read or the process has exited (a zombie, exited but not reaped, counts as
+    exited).
+
+    A pid is reused once the kernel's counter wraps (``pid_max`` is 32768 in many
+    containers); a pid with its start time names one process for the host's uptime.
+    Owner records carry it, so that the locks of a dead pid are never taken for
+    those of a new process that got the same pid (see dead_owners)."""
+    global _STARTED
+    own = os.getpid()
+    if pid is None or pid == own:
+        known = _STARTED
+        if known is not None and known[0] == own:  # not a fork's copy (uWSGI: no hooks)
+            return known[1]
+        started = _read_start_time(own)
+        _STARTED = (own, started)
+        return started
+    return _read_start_time(pid)
+
+
+def _read_start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            # The command name, in parentheses, may hold spaces and parentheses.
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        if fields[0] == b"Z":
+            return None
+        return int(fields[19])  # field 22; fields[0] is field 3 (the state)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _forget_pid_namespace() -> None:
     # A child forked after unshare(CLONE_NEWPID) lives in another namespace.
     global _PID_NAMESPACE
@@ -86,6 +124,9 @@ def current_owner(guards: str | None = None) -> dict[str, Any]:
     namespace = pid_namespace()
     if namespace is not None:
         owner["pidns"] = namespace
+    started = process_started()
+    if started is not None:
+        owner["started"] = started
     if guards:
         owner["guards"] = guards
     return owner

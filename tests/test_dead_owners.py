@@ -177,3 +177,55 @@ def test_owner_records_name_the_pid_namespace(name):
 
     with lock(name, ttl=10, backend="locmem") as lk:
         assert lk.info().owner["pidns"] == pid_namespace() == os.stat("/proc/self/ns/pid").st_ino
+
+
+def test_owner_records_name_their_process_start_time(name):
+    from django_setnx.locking import process_started
+
+    with open("/proc/self/stat", "rb") as stat:
+        started = int(stat.read().rsplit(b")", 1)[1].split()[19])
+    with lock(name, ttl=10, backend="locmem") as lk:
+        assert lk.info().owner["started"] == process_started() == started
+
+
+def test_the_live_locks_of_a_process_that_got_a_dead_pid_are_left_alone(
+    shared_alias, name, spawn, monkeypatch
+):
+    """Review r133: a pid is reused once the kernel's counter wraps (32768 in many
+    containers). A new process that got the dead one's pid between the observer's
+    exit check and its read of the locks lost its live locks, and with Celery its
+    task's run and enqueue-once locks. A record names its process' start time: only
+    the dead process' are freed."""
+    from django_setnx import dead_owners
+    from django_setnx.locking import process_started
+
+    backend = locks[shared_alias]
+    acquired = spawn.ctx.Event()
+    # The new process with the reused pid: alive, holding a lock of its own.
+    reused = spawn(
+        workers.crash_holder,
+        workers.child_environment(),
+        shared_alias,
+        f"{name}:new",
+        60,
+        acquired,
+    )
+    assert acquired.wait(30)
+    live = backend.get(f"{name}:new")
+    assert live.owner["pid"] == reused.pid
+    assert live.owner["started"] == process_started(reused.pid)
+    # What the dead process with that pid left: the same pid, an earlier start.
+    dead = lock(name, ttl=60, backend=shared_alias)
+    dead.owner_extra.update(pid=reused.pid, started=live.owner["started"] - 1)
+    assert dead.acquire()
+    # The observer's exit check passed before the pid was given again.
+    monkeypatch.setattr(dead_owners, "wait_for_exit", lambda pid, timeout=None: True)
+    try:
+        freed = free_locks_of_pid(reused.pid, "killed by the test", aliases=[shared_alias])
+        assert [info.name for info in freed] == [name]
+        assert backend.get(f"{name}:new").fencing_token == live.fencing_token
+    finally:
+        os.kill(reused.pid, signal.SIGKILL)
+        reused.join(10)
+        backend.delete(f"{name}:new")
+        backend.delete(name)

@@ -270,3 +270,23 @@ def test_a_worker_that_exits_in_order_keeps_what_it_left_held(tmp_path):
         assert body.split()[1] == "False"  # the new worker finds it held
         assert "Freed lock" not in log_path.read_text()
         locks["default"].delete("preload:kept")
+
+
+def test_only_the_marks_of_the_arbiters_children_count_and_the_others_go():
+    """Review r133: the exit-mark handler is armed in every process forked below the
+    arbiter. A process a worker forked, exiting in order, left a mark named after
+    its pid alone: if a later worker got that pid and was SIGKILLed, the hook took
+    the stale mark for that worker's and left its locks to their ttl; and such marks
+    piled up for the arbiter's lifetime. A mark names the parent too: only one whose
+    parent is the arbiter counts, and the others are removed."""
+    from django_setnx.contrib import gunicorn as hook
+
+    arbiter, worker, helper = os.getpid(), 4_000_001, 4_000_002
+    marks = hook._EXIT_MARKS
+    open(os.path.join(marks, hook._mark_name(worker, helper)), "w").close()  # the helper's
+    open(os.path.join(marks, hook._mark_name(arbiter, worker)), "w").close()  # the worker's
+    assert not hook.exited_in_order(helper), "a helper's mark taken for a worker's"
+    assert not os.path.exists(os.path.join(marks, hook._mark_name(worker, helper)))
+    assert hook.exited_in_order(worker)
+    assert not hook.exited_in_order(worker), "a mark counts once"
+    assert os.listdir(marks) == []

@@ -1083,11 +1083,17 @@ class _PoolChildWatch(threading.Thread):
                 current = self.children()
             except Exception:  # noqa: BLE001 - the pool is being rebuilt: look again
                 continue
+            # A pid new in the list is a new child, even one with the pid of a child
+            # handled before (pids are reused): it is watched again. One handled
+            # and out of the list is forgotten (the set grew by one pid per child
+            # ever replaced: review r133).
+            self.handled -= current - self.known
             dead = [
                 pid
                 for pid in (self.known | current) - self.handled
                 if pid not in current or dead_owners.has_exited(pid)
             ]
+            self.handled &= self.known | current
             self.known = current
             for pid in dead:
                 self.handled.add(pid)

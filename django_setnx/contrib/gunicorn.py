@@ -21,8 +21,10 @@ exits normally — recycled by ``--max-requests``, stopped by a reload or a shut
 or aborted for its timeout and unwound — has released what its ``with`` blocks and
 ``@locked`` calls held, and a lock it left held on purpose (a cooldown, a lock
 handed to another process with ``Lock.adopt``) stays. Each worker marks its orderly
-exit (an ``atexit`` handler, armed at fork, touches a file named after its pid in a
-directory the arbiter made); the hook skips a worker that left that mark.
+exit (an ``atexit`` handler, armed at fork, touches a file named after its parent's
+pid and its own in a directory the arbiter made); the hook skips a worker that left
+that mark. Marks of processes that are not the arbiter's children (a process a
+worker forked) are never taken for a worker's, and are removed as workers exit.
 
 The arbiter must never wait for that, and must never run a thread: it forks its
 replacement workers, and a fork copies a lock held by another thread (an import in
@@ -44,6 +46,7 @@ in the arbiter's environment, as it is for ``manage.py``). If you have a
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import shutil
@@ -66,9 +69,16 @@ CLEANUP_DEADLINE = 60.0
 def _mark_orderly_exit(pid: int) -> None:
     if os.getpid() == pid:  # not in a process forked from the worker
         try:
-            open(os.path.join(_EXIT_MARKS, str(pid)), "w").close()
+            open(os.path.join(_EXIT_MARKS, _mark_name(os.getppid(), pid)), "w").close()
         except OSError:  # the arbiter is gone, or the directory with it
             pass
+
+
+def _mark_name(parent: int, pid: int) -> str:
+    """A mark names the process' parent too: only one whose parent is the arbiter
+    is a worker's (a process a worker forked with ``os.fork`` arms the handler as
+    well, and its pid may later be a worker's: review r133)."""
+    return f"{parent}-{pid}"
 
 
 def _arm_in_worker() -> None:
@@ -76,8 +86,13 @@ def _arm_in_worker() -> None:
 
 
 def _remove_marks() -> None:
-    if os.getpid() == _ARBITER_PID:
+    if os.getpid() in (_ARBITER_PID, _arbiter_seen):  # (``--daemon`` forks the arbiter)
         shutil.rmtree(_EXIT_MARKS, ignore_errors=True)
+
+
+#: The arbiter's pid, as child_exit sees it: not the importer's under ``--daemon``,
+#: which forks after reading gunicorn.conf.py.
+_arbiter_seen: int | None = None
 
 
 os.register_at_fork(after_in_child=_arm_in_worker)
@@ -85,11 +100,21 @@ atexit.register(_remove_marks)
 
 
 def exited_in_order(pid: int) -> bool:
-    """Whether worker ``pid`` ran its exit handlers (and so is no dead owner); the
-    mark is consumed."""
-    mark = os.path.join(_EXIT_MARKS, str(pid))
+    """Whether worker ``pid``, a child of this process (the arbiter), ran its exit
+    handlers (and so is no dead owner); the mark is consumed, with every mark of a
+    process that is not a child of this one (they would only pile up)."""
+    arbiter = os.getpid()
+    prefix = f"{arbiter}-"
     try:
-        os.remove(mark)
+        names = os.listdir(_EXIT_MARKS)
+    except OSError:
+        return False
+    for stray in names:
+        if not stray.startswith(prefix):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(_EXIT_MARKS, stray))
+    try:
+        os.remove(os.path.join(_EXIT_MARKS, _mark_name(arbiter, pid)))
     except FileNotFoundError:
         return False
     return True
@@ -101,7 +126,9 @@ def child_exit(server: Any, worker: Any) -> int | None:
     Returns the pid of the cleanup process freeing the worker's locks, or None when
     there is nothing to free (the worker exited in order) or the hook failed (it logs
     why). The arbiter does not wait for that process; it reaps it when it exits."""
+    global _arbiter_seen
     try:
+        _arbiter_seen = os.getpid()
         if exited_in_order(worker.pid):
             logger.debug("gunicorn worker %s exited in order: its locks stay", worker.pid)
             return None
