@@ -106,18 +106,7 @@ def owned_by(info: LockInfo, pid: int, host: str | None = None, **fields: Any) -
 def free(alias: str, info: LockInfo, reason: str) -> LockInfo | None:
     """Force-release the acquisition ``info`` of backend ``alias`` (fencing-checked),
     log it and send ``lock_force_released``. Returns the removed LockInfo, or None
-    when the lock had changed hands or was gone, or when the process that took it
-    runs now (see :func:`runs_now`). Raises LockBackendError."""
-    if runs_now(info.owner):
-        logger.info(
-            "Lock %r on %r is held by %s, which runs: a new process with a dead one's pid; "
-            "left alone (%s)",
-            info.name,
-            alias,
-            _describe(info.owner),
-            reason,
-        )
-        return None
+    when the lock had changed hands or was gone. Raises LockBackendError."""
     backend = locks[alias]
     removed = backend.delete(info.name, fencing_token=info.fencing_token)
     if removed is None:
@@ -143,7 +132,7 @@ def runs_now(owner: object) -> bool:
     process, started later (review r133: the dead worker's pid, given to a new
     process before its locks were read, had that process' live locks freed). A
     record without a start time (another OS, an older version) is never taken for
-    a running process's."""
+    a running process's. The cleanups that pick locks by pid skip such records."""
     if not isinstance(owner, dict):
         return False
     pid, started = owner.get("pid"), owner.get("started")
@@ -175,9 +164,12 @@ def free_locks_of_pid(
     for alias in aliases or list(locks):
         try:
             for info in list(locks[alias].list()):
+                # A record of a process that runs now is a new one's that got the
+                # dead pid (review r133).
+                ours = owned_by(info, pid, host) and not runs_now(info.owner)
                 # A lock to be handed over (a Celery enqueue-once lock is the queued
                 # task's) outlives its acquirer by design.
-                if owned_by(info, pid, host) and not _handed_over(info.owner):
+                if ours and not _handed_over(info.owner):
                     removed = free(alias, info, reason)
                     if removed is not None:
                         freed.append(removed)

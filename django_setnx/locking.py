@@ -502,8 +502,9 @@ class Lock:
 
     def _stop_waiting(self, record: str, token: str) -> AcquireResult | None:
         """Leave the backend's queue of ``record``; returns the AcquireResult if it
-        was handed to us meanwhile. A failure here only delays others (our place
-        lapses)."""
+        was handed to us meanwhile. A failure is logged, not raised: our place lapses,
+        and a lock the withdrawal may have confirmed for us (a release handed it to us
+        just before) is the backend's to undo (Redis: see redis_undo)."""
         try:
             return self.backend.stop_waiting(record, token)
         except LockBackendError:

@@ -229,3 +229,42 @@ def test_the_live_locks_of_a_process_that_got_a_dead_pid_are_left_alone(
         reused.join(10)
         backend.delete(f"{name}:new")
         backend.delete(name)
+
+
+def test_the_celery_pool_watch_leaves_the_run_of_a_child_that_got_a_dead_pid(
+    shared_alias, name, spawn
+):
+    """Review r133: the pool watch frees the run locks whose record names a dead
+    child's pid and a task; a replacement child that got that pid lost its own run
+    lock (and that run's enqueue-once lock). Only the dead child's run is freed."""
+    pytest.importorskip("celery")
+    from django_setnx.contrib import celery as celery_hooks
+    from django_setnx.locking import process_started
+
+    backend = locks[shared_alias]
+    acquired = spawn.ctx.Event()
+    child = spawn(
+        workers.crash_holder_as,
+        workers.child_environment(),
+        shared_alias,
+        f"{name}:live-run",
+        60,
+        {"celery_task_id": "a-live-task"},
+        acquired,
+    )
+    assert acquired.wait(30)
+    live = backend.get(f"{name}:live-run")
+    dead = lock(f"{name}:dead-run", ttl=60, backend=shared_alias)
+    dead.owner_extra.update(
+        pid=child.pid, started=process_started(child.pid) - 1, celery_task_id="a-lost-task"
+    )
+    assert dead.acquire()
+    try:
+        celery_hooks._free_runs_of_dead_child(child.pid)
+        assert backend.get(f"{name}:dead-run") is None
+        assert backend.get(f"{name}:live-run").fencing_token == live.fencing_token
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+        backend.delete(f"{name}:live-run")
+        backend.delete(f"{name}:dead-run")

@@ -616,6 +616,7 @@ def test_our_client_has_socket_timeouts_and_no_retries_by_default(private_redis)
 
 RELEASE_SHA = hashlib.sha1(RELEASE.encode()).hexdigest().encode()
 ACQUIRE_SHA = hashlib.sha1(ACQUIRE.encode()).hexdigest().encode()
+STOP_WAITING_SHA = hashlib.sha1(STOP_WAITING.encode()).hexdigest().encode()
 
 
 def assert_a_lost_release_reply_is_reported(proxy, client, alias):
@@ -1247,3 +1248,45 @@ def test_a_pool_with_a_client_side_cache_sends_the_lock_commands(private_redis, 
         assert not client.exists(lock_keys("setnx-edge", "cached")[0])
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("call", ["stop_waiting", "astop_waiting"])
+def test_a_withdrawal_whose_reply_is_lost_after_a_handoff_undoes_the_lock(private_redis, call):
+    """Review r134: STOP_WAITING confirms, for the caller's whole ttl, a lock that a
+    release handed it just before; a waiter giving up (its timeout) as the lock was
+    handed to it, whose STOP_WAITING reply was lost, was told of an error (the Lock
+    logs it) while the lock stayed held by its token, for 60 s here. The withdrawal
+    is now undone (STOP_WAITING, then RELEASE under the token) until the server
+    answers."""
+    import asyncio
+
+    server, client = private_redis
+    proxy = ReplyDroppingProxy(server.port).start()
+    waiter = make_backend(proxy.url, alias="waiter", CONNECTION_KWARGS={"socket_timeout": 2.0})
+    holder = make_backend(server.url, alias="holder")
+    name, token = "handed-then-withdrawn", "token-of-the-waiter"
+    lock_key = lock_keys("setnx-edge", name)[0]
+    try:
+        assert holder.acquire(name, "holder", 60, OWNER).acquired
+        if call == "stop_waiting":
+            assert not waiter.acquire(name, token, 60, OWNER, wait=30).acquired  # queued
+        else:
+            queued = asyncio.run(waiter.aacquire(name, token, 60, OWNER, wait=30))
+            assert not queued.acquired
+        assert holder.release(name, "holder")  # handed to the waiter (a claim)
+        assert client.hget(lock_key, "token") == token.encode()
+        proxy.drop_reply_to(STOP_WAITING_SHA)
+        with pytest.raises(LockBackendError):
+            if call == "stop_waiting":
+                waiter.stop_waiting(name, token)
+            else:
+                asyncio.run(waiter.astop_waiting(name, token))
+        assert proxy.dropped == 1
+        deadline = time.monotonic() + 10
+        while client.exists(lock_key) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not client.exists(lock_key), "the lock is held by nobody until its ttl"
+    finally:
+        waiter.close()
+        holder.close()
+        proxy.close()

@@ -1049,8 +1049,9 @@ class RedisBackend(BaseLockBackend):
         )
         #: token -> (ttl_ms, owner_json) of a queued caller's attempt (see wait).
         self._queued = {}
-        #: Tokens of async callers queued by an aacquire (see _earlier_may_have_run).
-        self._aqueued = set()
+        #: token -> ttl_ms of an async caller queued by an aacquire (see _ran_nothing
+        #: and stop_waiting).
+        self._aqueued = {}
         self._conn = None
         self._conn_lock = ForkSafeLock()  # a child may build its client
         self._watch = None  # the _SharedPoolWatch of OPTIONS["CACHE"]'s pool, once connected
@@ -1426,7 +1427,7 @@ class RedisBackend(BaseLockBackend):
                 # most, the undo going on in its own task (see aio.undo), known to
                 # the retries from now on: a caller trying again with this token
                 # waits for it (see redis_undo). Unless it ran nothing, nor may an
-                # earlier attempt under its token have (see _earlier_may_have_run).
+                # earlier attempt under its token have (see _ran_nothing).
                 if not self._ran_nothing(error, token, withdrew):
                     self._undo_retries_made().begin(name, token)
                     await undo(
@@ -1436,10 +1437,10 @@ class RedisBackend(BaseLockBackend):
                 mark_undone(error)
                 raise
         if won:
-            self._aqueued.discard(token)
+            self._aqueued.pop(token, None)
             return AcquireResult.won(value)
         if wait != 0:
-            self._aqueued.add(token)  # queued: a release may hand it the lock
+            self._aqueued[token] = ttl_ms  # queued: a release may hand it the lock
         return AcquireResult.lost(retry_after=value / 1000)
 
     async def _aabandon_quietly(self, name, token, ttl):
@@ -1448,8 +1449,13 @@ class RedisBackend(BaseLockBackend):
         loop, which may end before the server answers). Cancelled (the loop shuts
         down), it leaves the attempt to its sync twin, which ends it."""
         answered = True
+        self._forget_queued(token)
         try:
-            await self.astop_waiting(name, token)
+            conn = self._aconnection()
+            if conn is None:  # (not on this loop's client: its sync calls, in a thread)
+                await self.astop_waiting(name, token)
+            else:
+                await self._awithdraw(conn, name, token)
             await self.arelease(name, token)
         except Exception as error:  # noqa: BLE001 - the original error is the one to report
             answered = not self._unanswered(error)
@@ -1503,7 +1509,15 @@ class RedisBackend(BaseLockBackend):
         conn = self._aconnection()
         if conn is None:
             return await super().astop_waiting(name, token)
-        self._aqueued.discard(token)
+        ttl_ms = self._forget_queued(token)
+        try:
+            return await self._awithdraw(conn, name, token)
+        except LockBackendError as error:
+            self._undo_unanswered_withdrawal(error, name, token, ttl_ms)
+            raise
+
+    async def _awithdraw(self, conn, name, token):
+        """Async twin of :meth:`_withdraw`, on the loop's connection ``conn``."""
         with _ReportedAs(self, "stop waiting for", name, shared=False):
             granted, fencing = await conn.stop_waiting(
                 keys=[*self._keys(name), self._inbox_key(name, token)],
@@ -1590,14 +1604,41 @@ class RedisBackend(BaseLockBackend):
     def stop_waiting(self, name, token):
         """Withdraw ``token`` from the queue. Returns ``AcquireResult.won(fencing)`` if
         a release handed it the lock meanwhile (the caller holds it), else None."""
-        self._queued.pop(token, None)
-        self._aqueued.discard(token)  # (the sync twin of an async undo, see aio.undo)
+        ttl_ms = self._forget_queued(token)
+        try:
+            return self._withdraw(name, token)
+        except LockBackendError as error:
+            self._undo_unanswered_withdrawal(error, name, token, ttl_ms)
+            raise
+
+    def _forget_queued(self, token):
+        """Forget that the caller with ``token`` queued (it leaves the queue, or its
+        attempt is undone); returns the ttl (ms) it asked for, or None if unknown."""
+        queued = self._queued.pop(token, None)
+        ttl_ms = self._aqueued.pop(token, None)
+        return queued[0] if queued is not None else ttl_ms
+
+    def _withdraw(self, name, token):
+        """STOP_WAITING: what stop_waiting sends, once."""
         with self._errors_as("stop waiting for", name):
             granted, fencing = self.connection.stop_waiting(
                 keys=[*self._keys(name), self._inbox_key(name, token)],
                 args=[token, self.retention_ms, self.wake_ms, self.fence_ms],
             )
         return AcquireResult.won(fencing) if granted else None
+
+    def _undo_unanswered_withdrawal(self, error, name, token, ttl_ms):
+        """After a STOP_WAITING that got no answer: it may have run, and if a release
+        had handed the caller the lock, it confirmed it for the caller's whole ttl,
+        which the caller, told of an error, never releases (review r134). Its undo
+        (STOP_WAITING, then RELEASE under the token) is left to the retries, sent
+        from their thread until the server answers it; the error is marked undone."""
+        if was_unsent(error) or not self._unanswered(error):
+            return
+        retries = self._undo_retries_made()
+        retries.begin(name, token)
+        retries.end(name, token, False, (ttl_ms or 0) / 1000)
+        mark_undone(error)
 
     def _ran_nothing(self, error, token, withdrew):
         """True if an acquire that failed with ``error`` has nothing to undo: the
@@ -1631,8 +1672,9 @@ class RedisBackend(BaseLockBackend):
         """Withdraw ``token`` from ``name``'s queue and release what it may hold.
         Returns True if the server answered, False if it did not (see
         :meth:`_unanswered`); raises for an answer that is an error."""
+        self._forget_queued(token)
         try:
-            self.stop_waiting(name, token)
+            self._withdraw(name, token)
             self._release(self.connection, name, token)
         except Exception as error:
             if self._unanswered(error):

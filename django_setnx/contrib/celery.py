@@ -1139,7 +1139,10 @@ def _free_runs_of_dead_child(pid: int) -> None:
             runs = [
                 run
                 for run in locks[alias].list()
-                if run.owner.get("celery_task_id") and dead_owners.owned_by(run, pid)
+                if run.owner.get("celery_task_id")
+                and dead_owners.owned_by(run, pid)
+                # A new child with the dead one's pid (review r133): its own run.
+                and not dead_owners.runs_now(run.owner)
             ]
             for run in runs:
                 reason = f"{run.owner.get('guards', 'celery task')}: its worker process {pid} died"
