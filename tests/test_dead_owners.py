@@ -200,18 +200,8 @@ def test_the_live_locks_of_a_process_that_got_a_dead_pid_are_left_alone(
     from django_setnx.locking import process_started
 
     backend = locks[shared_alias]
-    acquired = spawn.ctx.Event()
     # The new process with the reused pid: alive, holding a lock of its own.
-    reused = spawn(
-        workers.crash_holder,
-        workers.child_environment(),
-        shared_alias,
-        f"{name}:new",
-        60,
-        acquired,
-    )
-    assert acquired.wait(30)
-    live = backend.get(f"{name}:new")
+    reused, live = _live_holder(spawn, shared_alias, f"{name}:new", {})
     assert live.owner["pid"] == reused.pid
     assert live.owner["started"] == process_started(reused.pid)
     # What the dead process with that pid left: the same pid, an earlier start.
@@ -242,18 +232,9 @@ def test_the_celery_pool_watch_leaves_the_run_of_a_child_that_got_a_dead_pid(
     from django_setnx.locking import process_started
 
     backend = locks[shared_alias]
-    acquired = spawn.ctx.Event()
-    child = spawn(
-        workers.crash_holder_as,
-        workers.child_environment(),
-        shared_alias,
-        f"{name}:live-run",
-        60,
-        {"celery_task_id": "a-live-task"},
-        acquired,
+    child, live = _live_holder(
+        spawn, shared_alias, f"{name}:live-run", {"celery_task_id": "a-live-task"}
     )
-    assert acquired.wait(30)
-    live = backend.get(f"{name}:live-run")
     dead = lock(f"{name}:dead-run", ttl=60, backend=shared_alias)
     dead.owner_extra.update(
         pid=child.pid, started=process_started(child.pid) - 1, celery_task_id="a-lost-task"
@@ -268,3 +249,20 @@ def test_the_celery_pool_watch_leaves_the_run_of_a_child_that_got_a_dead_pid(
         child.join(10)
         backend.delete(f"{name}:live-run")
         backend.delete(f"{name}:dead-run")
+
+
+def _live_holder(spawn, alias, name, owner_extra):
+    """A spawned process holding ``name`` (its owner record with ``owner_extra``)
+    until killed: ``(process, the lock's LockInfo)``."""
+    acquired = spawn.ctx.Event()
+    holder = spawn(
+        workers.crash_holder_as,
+        workers.child_environment(),
+        alias,
+        name,
+        60,
+        owner_extra,
+        acquired,
+    )
+    assert acquired.wait(30)
+    return holder, locks[alias].get(name)
