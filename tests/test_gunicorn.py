@@ -290,3 +290,16 @@ def test_only_the_marks_of_the_arbiters_children_count_and_the_others_go():
     assert hook.exited_in_order(worker)
     assert not hook.exited_in_order(worker), "a mark counts once"
     assert os.listdir(marks) == []
+
+
+def test_a_helper_that_outlives_its_worker_is_not_taken_for_a_worker(spawn):
+    """Review r135: a mark named the parent at exit, and a helper that outlived the
+    worker that forked it has the arbiter for parent by then when the arbiter is
+    PID 1 (a container's CMD) or a subreaper: its mark was taken for a worker's, and
+    a later worker with its pid, SIGKILLed, kept its locks until their ttl. The
+    mark names the parent at fork."""
+    result = spawn.ctx.Queue()
+    arbiter = spawn(workers.orphaned_helper_of_a_worker, workers.child_environment(), result)
+    assert result.get(timeout=60) is False, "the orphaned helper's exit counted as a worker's"
+    arbiter.join(30)
+    assert arbiter.exitcode == 0

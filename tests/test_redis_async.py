@@ -23,7 +23,7 @@ import redis
 
 from django_setnx import lock, locks
 from django_setnx.backends import redis_asyncio
-from django_setnx.backends.aio import wait_at_most
+from django_setnx.backends.aio import mark_unsent, wait_at_most
 from django_setnx.backends.redis import RedisBackend, lock_keys
 from django_setnx.backends.redis_asyncio import IN_FLIGHT
 from django_setnx.exceptions import LockBackendError
@@ -1303,3 +1303,25 @@ def test_a_process_forked_with_undos_pending_leaves_them_to_its_parent(stoppable
         time.sleep(0.05)
     assert backend.get(name) is None, "the lock is held by nobody until its ttl"
     assert not backend._undo_retries
+
+
+def test_an_undo_sent_later_for_one_slot_keeps_the_tokens_place_on_another():
+    """Review r135: a semaphore tries its slots with one token. The undo of its
+    withdrawal from one slot, sent later by the retries, forgot that the token had
+    queued on another slot meanwhile: that slot's waits lost their pipelined attempt,
+    and an attempt there refused at connect was no longer undone (r132's ghost)."""
+    with RedisServer() as server:
+        backend = backend_on(server, "slots", socket_timeout=SOCKET_TIMEOUT)
+        token = "token-of-a-semaphore"
+        try:
+            assert backend.acquire("slot-2", "holder", 30, {}).acquired
+            assert not backend.acquire("slot-2", token, 30, {}, wait=30).acquired  # queued
+            assert backend._undo_once("slot-1", token)  # the retries' undo of slot 1
+            assert token in backend._queued, "slot 2's place forgotten"
+            refused = redis.ConnectionError("refused")
+            mark_unsent(refused)
+            assert not backend._ran_nothing(refused, token, withdrew=False)
+            assert backend.stop_waiting("slot-2", token) is None
+            assert token not in backend._queued
+        finally:
+            backend.close()

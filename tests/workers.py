@@ -486,3 +486,32 @@ def run_scenario(env, module, function, args, reply):
         reply.send(("error", traceback.format_exc()))
     else:
         reply.send(("ok", result))
+
+
+def orphaned_helper_of_a_worker(env, result):
+    """Act as a gunicorn arbiter that is a subreaper (or PID 1 in a container):
+    fork a "worker" that forks a helper and exits at once, so that the helper,
+    orphaned, becomes this process' child; the helper then exits in order. Puts
+    whether the hook takes the helper's exit for a worker's on ``result``."""
+    _setup(env)
+    import ctypes
+
+    from django_setnx.contrib import gunicorn as hook
+
+    pr_set_child_subreaper = 36
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(pr_set_child_subreaper, 1, 0, 0, 0) == 0
+    read_end, write_end = os.pipe()
+    worker = os.fork()
+    if worker == 0:
+        helper = os.fork()
+        if helper == 0:
+            os.read(read_end, 1)  # until its worker is gone
+            sys.exit(0)  # in order: its exit handlers run
+        os.write(write_end, str(helper).encode().rjust(16))
+        os._exit(0)
+    os.waitpid(worker, 0)
+    helper = int(os.read(read_end, 16))
+    os.write(write_end, b"x")  # the worker is gone: the helper is ours now
+    os.waitpid(helper, 0)
+    result.put(hook.exited_in_order(helper))

@@ -1613,7 +1613,9 @@ class RedisBackend(BaseLockBackend):
 
     def _forget_queued(self, token):
         """Forget that the caller with ``token`` queued (it leaves the queue, or its
-        attempt is undone); returns the ttl (ms) it asked for, or None if unknown."""
+        acquire failed and is undone); returns the ttl (ms) it asked for, or None if
+        unknown. Not when the retries send an undo later: a semaphore's token may
+        have queued on another slot meanwhile (review r135)."""
         queued = self._queued.pop(token, None)
         ttl_ms = self._aqueued.pop(token, None)
         return queued[0] if queued is not None else ttl_ms
@@ -1660,6 +1662,7 @@ class RedisBackend(BaseLockBackend):
         acquire's is the one to report)."""
         retries = self._undo_retries_made()
         retries.begin(name, token)
+        self._forget_queued(token)  # (not in _undo_once: see _forget_queued)
         answered = False  # unless it ends (an interruption does not: review r128)
         try:
             answered = self._undo_once(name, token)
@@ -1672,7 +1675,6 @@ class RedisBackend(BaseLockBackend):
         """Withdraw ``token`` from ``name``'s queue and release what it may hold.
         Returns True if the server answered, False if it did not (see
         :meth:`_unanswered`); raises for an answer that is an error."""
-        self._forget_queued(token)
         try:
             self._withdraw(name, token)
             self._release(self.connection, name, token)

@@ -66,23 +66,32 @@ _ARBITER_PID = os.getpid()
 CLEANUP_DEADLINE = 60.0
 
 
-def _mark_orderly_exit(pid: int) -> None:
+def _mark_orderly_exit(pid: int, parent: int) -> None:
     if os.getpid() == pid:  # not in a process forked from the worker
         try:
-            open(os.path.join(_EXIT_MARKS, _mark_name(os.getppid(), pid)), "w").close()
+            open(os.path.join(_EXIT_MARKS, _mark_name(parent, pid)), "w").close()
         except OSError:  # the arbiter is gone, or the directory with it
             pass
 
 
 def _mark_name(parent: int, pid: int) -> str:
-    """A mark names the process' parent too: only one whose parent is the arbiter
+    """A mark names the process' parent at fork too: only one forked by the arbiter
     is a worker's (a process a worker forked with ``os.fork`` arms the handler as
-    well, and its pid may later be a worker's: review r133)."""
+    well, and its pid may later be a worker's: review r133). Its parent when it was
+    forked, not when it exits: one that outlives its worker is the arbiter's child
+    by then if the arbiter is PID 1 (a container) or a subreaper (review r135)."""
     return f"{parent}-{pid}"
 
 
+def _note_forking_parent() -> None:
+    global _forking_parent
+    _forking_parent = os.getpid()
+
+
 def _arm_in_worker() -> None:
-    atexit.register(_mark_orderly_exit, os.getpid())
+    # The parent as noted before the fork: os.getppid() in the child may already
+    # name a subreaper, the parent having exited meanwhile.
+    atexit.register(_mark_orderly_exit, os.getpid(), _forking_parent)
 
 
 def _remove_marks() -> None:
@@ -95,7 +104,8 @@ def _remove_marks() -> None:
 _arbiter_seen: int | None = None
 
 
-os.register_at_fork(after_in_child=_arm_in_worker)
+_forking_parent = os.getpid()
+os.register_at_fork(before=_note_forking_parent, after_in_child=_arm_in_worker)
 atexit.register(_remove_marks)
 
 
