@@ -501,17 +501,20 @@ def orphaned_helper_of_a_worker(env, result):
     pr_set_child_subreaper = 36
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.prctl(pr_set_child_subreaper, 1, 0, 0, 0) == 0
-    read_end, write_end = os.pipe()
+    pid_read, pid_write = os.pipe()  # worker -> arbiter: the helper's pid
+    go_read, go_write = os.pipe()  # arbiter -> helper: its worker is gone
     worker = os.fork()
     if worker == 0:
         helper = os.fork()
         if helper == 0:
-            os.read(read_end, 1)  # until its worker is gone
+            os.read(go_read, 1)
+            assert os.getppid() != worker  # orphaned: the arbiter's child now
             sys.exit(0)  # in order: its exit handlers run
-        os.write(write_end, str(helper).encode().rjust(16))
+        os.write(pid_write, str(helper).encode().rjust(16))
         os._exit(0)
     os.waitpid(worker, 0)
-    helper = int(os.read(read_end, 16))
-    os.write(write_end, b"x")  # the worker is gone: the helper is ours now
-    os.waitpid(helper, 0)
+    helper = int(os.read(pid_read, 16))
+    os.write(go_write, b"x")  # the worker is gone: the helper is ours now
+    _, status = os.waitpid(helper, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the helper was not orphaned"
     result.put(hook.exited_in_order(helper))

@@ -40,7 +40,10 @@ after a fork), exits with status 0 once every backend is done or after
 The arbiter needs Django's settings: with ``--preload`` they are loaded already;
 otherwise the hook calls ``django.setup()`` (``DJANGO_SETTINGS_MODULE`` must be set
 in the arbiter's environment, as it is for ``manage.py``). If you have a
-``child_exit`` hook of your own, call this one from it.
+``child_exit`` hook of your own, call this one from it, and still import it at the
+top of ``gunicorn.conf.py``: the import arms, in the arbiter before it forks its
+workers, the marks of their orderly exits. Imported later (inside your hook, or in
+the workers only), no worker marks its exit, and each exit counts as a hard death.
 """
 
 from __future__ import annotations
