@@ -89,10 +89,10 @@ the ttl: the next token is larger as long as the masters' clocks agree within th
 lock's ttl (NTP does far better). Nothing per name is kept longer than
 ``FENCING_RETENTION`` after its last use.
 
-**Delayed restarts.** A master that restarts without its data (no persistence, or
-``appendfsync`` that lost the last writes) forgets the locks it granted, so the
-holder's majority may shrink to a minority while another client gathers a new
-majority with the amnesiac node's help: two holders. Hence every node carries a
+**Delayed restarts.** A master that restarts without its data (no persistence)
+forgets the locks it granted, so the holder's majority may shrink to a minority
+while another client gathers a new majority with the amnesiac node's help: two
+holders. Hence every node carries a
 marker key ``P:__node__`` holding ``trusted_after`` (ms, by that node's own clock).
 The acquire script of the first client that finds it missing — a fresh or
 restarted-empty node — sets it to ``node_now + MAX_TTL``; until then the node grants
@@ -101,8 +101,14 @@ have forgotten had a ttl <= ``MAX_TTL`` (larger ttls raise ``ValueError``), so b
 then they have all expired. The rule lives on the node and uses the node's clock, so
 every client honours it, whichever client noticed the restart. A node that restarts
 *with* its data (AOF with ``appendfsync always``) keeps its marker and is trusted at
-once. When the trusted nodes that answered cannot form a majority because some of
-them sit out, acquire raises ``LockBackendError`` naming those nodes and when each
+once. One that restarts with only part of it (RDB snapshots, ``appendfsync
+everysec`` after a crash of the machine, a backup) keeps its marker too, its oldest
+key, but may have lost recent locks: it is trusted at once all the same, and may
+grant a lock it forgot to a second client (review r137). Hence the docs' rule: no
+persistence, or ``appendfsync always``.
+
+When the trusted nodes that answered cannot form a majority because some of them
+sit out, acquire raises ``LockBackendError`` naming those nodes and when each
 votes again. A brand-new set has no markers either: after deploying fresh masters
 (when no lock can be held yet), run ``manage.py trustlocknodes`` once (or call
 :meth:`RedlockBackend.trust_nodes`), or wait ``MAX_TTL``. ``list`` and ``clear``
