@@ -74,8 +74,8 @@ def free_port():
 class RedisServer:
     """A private ``redis-server`` on 127.0.0.1.
 
-    ``extra_args`` are appended to the command line (``["--cluster-enabled", "yes"]``,
-    or ``["--sentinel"]`` with a config file written in :attr:`dir`). The port is
+    ``extra_args`` are appended to the command line, after the defaults they may
+    override (``["--cluster-enabled", "yes"]``, ``["--appendonly", "yes"]``). The port is
     chosen once, so :meth:`start` after :meth:`stop`/:meth:`kill` comes back on the
     same address. Usable as a context manager (starts, then stops and cleans up).
     """
@@ -103,7 +103,6 @@ class RedisServer:
     def command(self):
         return [
             self.binary,
-            *self.extra_args,
             "--bind",
             "127.0.0.1",
             "--port",
@@ -119,6 +118,7 @@ class RedisServer:
             "",
             "--logfile",
             "redis.log",
+            *self.extra_args,  # last: they override the defaults above
         ]
 
     def start(self):

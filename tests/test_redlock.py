@@ -319,6 +319,74 @@ def test_restarted_master_votes_again_after_max_ttl(make_masters):
         backend.release(name, "t")
 
 
+def test_master_restarted_with_part_of_its_data_does_not_let_a_second_holder_in(
+    make_masters, caplog
+):
+    """Review r137: a master that restarts from an RDB snapshot (or an everysec AOF
+    after a crash, or a backup) keeps its marker but not the locks granted since:
+    it voted at once and granted the holder's lock to a second client. Its run_id
+    changed, so it now sits out MAX_TTL like one that restarted empty."""
+    masters = make_masters(3)
+    a, _, c = clients(masters)
+    name = unique()
+    max_ttl = 2.0
+    with alias_on(masters.urls, ttl=max_ttl, MAX_TTL=max_ttl) as alias:
+        assert all(s.trusted for s in locks[alias].node_status())
+        a.save()  # A's snapshot: its marker (trusted), and no lock yet
+        holder = lock(name, ttl=max_ttl, backend=alias)
+        assert holder.acquire(blocking=False)
+        c.delete(lock_key(name))  # the holder's majority is {A, B}
+        masters.servers[0].kill()
+        masters.servers[0].start()  # A comes back from its snapshot
+        assert a.exists(MARKER) and not a.exists(lock_key(name)), "part of A's data"
+
+        second = lock(name, ttl=max_ttl, backend=alias)
+        assert second.acquire(blocking=False) is False, (
+            "A forgot the holder but sits out: only C votes for the second client"
+        )
+        assert not a.exists(lock_key(name)), "A granted nothing"
+        seconds, microseconds = a.time()
+        remaining = int(a.get(MARKER)) - (seconds * 1000 + microseconds // 1000)
+        assert 0 < remaining <= max_ttl * 1000, "A votes again MAX_TTL after its restart"
+        assert "restarted (its run_id changed)" in caplog.text
+        with pytest.raises(LockNotOwned):
+            holder.release()  # only B still has it: no majority confirms the release
+
+
+def test_master_that_keeps_every_write_votes_at_once_after_a_restart(make_masters):
+    """With appendonly yes and appendfsync always, a restarted master has every lock
+    it granted: it votes at once (its restart is not mistaken for a loss)."""
+    always = ["--appendonly", "yes", "--appendfsync", "always"]
+    masters = make_masters(3, server_args={0: always})
+    a, _, _ = clients(masters)
+    name = unique()
+    with alias_on(masters.urls, ttl=30, MAX_TTL=30) as alias:
+        backend = locks[alias]
+        holder = lock(name, ttl=30, backend=alias)
+        assert holder.acquire(blocking=False)
+        masters.servers[0].kill()
+        masters.servers[0].start()
+        assert a.exists(lock_key(name)), "A's AOF kept the lock"
+        masters.servers[1].kill()  # B down: A's vote is needed for a majority
+        assert backend.node_status()[0].votes_in == 0
+        assert lock(name, ttl=30, backend=alias).acquire(blocking=False) is False
+        other = lock(unique(), ttl=30, backend=alias)
+        assert other.acquire(blocking=False), "A and C form a majority at once"
+        other.release()
+
+
+def test_a_marker_without_a_run_key_is_adopted(make_masters):
+    """A marker written by a version that kept no run key (a rolling upgrade) is
+    taken as it is: the node keeps voting, and its run is recorded from now on."""
+    masters = make_masters(3)
+    clients_ = clients(masters)
+    for client in clients_:
+        client.delete(f"{MARKER}:run")
+    with alias_on(masters.urls) as alias:
+        assert all(s.trusted for s in locks[alias].node_status())
+        assert all(client.exists(f"{MARKER}:run") for client in clients_)
+
+
 def test_trust_nodes_and_marker_is_not_a_lock(redlock_masters3):
     with alias_on(redlock_masters3.urls) as alias:
         backend = locks[alias]

@@ -99,13 +99,20 @@ restarted-empty node — sets it to ``node_now + MAX_TTL``; until then the node 
 nothing (its vote is a no), though it still receives releases. Every lock it may
 have forgotten had a ttl <= ``MAX_TTL`` (larger ttls raise ``ValueError``), so by
 then they have all expired. The rule lives on the node and uses the node's clock, so
-every client honours it, whichever client noticed the restart. A node that restarts
-*with* its data (AOF with ``appendfsync always``) keeps its marker and is trusted at
-once. One that restarts with only part of it (RDB snapshots, ``appendfsync
-everysec`` after a crash of the machine, a backup) keeps its marker too, its oldest
-key, but may have lost recent locks: it is trusted at once all the same, and may
-grant a lock it forgot to a second client (review r137). Hence the docs' rule: no
-persistence, or ``appendfsync always``.
+every client honours it, whichever client noticed the restart.
+
+A node that restarts with only part of its data (an RDB snapshot, ``appendfsync
+everysec`` after a crash of the machine, a backup) keeps its marker, its oldest key,
+but may have lost recent locks. So every new connection (and a restart drops them
+all) first reads the server's ``run_id`` (``INFO server``, new at every start) and
+compares it, atomically, with the one the node's run key ``P:__node__:run`` recorded
+(RESTART_CHECK): a different one means a restart, and the node sits out ``MAX_TTL``
+from then, as if it had come back empty. Only a node that keeps every acknowledged
+write (``appendonly yes`` with ``appendfsync always``, before and after its restart,
+read with ``CONFIG GET``) votes at once after a restart. A planned restart of a
+snapshotting master sits out too (its last snapshot cannot be told from an older
+one). A server that hides ``INFO`` cannot be checked (logged). The run key is not a
+lock key either.
 
 When the trusted nodes that answered cannot form a majority because some of them
 sit out, acquire raises ``LockBackendError`` naming those nodes and when each
@@ -158,7 +165,14 @@ from .redis import (
     require_redis_py,
     scan_batches,
 )
-from .redis_eviction import ALLOW_EVICTION_OPTION, eviction_refusal, read_eviction_settings
+from .redis_eviction import (
+    ALLOW_EVICTION_OPTION,
+    config_reply,
+    eviction_refusal,
+    info_reply,
+    read_eviction_settings,
+    reply_text,
+)
 from .redis_scripts import ACQUIRE, CLEAR, DELETE, EXTEND, GET, OWNS, RELEASE
 
 try:
@@ -235,6 +249,41 @@ end
 return {{reply[1], reply[2], 0}}
 """
 
+# KEYS: marker, then the node's run key. ARGV: the server's run_id (INFO server: new
+# for every start of redis-server), max_ttl_ms, and '1' if it keeps every write
+# (appendonly yes, appendfsync always), else '0'. Run on every new connection, before
+# anything else (see _Node._on_connect). The run key holds "<run_id> <keeps>" as the
+# last connection found them. A different run_id means the server restarted since:
+# unless both runs kept every write, it may have come back with only part of its
+# data (an RDB snapshot, the last second of an everysec AOF after a crash, a backup),
+# missing recent locks while its marker says trusted; it sits out MAX_TTL from now.
+# Returns ms until it votes because of that, else 0. With no marker the acquire
+# script's rule applies (restarted empty); a marker without a run key was written by
+# a version that kept none: adopted (no restart can be told).
+RESTART_CHECK = """
+local run = redis.call('GET', KEYS[2])
+local current = ARGV[1] .. ' ' .. ARGV[3]
+if run == current then
+  return 0
+end
+redis.call('SET', KEYS[2], current)
+local after = tonumber(redis.call('GET', KEYS[1]))
+if not run or not after or string.sub(run, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
+  return 0
+end
+if ARGV[3] == '1' and string.sub(run, -2) == ' 1' then
+  return 0
+end
+local t = redis.call('TIME')
+local node_now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local votes_at = node_now + tonumber(ARGV[2])
+if after < votes_at then
+  redis.call('SET', KEYS[1], votes_at)
+  after = votes_at
+end
+return after - node_now
+"""
+
 # KEYS: marker. Marks the node trusted now (trust_nodes: a brand-new set). Returns 1.
 TRUST = """
 local t = redis.call('TIME')
@@ -261,7 +310,7 @@ class _Script:
 _ACQUIRE, _RELEASE, _EXTEND, _OWNS, _GET, _DELETE, _CLEAR = (
     _Script(s) for s in (NODE_ACQUIRE, RELEASE, EXTEND, OWNS, GET, DELETE, CLEAR)
 )
-_TRUST, _STATUS = (_Script(s) for s in (TRUST, NODE_STATUS))
+_TRUST, _STATUS, _RESTART_CHECK = (_Script(s) for s in (TRUST, NODE_STATUS, RESTART_CHECK))
 _ALL_SCRIPTS = (_ACQUIRE, _RELEASE, _EXTEND, _OWNS, _GET, _DELETE, _CLEAR, _TRUST, _STATUS)
 #: ``{sha: (text, runs late)}``: a late NOSCRIPT reply is answered with EVAL (see
 #: redlock_wire.Server._late_error). A release may run however late: it is token-checked,
@@ -313,9 +362,12 @@ class _Node:
     redis-py from the node's URL and options. Every new connection passes through
     :meth:`_on_connect` before it is used."""
 
-    def __init__(self, url, kwargs, alias, allow_eviction):
+    def __init__(self, url, kwargs, alias, allow_eviction, marker_key, max_ttl_ms):
         self.alias = alias
         self.allow_eviction = allow_eviction
+        self.marker_key = marker_key
+        self.run_key = f"{marker_key}:run"  # P:__node__:run: not a lock key either
+        self.max_ttl_ms = max_ttl_ms
         # The client parses the replies of _on_connect's checks; it never connects.
         self.client = redis.Redis.from_url(
             url, **{**kwargs, "redis_connect_func": self._on_connect}
@@ -337,9 +389,10 @@ class _Node:
 
     def _on_connect(self, conn):
         """Set up a new connection: redis-py's handshake, then refuse a server that
-        may evict keys (unless ALLOW_EVICTION), then cache every script in one
-        pipelined round trip, so no NOSCRIPT fallback lands inside a lock's validity
-        window. Raising here makes redis-py drop the connection."""
+        may evict keys (unless ALLOW_EVICTION), then make a server that restarted
+        without every acknowledged write sit out (:meth:`_check_restart`), then cache
+        every script in one pipelined round trip, so no NOSCRIPT fallback lands inside
+        a lock's validity window. Raising here makes redis-py drop the connection."""
         conn.on_connect()
         if not self.allow_eviction:
             settings = read_eviction_settings(_OnConnection(self.client, conn))
@@ -347,12 +400,81 @@ class _Node:
             if refusal:
                 self.log_once("eviction", logging.ERROR, "%s", refusal)
                 raise EvictionRefused(refusal)
+        self._check_restart(conn)
         conn.send_packed_command(
             conn.pack_commands([("SCRIPT", "LOAD", s.text) for s in _ALL_SCRIPTS]),
             check_health=False,
         )
         for _ in _ALL_SCRIPTS:
             conn.read_response()
+
+    def _check_restart(self, conn):
+        """Run RESTART_CHECK with this server's run_id: a server that restarted since
+        the last connection to it, unless it keeps every write (``appendonly yes`` and
+        ``appendfsync always``, before and after), sits out MAX_TTL from now. Every
+        restart drops every connection, so no lock command reaches a restarted server
+        before this ran on it. One pipelined round of reads; the script (a write) only
+        when the recorded run differs: a node whose writes stall still takes new
+        connections, as before."""
+        replies = []
+        conn.send_packed_command(
+            conn.pack_commands(
+                [("INFO", "server"), ("CONFIG", "GET", "append*"), ("GET", self.run_key)]
+            ),
+            check_health=False,
+        )
+        for _ in range(3):
+            try:
+                replies.append(conn.read_response())
+            except ResponseError:
+                replies.append(None)  # INFO or CONFIG disabled for this user
+        info, config, recorded = replies
+        run_id = info_reply(info).get("run_id", "").strip() if info is not None else ""
+        if not run_id:
+            self.log_once(
+                "no run_id",
+                logging.WARNING,
+                "Redlock %r: node %s does not report its run_id (INFO server), so a "
+                "restart that kept only part of its data (an RDB snapshot, appendfsync "
+                "everysec after a crash) cannot be told: such a node votes at once and "
+                "may grant a lock it forgot. Allow INFO for this user.",
+                self.alias,
+                self.label,
+            )
+            return
+        # CONFIG disabled (managed services): unknown, so it may lose writes.
+        config = config_reply(config) if config is not None else {}
+        keeps_every_write = (
+            reply_text(config.get("appendonly", "")) == "yes"
+            and reply_text(config.get("appendfsync", "")) == "always"
+        )
+        if recorded is not None and reply_text(recorded) == f"{run_id} {int(keeps_every_write)}":
+            return  # the same run as recorded: nothing to write
+        conn.send_command(
+            "EVAL",
+            RESTART_CHECK,
+            2,
+            self.marker_key,
+            self.run_key,
+            run_id,
+            self.max_ttl_ms,
+            int(keeps_every_write),
+            check_health=False,
+        )
+        sits_out_ms = conn.read_response()
+        if sits_out_ms:
+            self.log_once(
+                "restarted",
+                logging.WARNING,
+                "Redlock %r: node %s restarted (its run_id changed) and may have lost "
+                "recent writes (only appendonly yes with appendfsync always keeps them "
+                "all): it may have forgotten locks it granted, so it does not vote for "
+                "%.0f s (MAX_TTL = %g s, the delayed-restart rule).",
+                self.alias,
+                self.label,
+                sits_out_ms / 1000,
+                self.max_ttl_ms / 1000,
+            )
 
     def log_once(self, problem, level, message, *args):
         """Log ``message`` unless this node logged the same problem in the last
@@ -395,7 +517,8 @@ class NodeStatus:
     ``votes_in`` is the seconds until it votes again by its own clock (0: it votes
     now); None when it has no marker yet (brand-new or restarted empty: the first
     acquire that reaches it makes it sit out ``MAX_TTL``) or when it did not answer,
-    then ``error`` says why.
+    then ``error`` says why. (A node that restarted with part of its data is made to
+    sit out when a client first connects to it after the restart.)
     """
 
     label: str
@@ -558,7 +681,10 @@ class RedlockBackend(BaseLockBackend):
             "retry": Retry(NoBackoff(), 0),
             **self.options.get("CONNECTION_KWARGS", {}),
         }
-        return [_Node(url, kwargs, self.alias, self.allow_eviction) for url in self.locations]
+        return [
+            _Node(url, kwargs, self.alias, self.allow_eviction, self.marker_key, self.max_ttl_ms)
+            for url in self.locations
+        ]
 
     def close(self):
         with self._nodes_lock:
@@ -781,9 +907,10 @@ class RedlockBackend(BaseLockBackend):
             f"{action} failed: of the {answered} Redis nodes that answered, "
             f"{f'only {voters}' if voters else 'none'} may vote, and a majority needs "
             f"{self.quorum}. "
-            f"Not voting yet: {sitting_out}: each lost its data (brand-new, or restarted "
-            f"empty) and sits out for MAX_TTL = {self.max_ttl:g} s, until every lock it may "
-            f"have forgotten has expired.{down} For a brand-new set of masters (no lock can "
+            f"Not voting yet: {sitting_out}: each is brand-new or restarted (empty, or with "
+            f"writes it may have lost) and sits out for MAX_TTL = {self.max_ttl:g} s, until "
+            f"every lock it may have forgotten has expired.{down} For a brand-new set of "
+            f"masters (no lock can "
             f"be held yet), run `python manage.py {TRUST_COMMAND} --backend {self.alias}` "
             f"once."
         )
@@ -810,8 +937,9 @@ class RedlockBackend(BaseLockBackend):
             node.log_once(
                 "untrusted",
                 logging.WARNING,
-                "Redlock %r: node %s lost its data (restarted empty, or new) and does not "
-                "vote for %.0f s more (MAX_TTL = %g s, the delayed-restart rule). For a "
+                "Redlock %r: node %s is new or restarted (empty, or with writes it may have "
+                "lost) and does not vote for %.0f s more (MAX_TTL = %g s, the "
+                "delayed-restart rule). For a "
                 "brand-new set of masters run `manage.py %s --backend %s` once.",
                 self.alias,
                 node.label,
@@ -1034,7 +1162,8 @@ class RedlockBackend(BaseLockBackend):
 
     def node_status(self):
         """Return a :class:`NodeStatus` per master, in ``LOCATION`` order: whether it
-        votes, and if not, how long until it does. Writes nothing."""
+        votes, and if not, how long until it does. Writes nothing itself (a new
+        connection records the server's run, see RESTART_CHECK)."""
         results = self._round(self._all(_STATUS, (self.marker_key,)))
         statuses = []
         for index, node in enumerate(self.nodes):
