@@ -142,6 +142,36 @@ def test_a_node_acquire_reads_the_clock_once():
     assert NODE_ACQUIRE.count("redis.call('TIME')") == 1
 
 
+@pytest.mark.parametrize("path", ["hiredis", "redis-py"])
+def test_an_acquire_a_paused_node_runs_late_is_undone_after_it(make_masters, monkeypatch, path):
+    """Review r137 D2: a node paused while an acquire round waited for it runs the
+    acquire when it goes on. Its undo went on another connection (or none: a paused
+    node takes no new connection in time), so the acquire left a record there that
+    nobody held, taking that node's vote from every other client for the lock's ttl.
+    The undo now follows the acquire on the same connection, and runs after it."""
+    if path == "redis-py":
+        monkeypatch.setattr(wire, "hiredis", None)
+    masters = make_masters(3)
+    paused, slow = masters.servers[2], clients(masters)[2]
+    name = unique()
+    with alias_on(masters.urls, NODE_TIMEOUT=0.2) as alias:
+        backend = locks[alias]
+        assert all(status.trusted for status in backend.node_status())  # connected
+        os.kill(paused.process.pid, signal.SIGSTOP)
+        try:
+            holder = lock(name, ttl=60, backend=alias)
+            assert holder.acquire(blocking=False), "A and B are a majority"
+            holder.release()  # not on C: it takes no new connection while paused
+        finally:
+            os.kill(paused.process.pid, signal.SIGCONT)
+        slow.ping()  # C went on, and ran what it had read by now
+        deadline = time.monotonic() + 5
+        while slow.exists(lock_key(name)):
+            assert time.monotonic() < deadline, "C kept a record of the released lock"
+            time.sleep(0.01)
+        assert lock(name, ttl=60, backend=alias).acquire(blocking=False)
+
+
 # -- a slow node does not set the pace of release and extend -----------------------------
 
 

@@ -324,6 +324,15 @@ if redis is not None:
         """A node that may evict keys (not a ConnectionError: never retried)."""
 
 
+def _commands(calls):
+    """The commands of ``calls`` (``[(script, keys, args), ...]``; a plain command is
+    ``(None, (command, *args), ())``), as redlock_wire sends them."""
+    return [
+        ("EVALSHA", script.sha, len(keys), *keys, *args) if script else keys
+        for script, keys, args in calls
+    ]
+
+
 def _is_one(reply):
     """True for a script's reply 1 (released, extended); False for anything else, an
     error reply included."""
@@ -707,7 +716,7 @@ class RedlockBackend(BaseLockBackend):
     #: redis-py clients to measure what the raw sockets are worth.
     _round_trip = staticmethod(wire.round_trip)
 
-    def _round(self, calls, timeout=None, wrong_type_is_a_reply=False, enough=None):
+    def _round(self, calls, timeout=None, wrong_type_is_a_reply=False, enough=None, if_late=None):
         """Run ``calls`` (``{node index: [(script, keys, args), ...]}``; a plain
         command is ``(None, (command, *args), ())``) on the nodes in parallel and
         return ``{node index: [reply, ...] or wire.Failure}``.
@@ -733,6 +742,10 @@ class RedlockBackend(BaseLockBackend):
         largest, which the majority view (``_merge``) and a fencing-checked delete
         then show. Ending early would tell the holder a smaller token than the
         one every later reader sees.
+
+        ``if_late(index)`` returns the calls (or None) to send after a node's own on
+        the same connection if its replies are late (see redlock_wire.round_trip):
+        acquire's undo, which then runs after the acquire if that runs at all.
         """
         nodes = self.nodes
         commands = {}  # id(calls list) -> its commands
@@ -740,13 +753,17 @@ class RedlockBackend(BaseLockBackend):
         for index, node_calls in calls.items():
             node_commands = commands.get(id(node_calls))
             if node_commands is None:
-                node_commands = commands[id(node_calls)] = [
-                    ("EVALSHA", script.sha, len(keys), *keys, *args) if script else keys
-                    for script, keys, args in node_calls
-                ]
+                node_commands = commands[id(node_calls)] = _commands(node_calls)
             requests[index] = (nodes[index].server, node_commands)
+        late_commands = None
+        if if_late is not None:
+
+            def late_commands(index):
+                late_calls = if_late(index)
+                return _commands(late_calls) if late_calls else None
+
         replies, started = self._round_trip(
-            requests, self.node_timeout if timeout is None else timeout, enough
+            requests, self.node_timeout if timeout is None else timeout, enough, late_commands
         )
         results = _Results(replies)
         results.started = started
@@ -856,7 +873,11 @@ class RedlockBackend(BaseLockBackend):
                 _ACQUIRE,
                 (*self._keys(name), self.marker_key),
                 (token, ttl_ms, encode_owner(owner), self.retention_ms, 0, self.max_ttl_ms),
-            )
+            ),
+            # A node whose reply is late (paused, say) may still run the acquire: its
+            # undo follows it on the same connection, so it runs after, not before it
+            # (review r137). A record there would be held by nobody until its ttl.
+            if_late=lambda index: self._undo_calls(name, token),
         )
         started = results.started
         granted = {}  # node index -> fencing value
@@ -925,10 +946,14 @@ class RedlockBackend(BaseLockBackend):
         elapsed_ms = (time.monotonic() - started) * 1000
         return ttl_ms - elapsed_ms - (ttl_ms * self.drift_factor + DRIFT_MS) > 0
 
+    def _undo_calls(self, name, token):
+        """The calls that release ``token``'s record of ``name`` on a node, if any."""
+        return [(_RELEASE, self._keys(name), (token, self.retention_ms, 1000, self.fence_ms))]
+
     def _release_on(self, name, token, indexes):
         """Best-effort release of ``token`` on ``indexes`` (errors are ignored: the
         records expire with their ttl anyway)."""
-        batch = [(_RELEASE, self._keys(name), (token, self.retention_ms, 1000, self.fence_ms))]
+        batch = self._undo_calls(name, token)
         self._round({i: batch for i in indexes})
 
     def _warn_untrusted(self, untrusted):

@@ -316,7 +316,7 @@ class Server:
             link.conn.disconnect()
 
 
-def round_trip(requests, timeout, enough=None):
+def round_trip(requests, timeout, enough=None, if_late=None):
     """Send each server its commands and read every reply, in parallel.
 
     ``requests`` is ``{key: (server, commands)}``, ``commands`` a list of command
@@ -332,6 +332,16 @@ def round_trip(requests, timeout, enough=None):
     server still owing replies is a :class:`Pending` in ``results`` (its connection
     is parked, see :meth:`Server.park`). Only the fast path ends early; the other
     (TLS, or no hiredis) reads every reply.
+
+    ``if_late(key)``, if given, returns the commands (or None) to write, after its
+    own, on the connection of a server whose replies did not all come by the
+    deadline: a server runs one
+    connection's commands in order, so if the late ones run at all (a server paused,
+    not down), these run after them, however late (an acquire's undo: on another
+    connection it could run first, and the acquire leave a record nobody holds).
+    They are written at once or not at all (no wait), and that server still fails
+    the round: its connection is closed, and the server, reading the commands
+    before the end of the connection, runs them all the same.
     """
     results = {}
     out = {}  # key -> (server, link, commands): checked out, not given back yet
@@ -346,9 +356,9 @@ def round_trip(requests, timeout, enough=None):
         if out:
             fast = next(iter(out.values()))[0].fast
             if fast:
-                _exchange_fast(out, results, timeout, enough)
+                _exchange_fast(out, results, timeout, enough, if_late)
             else:
-                _exchange_redis_py(out, results, timeout)
+                _exchange_redis_py(out, results, timeout, if_late)
     finally:
         for server, link, _ in out.values():  # interrupted: replies may be unread
             server.drop(link)
@@ -424,7 +434,7 @@ def _send_all(sock, data, deadline):
                 raise redis.exceptions.TimeoutError("could not write the request in time")
 
 
-def _exchange_fast(out, results, timeout, enough=None):
+def _exchange_fast(out, results, timeout, enough, if_late):
     """The round on non-blocking sockets: write every request, then one poll over
     all the sockets until every server's replies are in (or ``enough`` says the
     rest need not be awaited) or the deadline passed."""
@@ -492,10 +502,16 @@ def _exchange_fast(out, results, timeout, enough=None):
                         results[late] = Pending(server.label)
                     return
     for key in list(pending.values()):
+        then = if_late(key) if if_late is not None else None
+        if then:
+            try:  # one try, no wait: a command cut short goes with the connection
+                _send_all(out[key][1].sock, _packed_fast(then, cache), time.monotonic())
+            except ERRORS:
+                pass
         _fail(out, results, key, redis.exceptions.TimeoutError(f"no reply within {timeout:g} s"))
 
 
-def _exchange_redis_py(out, results, timeout):
+def _exchange_redis_py(out, results, timeout, if_late):
     """The round through redis-py's connection methods (TLS, or no hiredis)."""
     cache = {}
     for key in list(out):
@@ -515,6 +531,9 @@ def _exchange_redis_py(out, results, timeout):
                 except ResponseError as exc:  # a reply: the connection is in step
                     got.append(exc)
         except ERRORS as exc:
+            then = if_late(key) if if_late is not None else None
+            if then and isinstance(exc, redis.exceptions.TimeoutError):
+                _write_if_connected(link.conn, then, cache)
             _fail(out, results, key, exc)
             continue
         del out[key]
@@ -522,11 +541,22 @@ def _exchange_redis_py(out, results, timeout):
         results[key] = got
 
 
+def _write_if_connected(conn, commands, cache):
+    """Write ``commands`` on ``conn`` (best effort: it is closed next anyway)."""
+    if getattr(conn, "_sock", None) is None:
+        return
+    try:
+        conn.send_packed_command(_packed(conn, commands, cache), check_health=False)
+    except ERRORS:
+        pass
+
+
 def _read(conn, deadline):
-    """The next reply on ``conn``, waiting until ``deadline`` (monotonic) at most."""
+    """The next reply on ``conn``, waiting until ``deadline`` (monotonic) at most. A
+    read that times out leaves the connection open (see round_trip's ``if_late``)."""
     timeout = max(deadline - time.monotonic(), MIN_READ_TIMEOUT)
     if _READ_TIMEOUT:
-        return conn.read_response(timeout=timeout)
+        return conn.read_response(timeout=timeout, disconnect_on_error=False)
     if not conn.can_read(timeout=timeout):
         raise redis.exceptions.TimeoutError(f"no reply within {timeout:g} s")
     return conn.read_response()
