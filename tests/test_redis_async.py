@@ -1162,9 +1162,7 @@ def test_undos_pending_on_a_silent_server_are_sent_one_at_a_time_then_all_once_i
 
 def _unanswered_undo(backend, name, token, ttl=30):
     """What a failed acquire's undo that got no answer leaves: pending retries."""
-    retries = backend._undo_retries_made()
-    retries.begin(name, token)
-    retries.end(name, token, False, ttl)
+    backend._undo_retries_made().pend(name, token, ttl)
 
 
 def test_an_async_caller_trying_again_while_its_undo_is_still_being_sent_keeps_the_lock():

@@ -1412,8 +1412,7 @@ class RedisBackend(BaseLockBackend):
                 # The thread may take the undo back all the same, and this acquire,
                 # which would have replaced it, is not sent: the undo is sent again
                 # (review r128). Harmless if the lock is ours or nobody's by then.
-                retries.begin(name, token)
-                retries.end(name, token, False, ttl_ms / 1000)
+                retries.pend(name, token, ttl_ms / 1000)
                 raise
         with _ReportedAs(self, "acquire", name, shared=False):
             try:
@@ -1637,9 +1636,7 @@ class RedisBackend(BaseLockBackend):
         from their thread until the server answers it; the error is marked undone."""
         if was_unsent(error) or not self._unanswered(error):
             return
-        retries = self._undo_retries_made()
-        retries.begin(name, token)
-        retries.end(name, token, False, (ttl_ms or 0) / 1000)
+        self._undo_retries_made().pend(name, token, (ttl_ms or 0) / 1000)
         mark_undone(error)
 
     def _ran_nothing(self, error, token, withdrew):

@@ -154,6 +154,13 @@ class UndoRetries:
                 self._add(state, key, ttl)
             state.condition.notify_all()
 
+    def pend(self, name: str, token: str, ttl: float) -> None:
+        """Leave the undo of ``token``'s acquire of ``name`` to the retries, as after
+        a first attempt that got no answer: sent from their thread until the server
+        answers it."""
+        self.begin(name, token)
+        self.end(name, token, False, ttl)
+
     def has(self, name: str, token: str) -> bool:
         """True if an undo of ``token``'s acquire of ``name`` is pending or being
         sent."""
