@@ -43,7 +43,7 @@ class InTurnRedlock(RedlockBackend):
         except (redis.RedisError, OSError) as exc:
             return wire.Failure(server.label, exc)
 
-    def _round_trip(self, requests, timeout, enough=None):  # waits for every reply
+    def _round_trip(self, requests, timeout, enough=None, if_late=None):  # every reply, no undo
         started = time.monotonic()
         return {
             index: self._one(index, server, commands)
@@ -56,7 +56,7 @@ class ThreadedRedlock(InTurnRedlock):
         super().__init__(alias, params)
         self._pool = ThreadPoolExecutor(max_workers=len(self.locations))
 
-    def _round_trip(self, requests, timeout, enough=None):  # waits for every reply
+    def _round_trip(self, requests, timeout, enough=None, if_late=None):  # every reply, no undo
         started = time.monotonic()
         futures = {
             index: self._pool.submit(self._one, index, server, commands)

@@ -168,6 +168,11 @@ def _thread_records() -> Any:
     return records
 
 
+def _new_token() -> str:
+    """A lock token: 128 random bits, never used twice."""
+    return secrets.token_hex(16)
+
+
 def _owner_record(guards: str | None, extra: dict[str, Any]) -> dict[str, Any]:
     """The owner record of an acquire. The plain one (no guards, no extra fields) is
     built once per thread and shared by its acquires, with its JSON encoding (an
@@ -268,7 +273,7 @@ class Lock:
         if not blocking:
             timeout = 0
         deadline = None if timeout is None else time.monotonic() + timeout
-        return secrets.token_hex(16), _owner_record(self.guards, self.owner_extra), deadline
+        return _new_token(), _owner_record(self.guards, self.owner_extra), deadline
 
     def _acquired(self, token: str, result: AcquireResult, written_after: float) -> None:
         self._token = token
@@ -313,11 +318,14 @@ class Lock:
                 return self._won(token, record, won, calls)
             first = (record, won, max_wait)
         steps = self._acquire_steps(calls, deadline, first)
+        fresh_tokens = backend.token_per_attempt  # the last attempt's token is the winner's
         result: Any
         try:
             step, record, arg = next(steps)
             while step is not None:
                 if step is _ACQUIRE:
+                    if fresh_tokens:
+                        token = _new_token()
                     result = backend.acquire(record, token, self.ttl, owner, arg)
                 elif step is _WAIT:
                     result = backend.wait(record, token=token, **arg)
@@ -349,6 +357,7 @@ class Lock:
                 return self._won(token, record, won, calls)
             first = (record, won, max_wait)
         steps = self._acquire_steps(calls, deadline, first)
+        fresh_tokens = backend.token_per_attempt  # the last attempt's token is the winner's
         result: Any
         try:
             step, record, arg = next(steps)
@@ -356,6 +365,8 @@ class Lock:
                 if step is _WAIT:
                     result = await backend.await_release(record, token=token, **arg)
                 elif step is _ACQUIRE:
+                    if fresh_tokens:
+                        token = _new_token()
                     result = await backend.aacquire(record, token, self.ttl, owner, arg)
                 elif step is _STOP_WAITING:
                     result = await self._astop_waiting(record, token)

@@ -15,6 +15,7 @@ The binary is ``redis-server`` from ``PATH``, else the one bundled in the
 
 import importlib.util
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -588,33 +589,23 @@ class RedisClusterSet(_ServerSet):
         _wait_for(ok, timeout, "cluster_state:ok on every node")
 
 
-class ReplyDroppingProxy:
-    """A TCP proxy on 127.0.0.1 in front of a Redis that can lose one reply.
-
-    After :meth:`drop_reply_to` ``marker``, the next command whose bytes contain the
-    marker is forwarded, the server's reply is read and thrown away, and the client's
-    connection is closed: the command ran, but the client never hears how. That is
-    the window in which a client retrying "failed" commands re-sends one that already
-    took effect. Usable as a context manager (starts, then closes every socket).
-    Closed, it refuses connections; a new one on its ``port`` takes them again.
-    """
+class _Proxy:
+    """A TCP proxy on 127.0.0.1 in front of a Redis at ``target_port``: each client
+    connection gets one upstream, and :meth:`_relay` the pair's threads. Usable as a
+    context manager (starts, then closes every socket). Closed, it refuses
+    connections; a new one on its ``port`` takes them again."""
 
     def __init__(self, target_port, port=0):
         self.target_port = target_port
         self._listener = socket.create_server(("127.0.0.1", port))
         self.port = self._listener.getsockname()[1]
         self._marker = None
-        self.dropped = 0
         self._sockets = []
         self._lock = threading.Lock()
 
     @property
     def url(self):
         return f"redis://127.0.0.1:{self.port}/0"
-
-    def drop_reply_to(self, marker):
-        with self._lock:
-            self._marker = marker
 
     def start(self):
         threading.Thread(target=self._accept, daemon=True).start()
@@ -629,21 +620,63 @@ class ReplyDroppingProxy:
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
             with self._lock:
                 self._sockets += [client, upstream]
-            pair = {"drop": False}
-            threading.Thread(
-                target=self._requests, args=(client, upstream, pair), daemon=True
-            ).start()
-            threading.Thread(
-                target=self._replies, args=(upstream, client, pair), daemon=True
-            ).start()
+            for target, args in self._relay(client, upstream):
+                threading.Thread(target=target, args=args, daemon=True).start()
+
+    def _relay(self, client, upstream):
+        """``[(function, args), ...]``: the threads that move one pair's bytes."""
+        raise NotImplementedError
+
+    def _marked(self, data):
+        """True, once, for the first bytes that contain the marker set last."""
+        with self._lock:
+            if self._marker is not None and self._marker in data:
+                self._marker = None
+                return True
+            return False
+
+    def close(self):
+        _close_quietly(self._listener)
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for sock in sockets:
+            _close_quietly(sock)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+
+class ReplyDroppingProxy(_Proxy):
+    """A proxy (see _Proxy) that can lose one reply.
+
+    After :meth:`drop_reply_to` ``marker``, the next command whose bytes contain the
+    marker is forwarded, the server's reply is read and thrown away, and the client's
+    connection is closed: the command ran, but the client never hears how. That is
+    the window in which a client retrying "failed" commands re-sends one that already
+    took effect.
+    """
+
+    dropped = 0
+
+    def drop_reply_to(self, marker):
+        with self._lock:
+            self._marker = marker
+
+    def _relay(self, client, upstream):
+        pair = {"drop": False}
+        return [
+            (self._requests, (client, upstream, pair)),
+            (self._replies, (upstream, client, pair)),
+        ]
 
     def _requests(self, client, upstream, pair):
         try:
             while data := client.recv(65536):
-                with self._lock:
-                    if self._marker is not None and self._marker in data:
-                        self._marker = None
-                        pair["drop"] = True  # set before the server can answer
+                if self._marked(data):
+                    pair["drop"] = True  # set before the server can answer
                 upstream.sendall(data)
         except OSError:
             pass
@@ -660,18 +693,64 @@ class ReplyDroppingProxy:
         for sock in (client, upstream):
             _close_quietly(sock)
 
-    def close(self):
-        _close_quietly(self._listener)
+
+class DelayingProxy(_Proxy):
+    """A proxy (see _Proxy) that can hold up one connection.
+
+    After :meth:`delay_connection_with` ``marker``, ``seconds``, the first connection
+    whose request bytes contain the marker has those bytes, and all it sends after
+    them, held ``seconds`` and then forwarded in order: a TCP flow whose lost segment
+    is sent again late. Every other connection, and every reply, passes at once.
+    """
+
+    delayed = 0  # connections held up so far
+    _delay = 0.0
+
+    def delay_connection_with(self, marker, seconds):
         with self._lock:
-            sockets, self._sockets = self._sockets, []
-        for sock in sockets:
-            _close_quietly(sock)
+            self._marker, self._delay = marker, seconds
 
-    def __enter__(self):
-        return self.start()
+    def _relay(self, client, upstream):
+        due = queue.SimpleQueue()  # (monotonic time to forward at, bytes; b"" at EOF)
+        return [
+            (self._receive, (client, due)),
+            (self._forward, (due, upstream)),
+            (self._replies, (upstream, client)),
+        ]
 
-    def __exit__(self, *exc_info):
-        self.close()
+    def _receive(self, client, due):
+        delay = 0.0
+        while True:
+            try:
+                data = client.recv(65536)
+            except OSError:
+                data = b""
+            if data and not delay and self._marked(data):
+                delay = self._delay
+                self.delayed += 1
+            due.put((time.monotonic() + delay, data))
+            if not data:
+                return
+
+    def _forward(self, due, upstream):
+        while True:
+            at, data = due.get()
+            time.sleep(max(at - time.monotonic(), 0))
+            try:
+                if not data:
+                    upstream.shutdown(socket.SHUT_WR)  # the client's end, in its turn
+                    return
+                upstream.sendall(data)
+            except OSError:
+                return
+
+    def _replies(self, upstream, client):
+        try:
+            while data := upstream.recv(65536):
+                client.sendall(data)
+        except OSError:
+            pass
+        _close_quietly(client)
 
 
 def _close_quietly(sock):

@@ -30,8 +30,10 @@ import redis
 
 from django_setnx import lock, locks
 from django_setnx.backends import redlock_wire as wire
+from django_setnx.backends.base import encode_owner
 from django_setnx.backends.redis_scripts import ACQUIRE
 from django_setnx.backends.redlock import (
+    _ACQUIRE,
     _EXTEND,
     _READ_CLOCK,
     _RELEASE,
@@ -39,6 +41,7 @@ from django_setnx.backends.redlock import (
     RedlockBackend,
 )
 from django_setnx.exceptions import LockBackendError
+from tests.servers import DelayingProxy
 from tests.test_redlock import MARKER, OWNER, alias_on, clients, fence_key, lock_key, unique
 
 EVICTING = ["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]
@@ -170,6 +173,44 @@ def test_an_acquire_a_paused_node_runs_late_is_undone_after_it(make_masters, mon
             assert time.monotonic() < deadline, "C kept a record of the released lock"
             time.sleep(0.01)
         assert lock(name, ttl=60, backend=alias).acquire(blocking=False)
+
+
+@pytest.mark.parametrize("late", ["acquire", "release"])
+def test_an_undo_that_comes_late_never_deletes_a_later_attempt_s_record(make_masters, late):
+    """Review r139: every retry of one blocking acquire() used the same token, and an
+    attempt's undo (its release) is only token-checked. One that reached a node late
+    (its acquire's connection held up, with the undo behind it; or the undo's own
+    connection) deleted the record the next attempt had been granted and counted
+    there: the holder's majority shrank, and a second client got the lock. Each
+    attempt now has a token of its own.
+
+    A: another client's record for 0.6 s; B: another one's for 3 s. Attempt 1 loses
+    (A and B refuse) and its bytes of the ``late`` kind to C are held up 1.5 s;
+    attempt 2, at 0.6 s, wins with A and C. At 3.3 s B is free: with C's record
+    deleted, B and C would grant the lock again."""
+    masters = make_masters(3)
+    name = unique()
+    with DelayingProxy(masters.servers[2].port) as proxy:
+        urls = [*masters.urls[:2], proxy.url]
+        with alias_on(urls, NODE_TIMEOUT=0.1) as alias:
+            backend = locks[alias]
+            assert all(status.trusted for status in backend.node_status())  # connected
+            for index, ttl_ms in ((0, 600), (1, 3000)):  # another client's, on one node
+                args = (f"other{index}", ttl_ms, encode_owner(OWNER), 1000, 0, 10_000)
+                keys = (*backend._keys(name), backend.marker_key)
+                assert backend._round({index: [(_ACQUIRE, keys, args)]})[index][0][0] == 1
+            t0 = time.monotonic()
+            sha = (_ACQUIRE if late == "acquire" else _RELEASE).sha.encode()
+            proxy.delay_connection_with(sha, 1.5)
+            holder = lock(name, ttl=60, backend=alias)
+            assert holder.acquire(timeout=2.5)
+            assert proxy.delayed == 1
+            time.sleep(max(t0 + 3.3 - time.monotonic(), 0))  # the late bytes ran on C
+            assert lock(name, ttl=10, backend=alias).acquire(blocking=False) is False, (
+                "a second holder"
+            )
+            assert holder.owned()
+            holder.release()
 
 
 # -- a slow node does not set the pace of release and extend -----------------------------
@@ -497,6 +538,7 @@ def test_trustlocknodes_dry_run_then_confirmed(make_masters, monkeypatch):
         client = redis.Redis(port=first.port)
         seconds, micros = client.time()
         client.set(MARKER, seconds * 1000 + micros // 1000 + 3500 * 1000)
+        client.set(f"{MARKER}:run", client.info("server")["run_id"])  # that client's check
 
         out = command("--backend", alias, "--dry-run", monkeypatch=monkeypatch)
         assert f"{label(first)}  untrusted: votes in 3500 s" in out, out

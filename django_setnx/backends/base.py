@@ -382,6 +382,13 @@ class BaseLockBackend:
 
     #: Whether :meth:`wait` is woken by a release (True) or polls with backoff.
     wakes_waiters = False
+    #: Whether each acquire attempt of one :meth:`Lock.acquire` gets a token of its
+    #: own (True), rather than every retry reusing the first one's. A backend whose
+    #: failed attempt is undone by a release under its token, which may reach a node
+    #: after the next attempt was granted there (Redlock: another connection, or a
+    #: late one), needs it: that release would delete the next attempt's record.
+    #: Backends with a waiter queue keep one token, their place in the queue.
+    token_per_attempt = False
     #: The longest sleep of :meth:`backoff` (seconds).
     max_backoff = MAX_BACKOFF
     #: The keys this backend reads from ``OPTIONS``; the system checks warn about any

@@ -102,16 +102,18 @@ then they have all expired. The rule lives on the node and uses the node's clock
 every client honours it, whichever client noticed the restart.
 
 A node that restarts with only part of its data (an RDB snapshot, ``appendfsync
-everysec`` after a crash of the machine, a backup) keeps its marker, its oldest key,
-but may have lost recent locks. So every new connection (and a restart drops them
-all) first reads the server's ``run_id`` (``INFO server``, new at every start) and
-compares it, atomically, with the one the node's run key ``P:__node__:run`` recorded
-(RESTART_CHECK): a different one means a restart, and the node sits out ``MAX_TTL``
-from then, as if it had come back empty. Only a node that keeps every acknowledged
-write (``appendonly yes`` with ``appendfsync always``, before and after its restart,
-read with ``CONFIG GET``) votes at once after a restart. A planned restart of a
-snapshotting master sits out too (its last snapshot cannot be told from an older
-one). A server that hides ``INFO`` cannot be checked (logged). The run key is not a
+everysec`` after a crash of the machine, a backup restored, a replica promoted behind
+the same address) keeps its marker, its oldest key, but may have lost recent locks.
+So every new connection (and a restart drops them all) first reads the server's
+``run_id`` and ``uptime_in_seconds`` (``INFO server``) and, if the run_id is not the
+one the node's run key ``P:__node__:run`` recorded, runs RESTART_CHECK: the node is a
+new run of redis-server, and sits out until ``MAX_TTL`` after it started (every lock
+it may have lost was granted before then). Whatever its persistence: even an
+``appendfsync always`` AOF may be an older copy (a backup, another machine's data),
+and the node alone cannot tell (review r138). A node first reached long after its
+restart sits out only what is left; a marker without a run key (written by an older
+version) gets the same rule, so a node that started more than ``MAX_TTL`` ago keeps
+voting. A server that hides ``INFO`` cannot be checked (logged). The run key is not a
 lock key either.
 
 When the trusted nodes that answered cannot form a majority because some of them
@@ -170,8 +172,9 @@ from .redis_eviction import (
     config_reply,
     eviction_refusal,
     info_reply,
-    read_eviction_settings,
     reply_text,
+    settings_from_config,
+    settings_from_info,
 )
 from .redis_scripts import ACQUIRE, CLEAR, DELETE, EXTEND, GET, OWNS, RELEASE
 
@@ -250,38 +253,31 @@ return {{reply[1], reply[2], 0}}
 """
 
 # KEYS: marker, then the node's run key. ARGV: the server's run_id (INFO server: new
-# for every start of redis-server), max_ttl_ms, and '1' if it keeps every write
-# (appendonly yes, appendfsync always), else '0'. Run on every new connection, before
-# anything else (see _Node._on_connect). The run key holds "<run_id> <keeps>" as the
-# last connection found them. A different run_id means the server restarted since:
-# unless both runs kept every write, it may have come back with only part of its
-# data (an RDB snapshot, the last second of an everysec AOF after a crash, a backup),
-# missing recent locks while its marker says trusted; it sits out MAX_TTL from now.
-# Returns ms until it votes because of that, else 0. With no marker the acquire
-# script's rule applies (restarted empty); a marker without a run key was written by
-# a version that kept none: adopted (no restart can be told).
+# at every start of redis-server), max_ttl_ms, and the ms since it started (at least).
+# Run on a new connection whose server's run_id is not the one the run key holds (see
+# _Node._check_restart). A server started since the run was recorded (a restart, a
+# restore from a backup, a replica promoted behind the same address) may have come
+# back with only part of its data: its marker (its oldest key) says trusted, but it
+# may have lost locks granted before it started. Those all expire by its start +
+# MAX_TTL: it sits out until then. With no marker the acquire script's rule applies
+# (restarted empty). A marker without a run key (written by a version that kept
+# none, or restored with such a version's data) gets the same rule: a server that
+# started more than MAX_TTL ago keeps voting. Records the run; returns ms until the
+# node votes (0: it does now).
 RESTART_CHECK = """
-local run = redis.call('GET', KEYS[2])
-local current = ARGV[1] .. ' ' .. ARGV[3]
-if run == current then
-  return 0
-end
-redis.call('SET', KEYS[2], current)
+redis.call('SET', KEYS[2], ARGV[1])
 local after = tonumber(redis.call('GET', KEYS[1]))
-if not run or not after or string.sub(run, 1, #ARGV[1] + 1) == ARGV[1] .. ' ' then
-  return 0
-end
-if ARGV[3] == '1' and string.sub(run, -2) == ' 1' then
+if not after then
   return 0
 end
 local t = redis.call('TIME')
 local node_now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local votes_at = node_now + tonumber(ARGV[2])
+local votes_at = node_now + tonumber(ARGV[2]) - tonumber(ARGV[3])
 if after < votes_at then
   redis.call('SET', KEYS[1], votes_at)
   after = votes_at
 end
-return after - node_now
+return math.max(after - node_now, 0)
 """
 
 # KEYS: marker. Marks the node trusted now (trust_nodes: a brand-new set). Returns 1.
@@ -314,7 +310,7 @@ _TRUST, _STATUS, _RESTART_CHECK = (_Script(s) for s in (TRUST, NODE_STATUS, REST
 _ALL_SCRIPTS = (_ACQUIRE, _RELEASE, _EXTEND, _OWNS, _GET, _DELETE, _CLEAR, _TRUST, _STATUS)
 #: ``{sha: (text, runs late)}``: a late NOSCRIPT reply is answered with EVAL (see
 #: redlock_wire.Server._late_error). A release may run however late: it is token-checked,
-#: and a token is never used twice. Any other call only within its round's deadline.
+#: and a token is never used twice (each acquire attempt has its own: token_per_attempt). Any other call only within its round's deadline.
 _SCRIPT_TEXTS = {script.sha: (script.text, script is _RELEASE) for script in _ALL_SCRIPTS}
 
 
@@ -322,6 +318,19 @@ if redis is not None:
 
     class EvictionRefused(redis.exceptions.RedisError):
         """A node that may evict keys (not a ConnectionError: never retried)."""
+
+
+def _pipelined(conn, commands):
+    """Send ``commands`` on ``conn`` at once and read every reply: an error reply is
+    returned as its ResponseError (the connection stays in step)."""
+    conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+    replies = []
+    for _ in commands:
+        try:
+            replies.append(conn.read_response())
+        except ResponseError as error:
+            replies.append(error)
+    return replies
 
 
 def _commands(calls):
@@ -397,68 +406,64 @@ class _Node:
         return f"<node {self.label}>"
 
     def _on_connect(self, conn):
-        """Set up a new connection: redis-py's handshake, then refuse a server that
-        may evict keys (unless ALLOW_EVICTION), then make a server that restarted
-        without every acknowledged write sit out (:meth:`_check_restart`), then cache
-        every script in one pipelined round trip, so no NOSCRIPT fallback lands inside
-        a lock's validity window. Raising here makes redis-py drop the connection."""
+        """Set up a new connection, in one pipelined round trip after redis-py's
+        handshake: read what the checks need, and cache every script (so no NOSCRIPT
+        fallback lands inside a lock's validity window). Then refuse a server that
+        may evict keys (unless ALLOW_EVICTION), and make one that restarted recently
+        sit out (:meth:`_check_restart`). Raising here makes redis-py drop the
+        connection."""
         conn.on_connect()
+        config, info, recorded_run, *loaded = _pipelined(
+            conn,
+            [
+                ("CONFIG", "GET", "maxmemory*"),
+                ("INFO", "server"),
+                ("GET", self.run_key),
+                *(("SCRIPT", "LOAD", s.text) for s in _ALL_SCRIPTS),
+            ],
+        )
+        for reply in loaded:
+            if isinstance(reply, ResponseError):
+                raise reply
         if not self.allow_eviction:
-            settings = read_eviction_settings(_OnConnection(self.client, conn))
+            if isinstance(config, ResponseError):  # CONFIG disabled (managed services)
+                settings = settings_from_info(_OnConnection(self.client, conn).info("memory"))
+            else:
+                settings = settings_from_config(config_reply(config))
             refusal = eviction_refusal(self.alias, self.label, *settings)
             if refusal:
                 self.log_once("eviction", logging.ERROR, "%s", refusal)
                 raise EvictionRefused(refusal)
-        self._check_restart(conn)
-        conn.send_packed_command(
-            conn.pack_commands([("SCRIPT", "LOAD", s.text) for s in _ALL_SCRIPTS]),
-            check_health=False,
-        )
-        for _ in _ALL_SCRIPTS:
-            conn.read_response()
+        server = {} if isinstance(info, ResponseError) else info_reply(info)
+        self._check_restart(conn, server, recorded_run)
 
-    def _check_restart(self, conn):
-        """Run RESTART_CHECK with this server's run_id: a server that restarted since
-        the last connection to it, unless it keeps every write (``appendonly yes`` and
-        ``appendfsync always``, before and after), sits out MAX_TTL from now. Every
+    def _check_restart(self, conn, server, recorded_run):
+        """Run RESTART_CHECK unless ``recorded_run`` (the node's run key) is already
+        this server's run_id (``server``: its ``INFO server``): a server started
+        since the last connection to it (a restart, a restore, a replica promoted
+        behind the same address) sits out until MAX_TTL after it started. Every
         restart drops every connection, so no lock command reaches a restarted server
-        before this ran on it. One pipelined round of reads; the script (a write) only
-        when the recorded run differs: a node whose writes stall still takes new
-        connections, as before."""
-        replies = []
-        conn.send_packed_command(
-            conn.pack_commands(
-                [("INFO", "server"), ("CONFIG", "GET", "append*"), ("GET", self.run_key)]
-            ),
-            check_health=False,
-        )
-        for _ in range(3):
-            try:
-                replies.append(conn.read_response())
-            except ResponseError:
-                replies.append(None)  # INFO or CONFIG disabled for this user
-        info, config, recorded = replies
-        run_id = info_reply(info).get("run_id", "").strip() if info is not None else ""
-        if not run_id:
+        before this ran on it. The script writes only when the run changed: a node
+        whose writes stall still takes new connections."""
+        run_id = server.get("run_id", "").strip()
+        uptime = server.get("uptime_in_seconds", "").strip()
+        if not run_id or not uptime.isdigit():
             self.log_once(
                 "no run_id",
                 logging.WARNING,
-                "Redlock %r: node %s does not report its run_id (INFO server), so a "
-                "restart that kept only part of its data (an RDB snapshot, appendfsync "
-                "everysec after a crash) cannot be told: such a node votes at once and "
-                "may grant a lock it forgot. Allow INFO for this user.",
+                "Redlock %r: node %s does not report its run_id and uptime (INFO "
+                "server), so a restart that kept only part of its data (an RDB "
+                "snapshot, appendfsync everysec after a crash, a backup) cannot be told: "
+                "such a node votes at once and may grant a lock it forgot. Allow INFO "
+                "for this user.",
                 self.alias,
                 self.label,
             )
             return
-        # CONFIG disabled (managed services): unknown, so it may lose writes.
-        config = config_reply(config) if config is not None else {}
-        keeps_every_write = (
-            reply_text(config.get("appendonly", "")) == "yes"
-            and reply_text(config.get("appendfsync", "")) == "always"
-        )
-        if recorded is not None and reply_text(recorded) == f"{run_id} {int(keeps_every_write)}":
-            return  # the same run as recorded: nothing to write
+        if recorded_run is not None and reply_text(recorded_run) == run_id:
+            return
+        # The server started at least uptime_in_seconds ago (a whole number, rounded
+        # down): it may have lost locks granted before then, and none granted since.
         conn.send_command(
             "EVAL",
             RESTART_CHECK,
@@ -467,7 +472,7 @@ class _Node:
             self.run_key,
             run_id,
             self.max_ttl_ms,
-            int(keeps_every_write),
+            int(uptime) * 1000,
             check_health=False,
         )
         sits_out_ms = conn.read_response()
@@ -475,12 +480,14 @@ class _Node:
             self.log_once(
                 "restarted",
                 logging.WARNING,
-                "Redlock %r: node %s restarted (its run_id changed) and may have lost "
-                "recent writes (only appendonly yes with appendfsync always keeps them "
-                "all): it may have forgotten locks it granted, so it does not vote for "
-                "%.0f s (MAX_TTL = %g s, the delayed-restart rule).",
+                "Redlock %r: node %s is a new run of redis-server (started %s s ago: "
+                "its run_id changed) and may have lost locks it granted before (RDB "
+                "snapshots, appendfsync everysec after a crash, a backup, a replica "
+                "promoted): it does not vote for %.0f s, until MAX_TTL (%g s) after it "
+                "started (the delayed-restart rule).",
                 self.alias,
                 self.label,
+                uptime,
                 sits_out_ms / 1000,
                 self.max_ttl_ms / 1000,
             )
@@ -546,6 +553,9 @@ class RedlockBackend(BaseLockBackend):
     default_max_ttl = DEFAULT_MAX_TTL
 
     wakes_waiters = False
+    # An attempt's undo may run on a node after the next attempt was granted there
+    # (review r139): the undo's token must not be the next attempt's.
+    token_per_attempt = True
 
     def __init__(self, alias, params):
         super().__init__(alias, params)

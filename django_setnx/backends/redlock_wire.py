@@ -339,7 +339,8 @@ def round_trip(requests, timeout, enough=None, if_late=None):
     connection's commands in order, so if the late ones run at all (a server paused,
     not down), these run after them, however late (an acquire's undo: on another
     connection it could run first, and the acquire leave a record nobody holds).
-    They are written at once or not at all (no wait), and that server still fails
+    On the fast path they get one non-blocking write (a command cut short goes
+    with the connection); on redis-py's, a blocking one. That server still fails
     the round: its connection is closed, and the server, reading the commands
     before the end of the connection, runs them all the same.
     """
@@ -505,7 +506,7 @@ def _exchange_fast(out, results, timeout, enough, if_late):
         then = if_late(key) if if_late is not None else None
         if then:
             try:  # one try, no wait: a command cut short goes with the connection
-                _send_all(out[key][1].sock, _packed_fast(then, cache), time.monotonic())
+                _send_all(out[key][1].sock, _packed_fast(then, {}), time.monotonic())
             except ERRORS:
                 pass
         _fail(out, results, key, redis.exceptions.TimeoutError(f"no reply within {timeout:g} s"))
@@ -533,7 +534,7 @@ def _exchange_redis_py(out, results, timeout, if_late):
         except ERRORS as exc:
             then = if_late(key) if if_late is not None else None
             if then and isinstance(exc, redis.exceptions.TimeoutError):
-                _write_if_connected(link.conn, then, cache)
+                _write_if_connected(link.conn, then)
             _fail(out, results, key, exc)
             continue
         del out[key]
@@ -541,12 +542,13 @@ def _exchange_redis_py(out, results, timeout, if_late):
         results[key] = got
 
 
-def _write_if_connected(conn, commands, cache):
-    """Write ``commands`` on ``conn`` (best effort: it is closed next anyway)."""
+def _write_if_connected(conn, commands):
+    """Write ``commands`` on ``conn`` (best effort: it is closed next anyway; a
+    blocking write, up to the socket timeout if the server's buffer is full)."""
     if getattr(conn, "_sock", None) is None:
         return
     try:
-        conn.send_packed_command(_packed(conn, commands, cache), check_health=False)
+        conn.send_packed_command(conn.pack_commands(commands), check_health=False)
     except ERRORS:
         pass
 
