@@ -753,9 +753,10 @@ class RedlockBackend(BaseLockBackend):
         then show. Ending early would tell the holder a smaller token than the
         one every later reader sees.
 
-        ``if_late(index)`` returns the calls (or None) to send after a node's own on
-        the same connection if its replies are late (see redlock_wire.round_trip):
-        acquire's undo, which then runs after the acquire if that runs at all.
+        ``if_late(index, replies)`` returns the calls (or None) to send after a
+        node's own on the same connection if its replies are late, given the other
+        nodes' raw ``replies`` (see redlock_wire.round_trip): the undo of an acquire
+        that lost, which then runs after the acquire if that runs at all.
         """
         nodes = self.nodes
         commands = {}  # id(calls list) -> its commands
@@ -768,8 +769,8 @@ class RedlockBackend(BaseLockBackend):
         late_commands = None
         if if_late is not None:
 
-            def late_commands(index):
-                late_calls = if_late(index)
+            def late_commands(index, replies):
+                late_calls = if_late(index, replies)
                 return _commands(late_calls) if late_calls else None
 
         replies, started = self._round_trip(
@@ -884,10 +885,14 @@ class RedlockBackend(BaseLockBackend):
                 (*self._keys(name), self.marker_key),
                 (token, ttl_ms, encode_owner(owner), self.retention_ms, 0, self.max_ttl_ms),
             ),
-            # A node whose reply is late (paused, say) may still run the acquire: its
-            # undo follows it on the same connection, so it runs after, not before it
-            # (review r137). A record there would be held by nobody until its ttl.
-            if_late=lambda index: self._undo_calls(name, token),
+            # A node whose reply is late (paused, say) may still run the acquire: if
+            # the others did not grant it, its undo follows it on the same connection,
+            # so it runs after, not before it (review r137). A record there would be
+            # held by nobody until its ttl. If they did, the late record is the
+            # holder's: an undo could delete it after an extend counted it.
+            if_late=lambda index, replies: (
+                None if self._granted_by_majority(replies) else self._undo_calls(name, token)
+            ),
         )
         started = results.started
         granted = {}  # node index -> fencing value
@@ -955,6 +960,17 @@ class RedlockBackend(BaseLockBackend):
         """True if the lock has validity left: ttl - elapsed - drift > 0."""
         elapsed_ms = (time.monotonic() - started) * 1000
         return ttl_ms - elapsed_ms - (ttl_ms * self.drift_factor + DRIFT_MS) > 0
+
+    def _granted_by_majority(self, replies):
+        """True if a majority of nodes granted an acquire, by its raw ``replies``
+        so far (``{index: [reply] or wire.Failure}``; NODE_ACQUIRE replies
+        ``{won, fencing, sits out ms}``)."""
+        granted = 0
+        for node_replies in replies.values():
+            if isinstance(node_replies, list):
+                reply = node_replies[0]
+                granted += isinstance(reply, list) and reply[0] == 1 and reply[2] == 0
+        return granted >= self.quorum
 
     def _undo_calls(self, name, token):
         """The calls that release ``token``'s record of ``name`` on a node, if any."""

@@ -333,12 +333,13 @@ def round_trip(requests, timeout, enough=None, if_late=None):
     is parked, see :meth:`Server.park`). Only the fast path ends early; the other
     (TLS, or no hiredis) reads every reply.
 
-    ``if_late(key)``, if given, returns the commands (or None) to write, after its
-    own, on the connection of a server whose replies did not all come by the
-    deadline: a server runs one
+    ``if_late(key, results)``, if given, returns the commands (or None) to write,
+    after its own, on the connection of a server whose replies did not all come by
+    the deadline, once every other server's are in ``results``: a server runs one
     connection's commands in order, so if the late ones run at all (a server paused,
-    not down), these run after them, however late (an acquire's undo: on another
-    connection it could run first, and the acquire leave a record nobody holds).
+    not down), these run after them, however late (the undo of an acquire that lost:
+    on another connection it could run first, and the acquire leave a record nobody
+    holds).
     On the fast path they get one non-blocking write (a command cut short goes
     with the connection); on redis-py's, a blocking one. That server still fails
     the round: its connection is closed, and the server, reading the commands
@@ -502,13 +503,15 @@ def _exchange_fast(out, results, timeout, enough, if_late):
                         server.park(_Parked(link, owed, deadline, timeout))
                         results[late] = Pending(server.label)
                     return
-    for key in list(pending.values()):
-        then = if_late(key) if if_late is not None else None
+    late = list(pending.values())
+    for key in late:
+        then = if_late(key, results) if if_late is not None else None
         if then:
             try:  # one try, no wait: a command cut short goes with the connection
                 _send_all(out[key][1].sock, _packed_fast(then, {}), time.monotonic())
             except ERRORS:
                 pass
+    for key in late:
         _fail(out, results, key, redis.exceptions.TimeoutError(f"no reply within {timeout:g} s"))
 
 
@@ -522,6 +525,7 @@ def _exchange_redis_py(out, results, timeout, if_late):
         except ERRORS as exc:
             _fail(out, results, key, exc)
     deadline = time.monotonic() + timeout
+    late = {}  # key -> its TimeoutError: failed once every other server's are in
     for key in list(out):
         server, link, commands = out[key]
         got = []
@@ -532,14 +536,20 @@ def _exchange_redis_py(out, results, timeout, if_late):
                 except ResponseError as exc:  # a reply: the connection is in step
                     got.append(exc)
         except ERRORS as exc:
-            then = if_late(key) if if_late is not None else None
-            if then and isinstance(exc, redis.exceptions.TimeoutError):
-                _write_if_connected(link.conn, then)
-            _fail(out, results, key, exc)
+            if if_late is not None and isinstance(exc, redis.exceptions.TimeoutError):
+                late[key] = exc  # its undo is decided on every other server's replies
+            else:
+                _fail(out, results, key, exc)
             continue
         del out[key]
         server.give_back(link)
         results[key] = got
+    for key in late:
+        then = if_late(key, results)
+        if then:
+            _write_if_connected(out[key][1].conn, then)
+    for key, timed_out in late.items():
+        _fail(out, results, key, timed_out)
 
 
 def _write_if_connected(conn, commands):
