@@ -105,16 +105,14 @@ A node that restarts with only part of its data (an RDB snapshot, ``appendfsync
 everysec`` after a crash of the machine, a backup restored, a replica promoted behind
 the same address) keeps its marker, its oldest key, but may have lost recent locks.
 So every new connection (and a restart drops them all) first reads the server's
-``run_id`` and ``uptime_in_seconds`` (``INFO server``) and, if the run_id is not the
-one the node's run key ``P:__node__:run`` recorded, runs RESTART_CHECK: the node is a
-new run of redis-server, and sits out until ``MAX_TTL`` after it started (every lock
-it may have lost was granted before then). Whatever its persistence: even an
-``appendfsync always`` AOF may be an older copy (a backup, another machine's data),
-and the node alone cannot tell (review r138). A node first reached long after its
-restart sits out only what is left; a marker without a run key (written by an older
-version) gets the same rule, so a node that started more than ``MAX_TTL`` ago keeps
-voting. A server that hides ``INFO`` cannot be checked (logged). The run key is not a
-lock key either.
+``run_id`` (``INFO server``) and, if it is not the one the node's run key
+``P:__node__:run`` recorded, runs RESTART_CHECK: the node is another run of
+redis-server, and sits out ``MAX_TTL`` from then, whatever its persistence (even an
+``appendfsync always`` AOF may be an older copy: review r138) and however long it
+has run (a promoted replica may have run for months: review r140). A marker without
+a run key (written by an older version) is credited with the time its server has
+surely run, so that an upgrade does not make every master sit out. A server that
+hides ``INFO`` cannot be checked (logged). The run key is not a lock key either.
 
 When the trusted nodes that answered cannot form a majority because some of them
 sit out, acquire raises ``LockBackendError`` naming those nodes and when each
@@ -253,18 +251,24 @@ return {{reply[1], reply[2], 0}}
 """
 
 # KEYS: marker, then the node's run key. ARGV: the server's run_id (INFO server: new
-# at every start of redis-server), max_ttl_ms, and the ms since it started (at least).
-# Run on a new connection whose server's run_id is not the one the run key holds (see
-# _Node._check_restart). A server started since the run was recorded (a restart, a
-# restore from a backup, a replica promoted behind the same address) may have come
-# back with only part of its data: its marker (its oldest key) says trusted, but it
-# may have lost locks granted before it started. Those all expire by its start +
-# MAX_TTL: it sits out until then. With no marker the acquire script's rule applies
-# (restarted empty). A marker without a run key (written by a version that kept
-# none, or restored with such a version's data) gets the same rule: a server that
-# started more than MAX_TTL ago keeps voting. Records the run; returns ms until the
-# node votes (0: it does now).
+# at every start of redis-server; a replica promoted keeps its own, never the old
+# master's), max_ttl_ms, and the ms the server has surely run (see below). Run on a
+# new connection whose server's run_id is not the one the run key holds (see
+# _Node._check_restart). Another run of redis-server than the one recorded (a
+# restart, a restore from a backup, a replica promoted behind the same address) may
+# hold only part of the data: its marker (its oldest key) says trusted, but it may
+# have lost locks granted before. It sits out MAX_TTL from now, as when it restarted
+# empty: how long it has run says nothing of how long it has had its data (a replica
+# promoted after months). With no marker the acquire script's rule applies
+# (restarted empty). A marker without a run key was written by a version that kept
+# none (an upgrade): the node is credited with the time it has surely run, so one
+# that started more than MAX_TTL ago keeps voting (else every master of a set would
+# sit out at the upgrade). Records the run; returns ms until the node votes.
 RESTART_CHECK = """
+local run = redis.call('GET', KEYS[2])
+if run == ARGV[1] then
+  return 0
+end
 redis.call('SET', KEYS[2], ARGV[1])
 local after = tonumber(redis.call('GET', KEYS[1]))
 if not after then
@@ -272,7 +276,10 @@ if not after then
 end
 local t = redis.call('TIME')
 local node_now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local votes_at = node_now + tonumber(ARGV[2]) - tonumber(ARGV[3])
+local votes_at = node_now + tonumber(ARGV[2])
+if not run then
+  votes_at = votes_at - tonumber(ARGV[3])
+end
 if after < votes_at then
   redis.call('SET', KEYS[1], votes_at)
   after = votes_at
@@ -318,6 +325,18 @@ if redis is not None:
 
     class EvictionRefused(redis.exceptions.RedisError):
         """A node that may evict keys (not a ConnectionError: never retried)."""
+
+
+def _surely_ran_ms(uptime, max_ttl_ms):
+    """The ms a server whose ``uptime_in_seconds`` reads ``uptime`` has surely run,
+    at most ``max_ttl_ms``. Redis subtracts two wall-clock readings rounded down to
+    whole seconds, so the true time may be up to a second less; a reading that is
+    missing or negative (the clock was set back) counts as none."""
+    try:
+        seconds = int(reply_text(uptime).strip())
+    except ValueError:
+        return 0
+    return min(max(seconds - 1, 0) * 1000, max_ttl_ms)
 
 
 def _pipelined(conn, commands):
@@ -439,31 +458,27 @@ class _Node:
 
     def _check_restart(self, conn, server, recorded_run):
         """Run RESTART_CHECK unless ``recorded_run`` (the node's run key) is already
-        this server's run_id (``server``: its ``INFO server``): a server started
-        since the last connection to it (a restart, a restore, a replica promoted
-        behind the same address) sits out until MAX_TTL after it started. Every
-        restart drops every connection, so no lock command reaches a restarted server
-        before this ran on it. The script writes only when the run changed: a node
-        whose writes stall still takes new connections."""
+        this server's run_id (``server``: its ``INFO server``): another run of
+        redis-server (a restart, a restore, a replica promoted behind the same
+        address) sits out MAX_TTL. Every restart drops every connection, so no lock
+        command reaches a restarted server before this ran on it. The script writes
+        only when the run changed: a node whose writes stall still takes new
+        connections."""
         run_id = server.get("run_id", "").strip()
-        uptime = server.get("uptime_in_seconds", "").strip()
-        if not run_id or not uptime.isdigit():
+        if not run_id:
             self.log_once(
                 "no run_id",
                 logging.WARNING,
-                "Redlock %r: node %s does not report its run_id and uptime (INFO "
-                "server), so a restart that kept only part of its data (an RDB "
-                "snapshot, appendfsync everysec after a crash, a backup) cannot be told: "
-                "such a node votes at once and may grant a lock it forgot. Allow INFO "
-                "for this user.",
+                "Redlock %r: node %s does not report its run_id (INFO server), so a "
+                "restart that kept only part of its data (an RDB snapshot, appendfsync "
+                "everysec after a crash, a backup) cannot be told: such a node votes at "
+                "once and may grant a lock it forgot. Allow INFO for this user.",
                 self.alias,
                 self.label,
             )
             return
         if recorded_run is not None and reply_text(recorded_run) == run_id:
             return
-        # The server started at least uptime_in_seconds ago (a whole number, rounded
-        # down): it may have lost locks granted before then, and none granted since.
         conn.send_command(
             "EVAL",
             RESTART_CHECK,
@@ -472,7 +487,7 @@ class _Node:
             self.run_key,
             run_id,
             self.max_ttl_ms,
-            int(uptime) * 1000,
+            _surely_ran_ms(server.get("uptime_in_seconds", ""), self.max_ttl_ms),
             check_health=False,
         )
         sits_out_ms = conn.read_response()
@@ -480,14 +495,13 @@ class _Node:
             self.log_once(
                 "restarted",
                 logging.WARNING,
-                "Redlock %r: node %s is a new run of redis-server (started %s s ago: "
-                "its run_id changed) and may have lost locks it granted before (RDB "
-                "snapshots, appendfsync everysec after a crash, a backup, a replica "
-                "promoted): it does not vote for %.0f s, until MAX_TTL (%g s) after it "
-                "started (the delayed-restart rule).",
+                "Redlock %r: node %s is another run of redis-server than the one last "
+                "seen (its run_id changed: a restart, a restore, a replica promoted) and "
+                "may have lost locks granted before (RDB snapshots, appendfsync everysec "
+                "after a crash, an older copy of the data): it does not vote for %.0f s "
+                "(MAX_TTL = %g s, the delayed-restart rule).",
                 self.alias,
                 self.label,
-                uptime,
                 sits_out_ms / 1000,
                 self.max_ttl_ms / 1000,
             )
@@ -700,10 +714,16 @@ class RedlockBackend(BaseLockBackend):
             "retry": Retry(NoBackoff(), 0),
             **self.options.get("CONNECTION_KWARGS", {}),
         }
-        return [
+        nodes = [
             _Node(url, kwargs, self.alias, self.allow_eviction, self.marker_key, self.max_ttl_ms)
             for url in self.locations
         ]
+        if not all(node.server.fast for node in nodes):
+            # A round takes one path for all its servers (review r140: some over TLS
+            # and some not, the fast path wrote to a TLS link, which has no socket).
+            for node in nodes:
+                node.server.fast = False
+        return nodes
 
     def close(self):
         with self._nodes_lock:

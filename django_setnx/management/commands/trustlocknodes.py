@@ -1,11 +1,13 @@
 """``manage.py trustlocknodes``: let a brand-new set of Redlock masters vote at once.
 
-A Redlock master without its marker key (brand-new, or restarted without its data)
-sits out of every vote for ``MAX_TTL`` after a client first meets it, so that every
-lock it may have forgotten has expired before it votes again (the delayed-restart
-rule, see :mod:`django_setnx.backends.redlock`). For masters that were just deployed
-no lock can have been held, and waiting is pointless: this command marks them
-trusted now. ``--dry-run`` only lists which masters do not vote yet, and for how long.
+A Redlock master without its marker key (brand-new, or restarted without its data),
+or another run of redis-server than the one last seen (restarted with only part of
+its data, restored, a replica promoted in its place), sits out of every vote for
+``MAX_TTL`` after a client first meets it, so that every lock it may have forgotten
+has expired before it votes again (the delayed-restart rule, see
+:mod:`django_setnx.backends.redlock`). For masters that were just deployed no lock
+can have been held, and waiting is pointless: this command marks them trusted now.
+``--dry-run`` only lists which masters do not vote yet, and for how long.
 """
 
 from django.core.exceptions import ImproperlyConfigured
@@ -143,11 +145,12 @@ class Command(BaseCommand):
         aliases = ", ".join(map(repr, aliases))
         confirm_or_cancel(
             f"You have requested to trust the masters of {aliases} now.\n"
-            "A master that restarted without its data has forgotten the locks it granted; "
-            "until MAX_TTL has passed those locks may still be held, and trusting it lets a "
-            "second holder take them.\n"
+            "A master that restarted without all its data (empty, from a snapshot or a "
+            "backup, or a replica promoted in its place) may have forgotten locks it "
+            "granted; until MAX_TTL has passed those locks may still be held, and trusting "
+            "it lets a second holder take them.\n"
             "Only continue for brand-new masters, or masters restarted while certainly no "
-            "lock was held.",
+            "lock was held, or with every key they had.",
             f"{TRUST_COMMAND} cancelled: no master was marked trusted.",
         )
 
