@@ -313,11 +313,12 @@ class _Script:
 _ACQUIRE, _RELEASE, _EXTEND, _OWNS, _GET, _DELETE, _CLEAR = (
     _Script(s) for s in (NODE_ACQUIRE, RELEASE, EXTEND, OWNS, GET, DELETE, CLEAR)
 )
-_TRUST, _STATUS, _RESTART_CHECK = (_Script(s) for s in (TRUST, NODE_STATUS, RESTART_CHECK))
+_TRUST, _STATUS = (_Script(s) for s in (TRUST, NODE_STATUS))
 _ALL_SCRIPTS = (_ACQUIRE, _RELEASE, _EXTEND, _OWNS, _GET, _DELETE, _CLEAR, _TRUST, _STATUS)
 #: ``{sha: (text, runs late)}``: a late NOSCRIPT reply is answered with EVAL (see
-#: redlock_wire.Server._late_error). A release may run however late: it is token-checked,
-#: and a token is never used twice (each acquire attempt has its own: token_per_attempt). Any other call only within its round's deadline.
+#: redlock_wire.Server._late_error). A release may run however late: it is
+#: token-checked, and a token is never used twice (each acquire attempt has its own:
+#: token_per_attempt). Any other call only within its round's deadline.
 _SCRIPT_TEXTS = {script.sha: (script.text, script is _RELEASE) for script in _ALL_SCRIPTS}
 
 
@@ -350,6 +351,13 @@ def _pipelined(conn, commands):
         except ResponseError as error:
             replies.append(error)
     return replies
+
+
+def _as_eval(call):
+    """A ``(script, keys, args)`` call sent with EVAL and the script's text: it never
+    meets NOSCRIPT (and caches the script)."""
+    script, keys, args = call
+    return (None, ("EVAL", script.text, len(keys), *keys, *args), ())
 
 
 def _commands(calls):
@@ -813,30 +821,24 @@ class RedlockBackend(BaseLockBackend):
                     missing.pop(index, None)
                     break
         if missing:
-            self._eval_missing(calls, missing, results, timeout, wrong_type_is_a_reply)
+            self._eval_missing(calls, missing, results, timeout, wrong_type_is_a_reply, if_late)
         return results
 
-    def _eval_missing(self, calls, missing, results, timeout, wrong_type_is_a_reply):
+    def _eval_missing(self, calls, missing, results, timeout, wrong_type_is_a_reply, if_late):
         """Re-run the calls that got NOSCRIPT with EVAL (which also caches the
-        scripts), in one more parallel round. Rare: after a SCRIPT FLUSH."""
+        scripts), in one more parallel round. Rare: after a SCRIPT FLUSH. A late
+        node's ``if_late`` is decided on both rounds' replies (review r141)."""
         evals = {
-            index: [
-                (
-                    None,
-                    (
-                        "EVAL",
-                        calls[index][n][0].text,
-                        len(calls[index][n][1]),
-                        *calls[index][n][1],
-                        *calls[index][n][2],
-                    ),
-                    (),
-                )
-                for n in call_nos
-            ]
+            index: [_as_eval(calls[index][n]) for n in call_nos]
             for index, call_nos in missing.items()
         }
-        again = self._round(evals, timeout, wrong_type_is_a_reply)
+        late = None
+        if if_late is not None:
+
+            def late(index, replies):
+                return if_late(index, {**results, **replies})
+
+        again = self._round(evals, timeout, wrong_type_is_a_reply, if_late=late)
         for index, call_nos in missing.items():
             if isinstance(again[index], wire.Failure):
                 results[index] = again[index]
@@ -910,8 +912,11 @@ class RedlockBackend(BaseLockBackend):
             # so it runs after, not before it (review r137). A record there would be
             # held by nobody until its ttl. If they did, the late record is the
             # holder's: an undo could delete it after an extend counted it.
+            # By EVAL: the node may have lost its script cache (review r141).
             if_late=lambda index, replies: (
-                None if self._granted_by_majority(replies) else self._undo_calls(name, token)
+                None
+                if self._granted_by_majority(replies)
+                else [_as_eval(call) for call in self._undo_calls(name, token)]
             ),
         )
         started = results.started
