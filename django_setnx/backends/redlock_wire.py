@@ -335,14 +335,13 @@ def round_trip(requests, timeout, enough=None, if_late=None):
 
     ``if_late(key, results)``, if given, returns the commands (or None) to write,
     after its own, on the connection of a server whose replies did not all come by
-    the deadline, once every other server's are in ``results``: a server runs one
+    the deadline, once every other server's are in ``results``. A server runs one
     connection's commands in order, so if the late ones run at all (a server paused,
-    not down), these run after them, however late (the undo of an acquire that lost:
-    on another connection it could run first, and the acquire leave a record nobody
-    holds).
-    On the fast path they get one non-blocking write (a command cut short goes
-    with the connection); on redis-py's, a blocking one. That server still fails
-    the round: its connection is closed, and the server, reading the commands
+    not down), these run after them, however late: the undo of an acquire that lost
+    (on another connection it could run first, and the acquire leave a record nobody
+    holds). On the fast path they get one non-blocking write (a command cut short
+    goes with the connection); on redis-py's, a blocking one. That server still
+    fails the round: its connection is closed, and the server, reading the commands
     before the end of the connection, runs them all the same.
     """
     results = {}
