@@ -205,6 +205,34 @@ def test_an_acquire_sent_again_with_eval_that_comes_late_is_undone_after_it(make
             assert not flushed.exists(lock_key(name)), "C kept a record of the acquire that lost"
 
 
+@pytest.mark.parametrize("path", ["hiredis", "redis-py"])
+def test_an_acquire_that_won_after_a_noscript_leaves_the_late_record_to_its_holder(
+    make_masters, monkeypatch, path
+):
+    """Review r142: B lost its scripts (NOSCRIPT, the acquire sent again with EVAL),
+    and C's reply is late. The undo for C was decided on the first round's replies,
+    where only A had granted, and deleted the record on C of an acquire that then won
+    with A and B: the holder's, which a later extend may count. A NOSCRIPT now counts
+    as a grant to come."""
+    if path == "redis-py":
+        monkeypatch.setattr(wire, "hiredis", None)
+    masters = make_masters(3)
+    name = unique()
+    flushed, late = clients(masters)[1:]
+    with DelayingProxy(masters.servers[2].port) as proxy:
+        urls = [*masters.urls[:2], proxy.url]
+        with alias_on(urls, NODE_TIMEOUT=0.1) as alias:
+            assert all(status.trusted for status in locks[alias].node_status())  # connected
+            flushed.script_flush()
+            proxy.delay_connection_with(_ACQUIRE.sha.encode(), 0.5)
+            holder = lock(name, ttl=60, backend=alias)
+            assert holder.acquire(blocking=False)
+            assert proxy.delayed == 1
+            time.sleep(1.0)  # C ran the late acquire, and what came after it
+            assert late.hget(lock_key(name), "token"), "the holder's record on C was deleted"
+            holder.release()
+
+
 @pytest.mark.parametrize("late", ["acquire", "release"])
 def test_an_undo_that_comes_late_never_deletes_a_later_attempt_s_record(make_masters, late):
     """Review r139: every retry of one blocking acquire() used the same token, and an

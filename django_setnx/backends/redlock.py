@@ -834,9 +834,10 @@ class RedlockBackend(BaseLockBackend):
         }
         late = None
         if if_late is not None:
+            first = {i: r for i, r in results.items() if i not in missing}  # not sent again
 
             def late(index, replies):
-                return if_late(index, {**results, **replies})
+                return if_late(index, {**first, **replies})
 
         again = self._round(evals, timeout, wrong_type_is_a_reply, if_late=late)
         for index, call_nos in missing.items():
@@ -908,14 +909,14 @@ class RedlockBackend(BaseLockBackend):
                 (token, ttl_ms, encode_owner(owner), self.retention_ms, 0, self.max_ttl_ms),
             ),
             # A node whose reply is late (paused, say) may still run the acquire: if
-            # the others did not grant it, its undo follows it on the same connection,
-            # so it runs after, not before it (review r137). A record there would be
-            # held by nobody until its ttl. If they did, the late record is the
-            # holder's: an undo could delete it after an extend counted it.
-            # By EVAL: the node may have lost its script cache (review r141).
+            # the others did not grant it (nor may yet: NOSCRIPT), its undo follows it
+            # on the same connection, so it runs after, not before it (review r137).
+            # A record there would be held by nobody until its ttl. If they did, the
+            # late record is the holder's: an undo could delete it after an extend
+            # counted it. By EVAL: the node may have lost its scripts (review r141).
             if_late=lambda index, replies: (
                 None
-                if self._granted_by_majority(replies)
+                if self._may_have_won(replies)
                 else [_as_eval(call) for call in self._undo_calls(name, token)]
             ),
         )
@@ -986,15 +987,18 @@ class RedlockBackend(BaseLockBackend):
         elapsed_ms = (time.monotonic() - started) * 1000
         return ttl_ms - elapsed_ms - (ttl_ms * self.drift_factor + DRIFT_MS) > 0
 
-    def _granted_by_majority(self, replies):
-        """True if a majority of nodes granted an acquire, by its raw ``replies``
-        so far (``{index: [reply] or wire.Failure}``; NODE_ACQUIRE replies
-        ``{won, fencing, sits out ms}``)."""
+    def _may_have_won(self, replies):
+        """True if a majority of nodes granted an acquire, or may yet, by its raw
+        ``replies`` so far (``{index: [reply] or wire.Failure}``; NODE_ACQUIRE
+        replies ``{won, fencing, sits out ms}``): a NOSCRIPT counts as a grant, its
+        call being sent again with EVAL next (review r142)."""
         granted = 0
         for node_replies in replies.values():
             if isinstance(node_replies, list):
                 reply = node_replies[0]
-                granted += isinstance(reply, list) and reply[0] == 1 and reply[2] == 0
+                granted += (
+                    isinstance(reply, list) and reply[0] == 1 and reply[2] == 0
+                ) or wire.is_no_script(reply)
         return granted >= self.quorum
 
     def _undo_calls(self, name, token):
