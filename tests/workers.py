@@ -446,6 +446,13 @@ def fork_without_hooks():
         with contextlib.suppress(Exception):  # a stderr without a file descriptor
             faulthandler.enable()
             faulthandler.dump_traceback_later(15, exit=False)
+        # Under coverage (patch = ["_exit"]), os._exit first saves the coverage data:
+        # here, without coverage's fork handling, into the parent's data file through
+        # the parent's SQLite connection, which SQLite says never to use across a fork
+        # (a CI run hung in a child of this fork once). The child's exit is plain.
+        import posix
+
+        os._exit = posix._exit
     return pid
 
 
