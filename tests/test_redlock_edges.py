@@ -152,7 +152,7 @@ def _grant_on(backend, index, name, token, ttl_ms):
     assert backend._round({index: [(_ACQUIRE, keys, args)]})[index][0][0] == 1
 
 
-@pytest.mark.parametrize("path", ["hiredis", "redis-py"])
+@pytest.mark.parametrize("path", ["hiredis", "redis-py", "tls"])
 def test_an_acquire_that_lost_and_a_paused_node_runs_late_is_undone_after_it(
     make_masters, monkeypatch, path
 ):
@@ -162,10 +162,11 @@ def test_an_acquire_that_lost_and_a_paused_node_runs_late_is_undone_after_it(
     acquire left a record there that nobody held, taking that node's vote from every
     other client for the lock's ttl. The undo now follows the acquire on the same
     connection, and runs after it. (An acquire that won gets none: the late record
-    is the holder's, which a later extend may count.)"""
+    is the holder's, which a later extend may count.) Over TLS (redis-py's path),
+    the paused node's read times out and the undo is written on its TLS connection."""
     if path == "redis-py":
         monkeypatch.setattr(wire, "hiredis", None)
-    masters = make_masters(3)
+    masters = make_masters(3, tls=range(3) if path == "tls" else ())
     paused, slow = masters.servers[2], clients(masters)[2]
     name = unique()
     with alias_on(masters.urls, NODE_TIMEOUT=0.2) as alias:

@@ -375,6 +375,12 @@ def _is_one(reply):
     return type(reply) is int and reply == 1
 
 
+def _is_grant(reply):
+    """True if a node's NODE_ACQUIRE ``reply`` (``{won, fencing or ms left, sits out
+    ms}``) granted the lock: a node sitting out grants nothing."""
+    return isinstance(reply, list) and reply[0] == 1 and reply[2] == 0
+
+
 def _is_wrong_type(reply):
     """True for the error of a script that met a key of another type where a lock
     record should be (written by hand or by something else): a record of that node
@@ -929,14 +935,14 @@ class RedlockBackend(BaseLockBackend):
             if isinstance(replies, wire.Failure):
                 maybe_ours.append(index)  # it may have granted before the reply was lost
                 continue
-            won, value, sits_out_ms = replies[0]
-            if sits_out_ms > 0:
-                untrusted[index] = int(sits_out_ms)
-            elif won:
-                granted[index] = int(value)
+            reply = replies[0]  # NODE_ACQUIRE's {won, fencing or ms left, sits out ms}
+            if _is_grant(reply):
+                granted[index] = int(reply[1])
                 maybe_ours.append(index)
+            elif reply[2] > 0:
+                untrusted[index] = int(reply[2])
             else:
-                remainders.append(int(value))
+                remainders.append(int(reply[1]))
         failed = self._failures(results)
         answered = self._answered(results)
         if answered < self.quorum or answered - len(untrusted) < self.quorum:
@@ -996,9 +1002,7 @@ class RedlockBackend(BaseLockBackend):
         for node_replies in replies.values():
             if isinstance(node_replies, list):
                 reply = node_replies[0]
-                granted += (
-                    isinstance(reply, list) and reply[0] == 1 and reply[2] == 0
-                ) or wire.is_no_script(reply)
+                granted += _is_grant(reply) or wire.is_no_script(reply)
         return granted >= self.quorum
 
     def _undo_calls(self, name, token):

@@ -502,16 +502,12 @@ def _exchange_fast(out, results, timeout, enough, if_late):
                         server.park(_Parked(link, owed, deadline, timeout))
                         results[late] = Pending(server.label)
                     return
-    late = list(pending.values())
-    for key in late:
-        then = if_late(key, results) if if_late is not None else None
-        if then:
-            try:  # one try, no wait: a command cut short goes with the connection
-                _send_all(out[key][1].sock, _packed_fast(then, {}), time.monotonic())
-            except ERRORS:
-                pass
-    for key in late:
-        _fail(out, results, key, redis.exceptions.TimeoutError(f"no reply within {timeout:g} s"))
+    if pending:  # the deadline passed
+        late = {
+            key: redis.exceptions.TimeoutError(f"no reply within {timeout:g} s")
+            for key in pending.values()
+        }
+        _fail_late(out, results, late, if_late, _write_now)
 
 
 def _exchange_redis_py(out, results, timeout, if_late):
@@ -543,17 +539,37 @@ def _exchange_redis_py(out, results, timeout, if_late):
         del out[key]
         server.give_back(link)
         results[key] = got
-    for key in late:
-        then = if_late(key, results)
-        if then:
-            _write_if_connected(out[key][1].conn, then)
+    _fail_late(out, results, late, if_late, _write_if_connected)
+
+
+def _fail_late(out, results, late, if_late, write):
+    """Fail the servers ``late`` (``{key: its TimeoutError}``), first writing on
+    each one's link, with ``write(link, commands)``, the commands ``if_late``
+    returns for it: decided once every other server's replies are in ``results``
+    (see round_trip)."""
+    if if_late is not None:
+        for key in late:
+            then = if_late(key, results)
+            if then:
+                write(out[key][1], then)
     for key, timed_out in late.items():
         _fail(out, results, key, timed_out)
 
 
-def _write_if_connected(conn, commands):
-    """Write ``commands`` on ``conn`` (best effort: it is closed next anyway; a
-    blocking write, up to the socket timeout if the server's buffer is full)."""
+def _write_now(link, commands):
+    """Write ``commands`` on a fast-path ``link`` (best effort: it is closed next
+    anyway): one try, no wait; a command cut short goes with the connection."""
+    try:
+        _send_all(link.sock, _packed_fast(commands, {}), time.monotonic())
+    except ERRORS:
+        pass
+
+
+def _write_if_connected(link, commands):
+    """Write ``commands`` on a redis-py ``link`` (best effort: it is closed next
+    anyway; a blocking write, up to the socket timeout if the server's buffer is
+    full)."""
+    conn = link.conn
     if getattr(conn, "_sock", None) is None:
         return
     try:
