@@ -11,12 +11,14 @@ not): without them these tests skip, which CI counts as a failure (conftest.py).
 
 import asyncio
 import contextlib
+import gc
 import io
 import threading
 import uuid
 
 import pytest
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.test import override_settings
 
@@ -26,7 +28,7 @@ if "redis" not in settings.TEST_BACKENDS:
 import redis
 
 from django_setnx import lock, locks
-from django_setnx.exceptions import LockNotOwned
+from django_setnx.exceptions import LockBackendError, LockNotOwned
 from tests.scaleout_plugin import redlock_settings
 from tests.servers import TLSRedisServer, TLSUnavailable
 
@@ -50,24 +52,41 @@ def tls_server():
     server.cleanup()
 
 
+@contextlib.contextmanager
+def alias_with(params, caches=None, alias="tls"):
+    """``alias`` configured with ``params`` (and ``CACHES`` entries) for the block."""
+    with override_settings(
+        CACHES={**settings.CACHES, **(caches or {})},
+        SETNX_LOCKS={**settings.SETNX_LOCKS, alias: params},
+    ):
+        try:
+            yield alias
+        finally:
+            locks.close_all()
+
+
+def on_location(url, **connection_kwargs):
+    return {
+        "BACKEND": BACKEND,
+        "LOCATION": url,
+        "KEY_PREFIX": PREFIX,
+        "OPTIONS": {"CONNECTION_KWARGS": connection_kwargs},
+    }
+
+
 @pytest.fixture
 def tls_alias(tls_server, request):
     """A Redis lock alias on the TLS server, reached through ``LOCATION`` or through
     a django-redis cache (``OPTIONS["CACHE"]``), by the test's parameter."""
     if getattr(request, "param", "LOCATION") == "LOCATION":
-        params = {"BACKEND": BACKEND, "LOCATION": tls_server.url, "KEY_PREFIX": PREFIX}
-        caches = settings.CACHES
+        context = alias_with(on_location(tls_server.url))
     else:
-        params = {"BACKEND": BACKEND, "KEY_PREFIX": PREFIX, "OPTIONS": {"CACHE": "tls"}}
-        caches = {
-            **settings.CACHES,
-            "tls": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": tls_server.url},
-        }
-    with override_settings(CACHES=caches, SETNX_LOCKS={**settings.SETNX_LOCKS, "tls": params}):
-        try:
-            yield "tls"
-        finally:
-            locks.close_all()
+        context = alias_with(
+            {"BACKEND": BACKEND, "KEY_PREFIX": PREFIX, "OPTIONS": {"CACHE": "tls"}},
+            {"tls": {"BACKEND": "django_redis.cache.RedisCache", "LOCATION": tls_server.url}},
+        )
+    with context as alias:
+        yield alias
 
 
 @pytest.mark.parametrize("tls_alias", ["LOCATION", "CACHE"], indirect=True)
@@ -140,6 +159,81 @@ def test_async_over_tls(tls_alias):
     asyncio.run(main())
 
 
+def test_async_calls_honour_tls_options_only_the_sync_client_has(tls_server):
+    """Review r143 D1: an OCSP option (``ssl_validate_ocsp`` and its kin, which
+    redis.asyncio's connections do not take) failed every async call with a
+    TypeError. At its default (False) it is dropped and the async calls run on
+    redis.asyncio; set, they go through the sync client, which makes the check (this
+    self-signed certificate fails it, sync and async alike)."""
+    name = unique()
+    with alias_with(on_location(tls_server.url, ssl_validate_ocsp=False)) as alias:
+
+        async def native():
+            assert locks[alias]._aconnection() is not None  # redis.asyncio, no thread
+            holder = lock(name, ttl=10, backend=alias)
+            assert await holder.aacquire(blocking=False)
+            await holder.arelease()
+            await locks[alias].aclose()
+
+        asyncio.run(native())
+    with alias_with(on_location(tls_server.url, ssl_validate_ocsp=True)) as alias:
+        with pytest.raises(LockBackendError) as sync_error:
+            lock(name, backend=alias).acquire(blocking=False)
+
+        async def through_sync():
+            assert locks[alias]._aconnection() is None
+            await lock(name, backend=alias).aacquire(blocking=False)
+
+        with pytest.raises(LockBackendError) as async_error:
+            asyncio.run(through_sync())
+        assert str(async_error.value).split(": ", 2)[2] == str(sync_error.value).split(": ", 2)[2]
+
+
+def test_a_closed_loop_leaves_no_tls_connection_open(tls_alias, tls_server):
+    """Review r143 D2: each event loop that ran lock calls (``asyncio.run``,
+    ``async_to_sync``) and closed left its TLS connection open until the garbage
+    collector ran: the sockets of a closed loop were closed through the transport,
+    which over TLS is asyncio's SSL transport, not the socket's."""
+    server = redis.Redis.from_url(tls_server.url)
+    before = len(server.client_list())
+
+    async def acquire_and_release():
+        holder = lock(unique(), ttl=10, backend=tls_alias)
+        assert await holder.aacquire(blocking=False)
+        await holder.arelease()
+
+    gc.disable()  # what is left open must not be closed by a collection meanwhile
+    try:
+        for _ in range(20):
+            asyncio.run(acquire_and_release())
+        assert len(server.client_list()) - before <= 2, server.client_list()
+    finally:
+        gc.enable()
+
+
+def test_client_certificates(tls_server):
+    """A server that requires client certificates (``--tls-auth-clients yes``):
+    given in CONNECTION_KWARGS they work, sync and async; without them every call
+    is a LockBackendError."""
+    with TLSRedisServer("--tls-auth-clients", "yes") as strict:
+        name = unique()
+        certificate = {"ssl_certfile": strict.cert, "ssl_keyfile": strict.key}
+        with alias_with(on_location(strict.url, **certificate)) as alias:
+            with lock(name, ttl=10, backend=alias) as held:
+                assert held.owned()
+
+            async def main():
+                holder = lock(name, ttl=10, backend=alias)
+                assert await holder.aacquire(blocking=False)
+                await holder.arelease()
+                await locks[alias].aclose()
+
+            asyncio.run(main())
+        with alias_with(on_location(strict.url)) as alias:
+            with pytest.raises(LockBackendError):
+                lock(name, backend=alias).acquire(blocking=False)
+
+
 # -- Redlock ------------------------------------------------------------------------------
 
 
@@ -179,3 +273,13 @@ def test_redlock_over_tls_and_mixed_sets(make_masters, plain):
         holder.release()
         with lock(name, backend=alias) as again:
             assert again.fencing_token > holder.fencing_token
+
+
+def test_redlock_refuses_connection_kwargs_redis_py_does_not_take(redlock_masters3):
+    """Review r143 D3: ``CONNECTION_KWARGS={"ssl": True}`` (what ``redis.Redis``
+    takes, not its connections) failed every Redlock call with a TypeError. It is an
+    ImproperlyConfigured naming the alias, and pointing at rediss:// URLs."""
+    params = redlock_settings(redlock_masters3.urls, CONNECTION_KWARGS={"ssl": True})
+    with alias_with(params, alias="badrl") as alias:
+        with pytest.raises(ImproperlyConfigured, match=r"'badrl'.*'ssl'.*rediss://"):
+            lock(unique(), backend=alias).acquire(blocking=False)

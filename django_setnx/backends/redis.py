@@ -423,6 +423,25 @@ ASYNC_SCRIPTS = {
 _INHERITED_ASYNC: list[object] = []
 
 
+def check_connection_kwargs(alias, pool):
+    """Build one connection object of ``pool`` (it connects lazily: no I/O) so that
+    an argument redis-py does not take (a misspelt ``socket_timout``, ``ssl=True``)
+    is reported as ImproperlyConfigured naming ``alias``, rather than as a TypeError
+    from every lock operation."""
+    try:
+        pool.connection_class(**pool.connection_kwargs)
+    except TypeError as exc:
+        hint = (
+            " For TLS, use a rediss:// URL (its certificate settings as ssl_* arguments)."
+            if "'ssl'" in str(exc)
+            else ""
+        )
+        raise ImproperlyConfigured(
+            f"SETNX_LOCKS[{alias!r}]['OPTIONS']['CONNECTION_KWARGS'] (or the "
+            f"LOCATION URL's query) has an argument redis-py does not take: {exc}.{hint}"
+        ) from exc
+
+
 def _close_sockets_of(client):
     """Close the sockets of an asyncio client whose event loop is closed: its
     transports cannot close them any more (that would schedule a callback on the
@@ -435,14 +454,20 @@ def _close_sockets_of(client):
     ]
     for connection in connections:
         transport = getattr(getattr(connection, "_writer", None), "transport", None)
-        sock = getattr(transport, "_sock", None)
+        # Over TLS the StreamWriter's transport is asyncio's SSL transport, which
+        # sits on the socket's transport (review r143: TLS sockets stayed open).
+        ssl_protocol = getattr(transport, "_ssl_protocol", None)
+        socket_transport = getattr(ssl_protocol, "_transport", None) or transport
+        sock = getattr(socket_transport, "_sock", None)
         if isinstance(sock, socket.socket):
             sock.close()
             # What transport.close() would have recorded, had the loop been open:
-            # the transport and its StreamWriter then collect without a
+            # the transports and the StreamWriter then collect without a
             # ResourceWarning ("unclosed transport", "loop is closed").
-            transport._sock = None
-            transport._closing = True
+            socket_transport._sock = None
+            socket_transport._closing = True
+            if socket_transport is not transport:
+                transport._closed = True
             connection._reader = connection._writer = None
 
 
@@ -1232,16 +1257,7 @@ class RedisBackend(BaseLockBackend):
             raise
 
     def _check_connection_kwargs(self, pool):
-        """Build one connection object (it connects lazily: no I/O) so that an argument
-        redis-py does not take (a misspelt ``socket_timout``) is reported here, naming
-        the alias, rather than as a TypeError from the first lock operation."""
-        try:
-            pool.connection_class(**pool.connection_kwargs)
-        except TypeError as exc:
-            raise ImproperlyConfigured(
-                f"SETNX_LOCKS[{self.alias!r}]['OPTIONS']['CONNECTION_KWARGS'] (or the "
-                f"LOCATION URL's query) has an argument redis-py does not take: {exc}"
-            ) from exc
+        check_connection_kwargs(self.alias, pool)
 
     def _connect_every_primary(self, client):
         """On a Redis Cluster, connect to every primary now, so that each one's eviction

@@ -10,13 +10,16 @@ policies: no retries, and every new connection checks its server's eviction poli
 before any lock command runs on it (``AsyncEvictionCheck``). A shared django-redis
 pool is never used from asyncio: the async client has a pool of its own.
 
-Plain connections (TCP, TLS, Unix socket) are supported. For Sentinel, Cluster or a
-custom ``CLIENT_CLASS``, ``async_client_from`` returns None and the backend's async
-methods fall back to running the sync ones in threads.
+Plain connections (TCP, TLS, Unix socket) are supported. For Sentinel, Cluster, a
+custom ``CLIENT_CLASS``, or a TLS setting that ``redis.asyncio`` cannot honour (OCSP
+validation), ``async_client_from`` returns None and the backend's async methods fall
+back to running the sync ones in threads.
 """
 
 import asyncio
+import functools
 import hashlib
+import inspect
 import select
 
 import redis
@@ -75,11 +78,31 @@ ASYNC_CONNECTION_CLASSES = {
 }
 
 
+@functools.cache
+def _accepted_kwargs(connection_class):
+    """The keyword arguments ``connection_class`` (and the classes it passes its
+    ``**kwargs`` on to) take by name."""
+    names = set()
+    for klass in connection_class.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is not None:
+            names.update(
+                parameter.name
+                for parameter in inspect.signature(init).parameters.values()
+                if parameter.kind in (parameter.POSITIONAL_OR_KEYWORD, parameter.KEYWORD_ONLY)
+            )
+    return frozenset(names)
+
+
 def async_client_from(sync_client, connect_check):
     """A ``redis.asyncio.Redis`` reaching the server ``sync_client`` reaches, with
     the same user settings, no retries, and ``connect_check`` (an AsyncEvictionCheck,
     or None) run on every new connection. Returns None if ``sync_client`` is not a plain
-    ``redis.Redis`` on a plain connection pool (Sentinel, Cluster, a custom class)."""
+    ``redis.Redis`` on a plain connection pool (Sentinel, Cluster, a custom class), or
+    if its pool sets a TLS option that only redis-py's sync connection has (OCSP
+    validation, ``ssl_validate_ocsp`` and its kin): the async calls then go through
+    the sync client, which honours it (review r143: they all failed with a
+    TypeError)."""
     pool = getattr(sync_client, "connection_pool", None)
     if (
         type(sync_client) is not redis.Redis
@@ -90,11 +113,17 @@ def async_client_from(sync_client, connect_check):
     connection_class = ASYNC_CONNECTION_CLASSES.get(pool.connection_class)
     if connection_class is None:
         return None
-    kwargs = {
-        key: value
-        for key, value in pool.connection_kwargs.items()
-        if key in USER_CONNECTION_KWARGS or key.startswith("ssl_")
-    }
+    accepted = _accepted_kwargs(connection_class)
+    kwargs = {}
+    for key, value in pool.connection_kwargs.items():
+        if key.startswith("ssl_"):
+            if key not in accepted:
+                if value is None or value is False:
+                    continue  # the sync default: nothing asked for
+                return None
+            kwargs[key] = value
+        elif key in USER_CONNECTION_KWARGS:
+            kwargs[key] = value
     kwargs["retry"] = Retry(NoBackoff(), 0)
     if connect_check is not None:
         kwargs["redis_connect_func"] = connect_check.on_connect

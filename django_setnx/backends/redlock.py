@@ -157,6 +157,7 @@ from .redis import (
     DEFAULT_STALE_RETENTION,
     SCAN_COUNT,
     check_client_options,
+    check_connection_kwargs,
     check_key_prefix,
     key_prefix_problem,
     lock_keys,
@@ -424,6 +425,7 @@ class _Node:
             url, **{**kwargs, "redis_connect_func": self._on_connect}
         )
         pool = self.client.connection_pool
+        check_connection_kwargs(alias, pool)
         ck = pool.connection_kwargs
         self.label = ck.get("path") or f"{ck.get('host', '?')}:{ck.get('port', '?')}"
         self.server = wire.Server(
