@@ -12,6 +12,7 @@ import math
 import os
 import random
 import signal
+import socket
 import threading
 import time
 from io import StringIO
@@ -340,6 +341,57 @@ def test_a_stalled_node_costs_at_most_max_parked_connections(make_masters):
             assert oldest.conn._sock is None, "a connection late past its deadline is closed"
             assert server._parked == []
         held.release()
+
+
+@contextlib.contextmanager
+def unreachable_address():
+    """A 127.0.0.1 address whose TCP connects time out, as a host behind a partition
+    that drops packets: a listener that never accepts, its queue full (Linux drops
+    the SYNs that find it so)."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = listener.getsockname()[1]
+    queued = []
+    try:
+        while True:
+            sock = socket.socket()
+            sock.settimeout(0.3)
+            try:
+                sock.connect(("127.0.0.1", port))
+            except TimeoutError:
+                sock.close()
+                break
+            queued.append(sock)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        for sock in [*queued, listener]:
+            sock.close()
+
+
+def test_a_master_whose_connect_timed_out_is_skipped_for_a_while(make_masters, monkeypatch):
+    """Review r143: a round connects to its masters one after another, so a master
+    whose TCP connects time out cost every round (acquire, release) its whole
+    NODE_TIMEOUT, one such master after another. Once its connect timed out, no new
+    connection to it is tried for SKIP_AFTER_CONNECT_TIMEOUT: rounds count it as
+    failed at once, and the other two decide."""
+    monkeypatch.setattr(wire, "SKIP_AFTER_CONNECT_TIMEOUT", 30.0)
+    masters = make_masters(3)
+    with unreachable_address() as url:
+        with alias_on([*masters.urls[:2], url], NODE_TIMEOUT=0.2) as alias:
+            server = locks[alias].nodes[2].server
+            connects = []
+            new_connection = server._new_connection
+            server._new_connection = lambda: connects.append(1) or new_connection()
+            for _ in range(10):
+                with lock(unique(), ttl=30, backend=alias) as held:
+                    assert held.owned()
+            assert len(connects) == 1, "every round waited to connect again"
+            server._skip_until = 0.0  # as if the 30 s were over
+            with lock(unique(), ttl=30, backend=alias) as held:
+                assert held.owned()
+            assert len(connects) == 2, "not tried again once the time was over"
+            masters.servers[0].kill()  # no majority now: the error says why
+            with pytest.raises(LockBackendError, match="connecting timed out less than 30 s"):
+                lock(unique(), ttl=30, backend=alias).acquire(blocking=False)
 
 
 def test_an_error_reply_is_not_a_confirmation(make_masters):

@@ -77,6 +77,16 @@ MIN_READ_TIMEOUT = 0.0001
 MAX_PARKED = 4
 #: Bytes read from a socket at once on the fast path.
 READ_SIZE = 65536
+#: Seconds for which no new connection to a server is tried once its TCP connect
+#: timed out (a host that drops packets: a partition, a firewall): a round connects
+#: to its servers one after another before it writes anything, and every round
+#: would otherwise wait a whole timeout for each such server (review r143). Rounds
+#: meanwhile count it as failed at once. A refused connection fails at once, and a
+#: server that took the connection but did not answer its handshake in time (stalled:
+#: it may go on at any moment) is tried again by the next round.
+SKIP_AFTER_CONNECT_TIMEOUT = 1.0
+#: How redis-py words a TCP connect that timed out, before any handshake.
+_CONNECT_TIMEOUT_MESSAGE = "Timeout connecting to server"
 
 #: What a failing server raises: redis-py's errors, and socket errors it lets through.
 ERRORS = (redis.exceptions.RedisError, OSError)
@@ -181,6 +191,7 @@ class Server:
         self.fast = hiredis is not None and not tls
         self._idle = []
         self._parked = []  # _Parked, oldest first: see park()
+        self._skip_until = 0.0  # monotonic: see SKIP_AFTER_CONNECT_TIMEOUT
 
     def __repr__(self):
         return f"<Server {self.label}>"
@@ -295,8 +306,19 @@ class Server:
             if link.conn.pid == pid:
                 return link
             link.conn.disconnect()  # inherited across a fork: closes only our copy
+        skipped_for = self._skip_until - time.monotonic()
+        if skipped_for > 0:
+            raise redis.exceptions.TimeoutError(
+                f"connecting timed out less than {SKIP_AFTER_CONNECT_TIMEOUT:g} s ago; "
+                f"not tried again for {skipped_for:.2f} s"
+            )
         conn = self._new_connection()
-        conn.connect()
+        try:
+            conn.connect()
+        except redis.exceptions.TimeoutError as exc:
+            if str(exc) == _CONNECT_TIMEOUT_MESSAGE:
+                self._skip_until = time.monotonic() + SKIP_AFTER_CONNECT_TIMEOUT
+            raise
         return _Link(conn, self.fast)
 
     def give_back(self, link):
