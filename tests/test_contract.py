@@ -365,6 +365,34 @@ def test_async_api(alias, name):
     asyncio.run(main())
 
 
+def test_many_waiting_coroutines_each_get_the_lock_in_turn(alias, name):
+    """100 coroutines of one event loop wait for a lock held for 30 s, released
+    after 0.2 s: each gets it in turn. Review r144: on local memory every wait took
+    a thread of the loop's default executor (a few) for up to the holder's ttl, and
+    the holder's release, queued behind them, ran too late: waiters timed out while
+    the lock was free, and holders lost it."""
+    holder = lock(name, ttl=30, backend=alias)
+    assert holder.acquire()
+
+    async def main():
+        inside = []
+
+        async def waiter():
+            async with lock(name, ttl=30, timeout=20, backend=alias):
+                inside.append(1)
+                assert len(inside) == 1, "two holders"
+                await asyncio.sleep(0.001)
+                inside.pop()
+
+        waiters = [asyncio.ensure_future(waiter()) for _ in range(100)]
+        await asyncio.sleep(0.2)
+        await holder.arelease()
+        return await asyncio.gather(*waiters, return_exceptions=True)
+
+    errors = [outcome for outcome in asyncio.run(main()) if outcome is not None]
+    assert errors == []
+
+
 # -- inspection and removal -------------------------------------------------------------
 
 

@@ -3,9 +3,11 @@
 For tests and single-process development only: another process (a second runserver
 worker, a Celery worker) has its own memory and does not see these locks. Backends
 with the same ``LOCATION`` share their store, as Django's locmem cache does.
-Waiters are woken by a release through a condition variable.
+Waiters are woken by a release: threads through a condition variable, coroutines
+through a future of their event loop (no thread per waiting coroutine).
 """
 
+import asyncio
 import threading
 import time
 
@@ -21,6 +23,9 @@ class _Store:
     def __init__(self):
         self.records = {}  # name -> dict(token, owner JSON, acquired, expires, fencing)
         self._condition = PerProcess(threading.Condition)
+        # (event loop, future) of each waiting coroutine of this process: a forked
+        # child must not wake its parent's loops (their self-pipe is shared).
+        self._async_waiters = PerProcess(set)
         # The last fencing token minted: tokens are a hybrid clock (this process'
         # clock in µs, or the last token plus one if larger), so nothing per name
         # outlives its record and tokens still increase after a release.
@@ -32,9 +37,30 @@ class _Store:
         may have held the parent's at the fork, and is not in the child)."""
         return self._condition.get()
 
+    @property
+    def async_waiters(self):
+        return self._async_waiters.get()
+
     def mint(self):
         self.last_fencing = max(self.last_fencing + 1, time.time_ns() // 1000)
         return self.last_fencing
+
+    def wake_all(self):
+        """Wake every waiter of this process, threads and coroutines (called holding
+        the condition): each retries its acquire."""
+        self.condition.notify_all()
+        waiters = self.async_waiters
+        for loop, future in waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, future)
+            except RuntimeError:  # its loop is closed: nobody waits there any more
+                pass
+        waiters.clear()
+
+
+def _resolve(future):
+    if not future.done():
+        future.set_result(None)
 
 
 def _now_ms():
@@ -89,7 +115,7 @@ class LocMemBackend(BaseLockBackend):
             if record is None or record["token"] != token:
                 return False
             del store.records[name]
-            store.condition.notify_all()
+            store.wake_all()
             return True
 
     def extend(self, name, token, ttl):
@@ -130,7 +156,7 @@ class LocMemBackend(BaseLockBackend):
             if fencing_token is not None and info.fencing_token != fencing_token:
                 return None
             del self._store.records[name]
-            self._store.condition.notify_all()
+            self._store.wake_all()
             return info
 
     def clear(
@@ -152,20 +178,45 @@ class LocMemBackend(BaseLockBackend):
                     del self._store.records[info.name]
                 result.names.append(info.name)
             if result.names and not dry_run:
-                self._store.condition.notify_all()
+                self._store.wake_all()
         if progress is not None and result.names:
             progress(list(result.names))
         return result
 
-    def wait(self, name, *, token, attempt, max_wait, retry_after):
-        """Sleep until a release in this process (or the holder's expiry); returns
-        None: the caller retries (no queue: the first retry wins)."""
+    @staticmethod
+    def _wait_timeout(max_wait, retry_after):
         timeout = retry_after + 0.001 if retry_after is not None else 1.0
         if max_wait is not None:
             timeout = min(timeout, max_wait)
+        return max(timeout, 0)
+
+    def _is_held(self, name):
+        record = self._store.records.get(name)
+        return record is not None and record["expires"] > _now_ms()
+
+    def wait(self, name, *, token, attempt, max_wait, retry_after):
+        """Sleep until a release in this process (or the holder's expiry); returns
+        None: the caller retries (no queue: the first retry wins)."""
         with self._store.condition:
-            record = self._store.records.get(name)
-            if record is None or record["expires"] <= _now_ms():
+            if self._is_held(name):
+                self._store.condition.wait(self._wait_timeout(max_wait, retry_after))
+        return None
+
+    async def await_release(self, name, *, token, attempt, max_wait, retry_after):
+        """Async twin of :meth:`wait`, in the event loop: a future the next release
+        resolves (review r144: the wait ran in the loop's default executor, whose few
+        threads the waiters then filled, and the holders' releases queued behind
+        them). Returns None: the caller retries."""
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+        store = self._store
+        with store.condition:
+            if not self._is_held(name):
                 return None
-            self._store.condition.wait(max(timeout, 0))
+            store.async_waiters.add((loop, woken))
+        try:
+            await asyncio.wait((woken,), timeout=self._wait_timeout(max_wait, retry_after))
+        finally:
+            with store.condition:
+                store.async_waiters.discard((loop, woken))
         return None
