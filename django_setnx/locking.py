@@ -332,7 +332,7 @@ class Lock:
                 elif step is _STOP_WAITING:
                     result = self._stop_waiting(record, token)
                 else:
-                    result = backend.get(record)
+                    result = backend.get_many(record)
                 step, record, arg = steps.send(result)
         except BaseException as error:
             # Interrupted while queued: leave nothing behind, unless the backend's
@@ -371,7 +371,7 @@ class Lock:
                 elif step is _STOP_WAITING:
                     result = await self._astop_waiting(record, token)
                 else:
-                    result = await backend.aget(record)
+                    result = await backend.aget_many(record)
                 step, record, arg = steps.send(result)
         except BaseException as error:  # includes asyncio.CancelledError
             if calls.queued is not None and not was_undone(error):
@@ -409,7 +409,8 @@ class Lock:
         alike (they differ only in how they make a call): a generator that yields
         ``(step, record name, argument)`` for each call to make, ``(_ACQUIRE,
         record, max_wait)``, ``(_WAIT, record, kwargs of wait())``,
-        ``(_STOP_WAITING, record, None)`` or ``(_GET, record, None)``, and is sent its
+        ``(_STOP_WAITING, record, None)`` or ``(_GET_MANY, [record, ...], None)``
+        (sent ``{record: LockInfo}``, see ``get_many``), and is sent its
         result; it ends with ``(None, record, the winning AcquireResult)`` or
         ``(None, None, None)`` on timeout. A Lock has one record, named as the lock.
 
@@ -907,7 +908,7 @@ def _remaining(deadline: float | None) -> float | None:
 
 
 #: The backend calls Lock._acquire_steps asks for.
-_ACQUIRE, _WAIT, _STOP_WAITING, _GET = "acquire", "wait", "stop_waiting", "get"
+_ACQUIRE, _WAIT, _STOP_WAITING, _GET_MANY = "acquire", "wait", "stop_waiting", "get_many"
 #: One backend call of an acquire: ``(step, record name, argument)``; ``(None, record,
 #: result)`` ends it (see Lock._acquire_steps).
 Step = tuple[Any, Any, Any]

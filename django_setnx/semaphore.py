@@ -30,7 +30,7 @@ from typing import Any
 from .backends.base import LockInfo
 from .conf import DEFAULT_LOCK_ALIAS, MAX_NAME_LENGTH
 from .exceptions import LockError
-from .locking import _ACQUIRE, _GET, FirstAttempt, Lock, Step, Steps, _CallClock, _remaining
+from .locking import _ACQUIRE, _GET_MANY, FirstAttempt, Lock, Step, Steps, _CallClock, _remaining
 from .validation import MAX_LIMIT, SLOT_SEPARATOR, slot_record, split_slot  # noqa: F401
 
 #: How long (seconds, before jitter) a waiter first stays queued on one slot before it
@@ -155,18 +155,27 @@ class Semaphore(Lock):
         while True:
             if first is None:
                 start = random.randrange(self.limit)
-            else:
+                others = order = self.slots[start:] + self.slots[:start]
+            else:  # the attempt acquire() made on a slot, refused: the others next
                 start = self.slots.index(first[0])
-            order = self.slots[start:] + self.slots[:start]
-            for record in order[:-1]:
-                if first is not None:  # the attempt acquire() made on this slot
-                    result, first = first[1], None
-                else:
+                order = self.slots[start:] + self.slots[:start]
+                others = order[1:]
+                self._contended(first[1], calls)
+                first = None
+            # Only the slots that are free (or whose holder's ttl ran out) are tried:
+            # one read of all of them, not a refused attempt on each, which with
+            # Redlock and a silent master cost a round each (review r144).
+            if len(others) > 1:
+                infos = yield _GET_MANY, others[:-1], None
+                for record in others[:-1]:
+                    info = infos.get(record)
+                    if info is not None and info.is_held:
+                        continue
                     calls.tick()
                     result = yield _ACQUIRE, record, 0
-                if result.acquired:
-                    yield None, record, result
-                self._contended(result, calls)
+                    if result.acquired:
+                        yield None, record, result
+                    self._contended(result, calls)
             # Every other slot is taken: queue on the last one for a slice (a release
             # of it hands it over at once), then look at all of them again.
             left = _remaining(deadline)
@@ -186,8 +195,10 @@ class Semaphore(Lock):
         semaphore's current holders took it with. Done once per process and
         (alias, name, limit): a second limit is a programming error, found on first
         use wherever it meets a holder of the first."""
-        for record in self.slots + [slot_record(self.name, self.limit + 1)]:
-            info = yield _GET, record, None
+        records = self.slots + [slot_record(self.name, self.limit + 1)]
+        infos = yield _GET_MANY, records, None  # one read (review r144: one per slot)
+        for record in records:
+            info = infos.get(record)
             if info is None or not info.is_held:
                 continue
             other = info.owner.get("limit")

@@ -394,6 +394,28 @@ def test_a_master_whose_connect_timed_out_is_skipped_for_a_while(make_masters, m
                 lock(unique(), ttl=30, backend=alias).acquire(blocking=False)
 
 
+def test_a_stalled_tls_master_is_tried_again_by_the_next_round(make_masters):
+    """Review r145: redis-py reports a TLS handshake that timed out (a stalled
+    master: the kernel took the connection) as a connect that did, and such a master
+    was skipped for SKIP_AFTER_CONNECT_TIMEOUT after it went on: with another master
+    down, every lock failed for that second. TLS masters are never skipped."""
+    masters = make_masters(3, tls=range(3))
+    down, _, stalled = masters.servers
+    with alias_on(masters.urls, NODE_TIMEOUT=0.2) as alias:
+        with lock(unique(), ttl=30, backend=alias) as held:  # connected to all three
+            assert held.owned()
+        down.kill()
+        os.kill(stalled.process.pid, signal.SIGSTOP)
+        try:
+            for _ in range(2):  # its idle connection's read, then a new one's handshake
+                with pytest.raises(LockBackendError, match="TimeoutError"):
+                    lock(unique(), ttl=30, backend=alias).acquire(blocking=False)
+        finally:
+            os.kill(stalled.process.pid, signal.SIGCONT)
+        with lock(unique(), ttl=30, backend=alias) as held:
+            assert held.owned()
+
+
 def test_an_error_reply_is_not_a_confirmation(make_masters):
     """One node refuses writes (NOREPLICAS) while another is slow: the error is not
     counted among the confirmations, so release waits for the slow node's 1 and

@@ -486,6 +486,35 @@ def test_a_free_slot_costs_one_attempt_and_a_refused_one_queues_nowhere(alias, n
         sem.release()
 
 
+def test_slots_are_read_at_once_not_tried_one_by_one(alias, name, attempts, monkeypatch):
+    """Review r144: the first use of a semaphore read each slot in turn to check its
+    limit, and a refused acquire tried every other slot in turn: a round trip each
+    (with Redlock and a silent master, NODE_TIMEOUT each: a non-blocking acquire of
+    a full limit=10 took 10 s). Each reads all the slots at once, and only the free
+    ones are tried: on a full semaphore, the first attempt and the queue's."""
+    backend = locks[alias]
+    reads = []
+    real_get_many = backend.get_many
+    monkeypatch.setattr(
+        backend, "get_many", lambda names: reads.append(names) or real_get_many(names)
+    )
+    made = attempts(alias)
+    first = semaphore(name, 6, ttl=10, backend=alias)
+    assert first.acquire(blocking=False)
+    assert len(reads[0]) == 7, reads  # the limit's check: the 6 slots and one more
+    assert len(reads) == 2 and len(made) == 1, (reads, made)  # then the first look
+    held = [first, *(semaphore(name, 6, ttl=10, backend=alias) for _ in range(5))]
+    assert all(sem.acquire(blocking=False) for sem in held[1:])
+    reads.clear()
+    made.clear()
+    extra = semaphore(name, 6, ttl=10, backend=alias)
+    assert extra.acquire(blocking=False) is False
+    assert len(made) == 2, made
+    assert len(reads) == 1 and len(reads[0]) == 4, reads  # neither the first nor the queue's
+    for sem in held:
+        sem.release()
+
+
 def test_limit_one_queues_at_its_first_attempt_like_a_lock(alias, name, attempts):
     with semaphore(name, 1, ttl=10, backend=alias):
         pass

@@ -15,6 +15,7 @@ import gc
 import io
 import threading
 import uuid
+import warnings
 
 import pytest
 from django.conf import settings
@@ -211,6 +212,33 @@ def test_a_closed_loop_leaves_no_tls_connection_open(tls_alias, tls_server):
         gc.enable()
 
 
+def test_a_tls_connection_the_server_closed_leaves_no_warning(tls_alias, tls_server):
+    """Review r145: a loop's TLS connection that the server closed (CLIENT KILL, its
+    idle timeout) before the loop closed sits on no socket transport any more; it
+    was left as it was, and collected with an "unclosed Connection" warning."""
+    server = redis.Redis.from_url(tls_server.url)
+
+    async def use_then_lose_the_connection():
+        holder = lock(unique(), ttl=10, backend=tls_alias)
+        assert await holder.aacquire(blocking=False)
+        await holder.arelease()
+        server.client_kill_filter(skipme=True, _type="normal")  # every other client
+        await asyncio.sleep(0.1)  # the loop reads the end of the connection
+
+    gc.collect()  # what earlier tests left
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        asyncio.run(use_then_lose_the_connection())
+        asyncio.run(use_then_lose_the_connection())  # its first call sweeps the closed loop's
+        gc.collect()
+    unclosed = [
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, ResourceWarning) and "ssl.SSLSocket" not in str(w.message)
+    ]  # (sync sockets the CLIENT KILL closed under redis-py's sync pools are not ours)
+    assert unclosed == []
+
+
 def test_client_certificates(tls_server):
     """A server that requires client certificates (``--tls-auth-clients yes``):
     given in CONNECTION_KWARGS they work, sync and async; without them every call
@@ -275,11 +303,20 @@ def test_redlock_over_tls_and_mixed_sets(make_masters, plain):
             assert again.fencing_token > holder.fencing_token
 
 
-def test_redlock_refuses_connection_kwargs_redis_py_does_not_take(redlock_masters3):
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"ssl": True}, r"'badrl'.*Connection for 127.0.0.1:\d+ does not take.*'ssl'.*rediss://"),
+        ({"single_connection_client": True}, r"'badrl'.*single_connection_client is not for"),
+    ],
+)
+def test_redlock_refuses_connection_kwargs_it_cannot_use(redlock_masters3, kwargs, message):
     """Review r143 D3: ``CONNECTION_KWARGS={"ssl": True}`` (what ``redis.Redis``
-    takes, not its connections) failed every Redlock call with a TypeError. It is an
-    ImproperlyConfigured naming the alias, and pointing at rediss:// URLs."""
-    params = redlock_settings(redlock_masters3.urls, CONNECTION_KWARGS={"ssl": True})
+    takes, not its connections) failed every Redlock call with a TypeError; review
+    r145: ``single_connection_client`` with an AttributeError. Each is an
+    ImproperlyConfigured naming the alias (for ``ssl``, the master, and pointing at
+    rediss:// URLs)."""
+    params = redlock_settings(redlock_masters3.urls, CONNECTION_KWARGS=kwargs)
     with alias_with(params, alias="badrl") as alias:
-        with pytest.raises(ImproperlyConfigured, match=r"'badrl'.*'ssl'.*rediss://"):
+        with pytest.raises(ImproperlyConfigured, match=message):
             lock(unique(), backend=alias).acquire(blocking=False)

@@ -428,9 +428,11 @@ def check_connection_kwargs(alias, pool):
     an argument redis-py does not take (a misspelt ``socket_timout``, ``ssl=True``)
     is reported as ImproperlyConfigured naming ``alias``, rather than as a TypeError
     from every lock operation."""
+    kwargs = pool.connection_kwargs
     try:
-        pool.connection_class(**pool.connection_kwargs)
+        pool.connection_class(**kwargs)
     except TypeError as exc:
+        server = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
         hint = (
             " For TLS, use a rediss:// URL (its certificate settings as ssl_* arguments)."
             if "'ssl'" in str(exc)
@@ -438,7 +440,8 @@ def check_connection_kwargs(alias, pool):
         )
         raise ImproperlyConfigured(
             f"SETNX_LOCKS[{alias!r}]['OPTIONS']['CONNECTION_KWARGS'] (or the "
-            f"LOCATION URL's query) has an argument redis-py does not take: {exc}.{hint}"
+            f"LOCATION URL's query) has an argument redis-py's {pool.connection_class.__name__} "
+            f"for {server} does not take: {exc}.{hint}"
         ) from exc
 
 
@@ -455,9 +458,13 @@ def _close_sockets_of(client):
     for connection in connections:
         transport = getattr(getattr(connection, "_writer", None), "transport", None)
         # Over TLS the StreamWriter's transport is asyncio's SSL transport, which
-        # sits on the socket's transport (review r143: TLS sockets stayed open).
+        # sits on the socket's transport (review r143: TLS sockets stayed open); once
+        # the server closed the connection, it sits on none (review r145).
         ssl_protocol = getattr(transport, "_ssl_protocol", None)
-        socket_transport = getattr(ssl_protocol, "_transport", None) or transport
+        if ssl_protocol is None:
+            socket_transport = transport
+        else:
+            socket_transport = getattr(ssl_protocol, "_transport", None)
         sock = getattr(socket_transport, "_sock", None)
         if isinstance(sock, socket.socket):
             sock.close()
@@ -466,9 +473,11 @@ def _close_sockets_of(client):
             # ResourceWarning ("unclosed transport", "loop is closed").
             socket_transport._sock = None
             socket_transport._closing = True
-            if socket_transport is not transport:
-                transport._closed = True
-            connection._reader = connection._writer = None
+        elif not (ssl_protocol is not None and socket_transport is None):
+            continue  # another loop's transports: left to the garbage collector
+        if ssl_protocol is not None:
+            transport._closed = True
+        connection._reader = connection._writer = None
 
 
 class _AsyncConnection:

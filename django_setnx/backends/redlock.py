@@ -420,6 +420,14 @@ class _Node:
         self.marker_key = marker_key
         self.run_key = f"{marker_key}:run"  # P:__node__:run: not a lock key either
         self.max_ttl_ms = max_ttl_ms
+        if kwargs.get("single_connection_client"):
+            # redis-py would connect in the constructor, through _on_connect, with
+            # nothing of this node set up yet (review r145: an AttributeError).
+            raise ImproperlyConfigured(
+                f"SETNX_LOCKS[{alias!r}]['OPTIONS']['CONNECTION_KWARGS']: "
+                "single_connection_client is not for Redlock, which keeps its own "
+                "connections to each master; remove it."
+            )
         # The client parses the replies of _on_connect's checks; it never connects.
         self.client = redis.Redis.from_url(
             url, **{**kwargs, "redis_connect_func": self._on_connect}

@@ -81,11 +81,15 @@ READ_SIZE = 65536
 #: timed out (a host that drops packets: a partition, a firewall): a round connects
 #: to its servers one after another before it writes anything, and every round
 #: would otherwise wait a whole timeout for each such server (review r143). Rounds
-#: meanwhile count it as failed at once. A refused connection fails at once, and a
-#: server that took the connection but did not answer its handshake in time (stalled:
-#: it may go on at any moment) is tried again by the next round.
+#: meanwhile count it as failed at once; a round whose replies came on an idle
+#: connection to it ends the wait. A refused connection fails at once, and a server
+#: that took the connection but did not answer its handshake in time (stalled: it
+#: may go on at any moment) is tried again by the next round. Over TLS, redis-py
+#: reports a handshake that timed out as a connect that did (review r145), so TLS
+#: servers are never skipped.
 SKIP_AFTER_CONNECT_TIMEOUT = 1.0
-#: How redis-py words a TCP connect that timed out, before any handshake.
+#: How redis-py words a connect that timed out: the TCP connect, or over TLS the
+#: TCP connect or the TLS handshake.
 _CONNECT_TIMEOUT_MESSAGE = "Timeout connecting to server"
 
 #: What a failing server raises: redis-py's errors, and socket errors it lets through.
@@ -188,6 +192,7 @@ class Server:
         self._new_connection = new_connection
         self.scripts = scripts or {}
         self.on_late_error = on_late_error
+        self.tls = tls
         self.fast = hiredis is not None and not tls
         self._idle = []
         self._parked = []  # _Parked, oldest first: see park()
@@ -316,12 +321,14 @@ class Server:
         try:
             conn.connect()
         except redis.exceptions.TimeoutError as exc:
-            if str(exc) == _CONNECT_TIMEOUT_MESSAGE:
+            if not self.tls and str(exc) == _CONNECT_TIMEOUT_MESSAGE:
                 self._skip_until = time.monotonic() + SKIP_AFTER_CONNECT_TIMEOUT
             raise
         return _Link(conn, self.fast)
 
     def give_back(self, link):
+        """Keep ``link``, whose replies all came, for a later :meth:`take`."""
+        self._skip_until = 0.0  # it answers: new connections may be tried again
         self._idle.append(link)
 
     def park(self, parked):
