@@ -60,7 +60,7 @@ from .admin_views import (
 from .backends import paging
 from .backends.base import HELD, STALE, STATES
 from .conf import MAX_NAME_LENGTH
-from .display import isolated, marked_html, printable
+from .display import isolated, marked_html, printable, record_display_name
 from .exceptions import LockBackendError
 from .globs import compile_glob, escape, search_to_glob
 from .handler import locks
@@ -729,18 +729,18 @@ class LockRecordAdmin(admin.ModelAdmin):
                     user=request.user,
                     reason=f"force-released in the admin by {request.user.get_username()}",
                 )
-                released.append(f"{alias}: {isolated(name)}")
+                released.append(f"{alias}: {isolated(record_display_name(name))}")
             elif outcome.status == ReleaseOutcome.CHANGED:
                 changed.append(
                     _("%(alias)s: %(name)s (fencing token now %(token)s)")
                     % {
                         "alias": alias,
-                        "name": isolated(name),
+                        "name": isolated(record_display_name(name)),
                         "token": outcome.current.fencing_token,
                     }
                 )
             else:
-                gone.append(f"{alias}: {isolated(name)}")
+                gone.append(f"{alias}: {isolated(record_display_name(name))}")
         if released:
             messages.success(
                 request,

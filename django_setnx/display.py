@@ -13,6 +13,8 @@ import unicodedata
 from django.utils.html import escape, format_html
 from django.utils.safestring import mark_safe
 
+from .validation import split_slot
+
 #: Unicode categories never shown raw: controls (newline, ESC, ...), format
 #: characters (bidi overrides, isolates), line/paragraph separators and lone
 #: surrogates.
@@ -67,6 +69,14 @@ def marked_html(text):
         )
     out.append(escape("".join(run)))
     return mark_safe("".join(out))
+
+
+def record_display_name(record):
+    """A record's name as people read it, with no record at hand: a lock's name, or
+    ``"<semaphore> [slot i]"`` for a slot's (see ``LockInfo.display_name``, which
+    knows the limit too)."""
+    split = split_slot(record)
+    return record if split is None else f"{split[0]} [slot {split[1]}]"
 
 
 def isolated(text):

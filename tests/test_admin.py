@@ -1313,7 +1313,10 @@ def test_a_semaphore_is_one_heading_with_its_holders(alias, releaser, force_rele
         {"lock": confirm_value(alias, record.name, record.fencing_token), "post": "yes"},
         follow=True,
     )
-    assert "Force-released 1 lock" in response.content.decode()
+    # The message names the slot as people read it, not by its record (r144).
+    assert f"Force-released 1 lock: {alias}: \u2068{name} [slot {victim.slot}]\u2069." in (
+        response.content.decode()
+    )
     assert not victim.owned() and holders[0].owned() and holders[2].owned()
     assert LogEntry.objects.get().object_repr == f"{alias}: {name} [slot {victim.slot}/5]"
     assert [sent["name"] for sent in force_released] == [record.name]

@@ -20,7 +20,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.test import override_settings
 
-from django_setnx import lock, locks
+from django_setnx import lock, locks, semaphore
 from django_setnx.management.commands import clearlocks, listlocks
 
 HAS_REDIS_BACKEND = (
@@ -190,6 +190,15 @@ def test_clearlocks_dry_run_removes_nothing_and_lists(alias, name, monkeypatch):
     assert f"{alias}: would remove 3 locks (held and stale)" in out
     assert f"  would remove {name}:h1" in out
     assert remaining(alias) == {*stale, f"{name}:h1"}
+
+
+def test_clearlocks_lists_a_semaphore_slot_as_people_read_it(alias, name):
+    """Review r144: a slot's record was listed raw (``name\\x1f1``)."""
+    sem = semaphore(name, 2, ttl=30, backend=alias)
+    assert sem.acquire(blocking=False)
+    out, _ = run("clearlocks", "--backend", alias, "--dry-run", "--all")
+    assert f"  would remove {name} [slot {sem.slot}]" in out.splitlines()
+    sem.release()
 
 
 def test_clearlocks_verbosity(alias, name):

@@ -15,6 +15,7 @@ import math
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
+from django_setnx.display import record_display_name
 from django_setnx.exceptions import LockBackendError
 
 from ._common import (
@@ -166,7 +167,7 @@ class _Progress:
             prefix = "  would remove " if self.dry_run else "  removed "
             write = self.command.stdout.write
             for name in names:
-                write(prefix + escape(name))
+                write(prefix + escape(record_display_name(name)))
         before = self.seen
         self.seen += len(names)
         if self.verbosity >= 1 and self.seen // self.every > before // self.every:
