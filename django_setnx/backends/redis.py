@@ -473,8 +473,8 @@ def _close_sockets_of(client):
             # ResourceWarning ("unclosed transport", "loop is closed").
             socket_transport._sock = None
             socket_transport._closing = True
-        elif not (ssl_protocol is not None and socket_transport is None):
-            continue  # another loop's transports: left to the garbage collector
+        elif ssl_protocol is None or socket_transport is not None:
+            continue  # not the standard loop's transports (uvloop's): left to the GC
         if ssl_protocol is not None:
             transport._closed = True
         connection._reader = connection._writer = None
