@@ -27,7 +27,7 @@ import time
 from collections.abc import Generator, Sequence
 from typing import Any
 
-from .backends.base import LockInfo
+from .backends.base import AcquireResult, LockInfo
 from .conf import DEFAULT_LOCK_ALIAS, MAX_NAME_LENGTH
 from .exceptions import LockError
 from .locking import _ACQUIRE, _GET_MANY, FirstAttempt, Lock, Step, Steps, _CallClock, _remaining
@@ -165,17 +165,23 @@ class Semaphore(Lock):
             # Only the slots that are free (or whose holder's ttl ran out) are tried:
             # one read of all of them, not a refused attempt on each, which with
             # Redlock and a silent master cost a round each (review r144).
-            if len(others) > 1:
-                infos = yield _GET_MANY, others[:-1], None
-                for record in others[:-1]:
-                    info = infos.get(record)
-                    if info is not None and info.is_held:
-                        continue
-                    calls.tick()
-                    result = yield _ACQUIRE, record, 0
-                    if result.acquired:
-                        yield None, record, result
-                    self._contended(result, calls)
+            infos = yield _GET_MANY, others, None
+            for record in others[:-1]:
+                info = infos.get(record)
+                if info is not None and info.is_held:
+                    continue
+                calls.tick()
+                result = yield _ACQUIRE, record, 0
+                if result.acquired:
+                    yield None, record, result
+                self._contended(result, calls)
+            last = infos.get(order[-1])
+            if _remaining(deadline) == 0 and last is not None and last.is_held:
+                # No time left to queue on it (review r146): refused, as an attempt
+                # there would have been.
+                soonest = min(i.expires_in for i in infos.values() if i is not None and i.is_held)
+                self._contended(AcquireResult.lost(retry_after=soonest), calls)
+                yield None, None, None
             # Every other slot is taken: queue on the last one for a slice (a release
             # of it hands it over at once), then look at all of them again.
             left = _remaining(deadline)

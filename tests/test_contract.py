@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from django.conf import settings
 from django.contrib.auth.models import User
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
@@ -391,6 +392,37 @@ def test_many_waiting_coroutines_each_get_the_lock_in_turn(alias, name):
 
     errors = [outcome for outcome in asyncio.run(main()) if outcome is not None]
     assert errors == []
+
+
+def test_a_release_on_local_memory_wakes_one_waiting_coroutine(name):
+    """Review r146: a release on local memory woke every waiting coroutine, each of
+    which retried: a thousand waiters cost half a million attempts, and most timed
+    out on a lock held 1 ms at a time. One is woken per release, the one that waited
+    longest; woken and then cancelled, it passes the wake-up on."""
+    if "locmem" not in settings.SETNX_LOCKS:
+        pytest.skip("locmem is not in settings.TEST_BACKENDS")
+    holder = lock(name, ttl=30, backend="locmem")
+    assert holder.acquire()
+    taken = []
+
+    async def main():
+        async def waiter(i):
+            async with lock(name, ttl=30, timeout=20, backend="locmem"):
+                taken.append(i)
+                await asyncio.sleep(0.001)
+
+        waiters = [asyncio.ensure_future(waiter(0))]
+        await asyncio.sleep(0.1)  # the first in line
+        waiters += [asyncio.ensure_future(waiter(i)) for i in range(1, 1000)]
+        await asyncio.sleep(0.2)
+        holder.release()  # wakes the first in line, which is then cancelled before
+        waiters[0].cancel()  # it runs again: it must pass the wake-up on
+        return await asyncio.gather(*waiters, return_exceptions=True)
+
+    outcomes = asyncio.run(main())
+    assert isinstance(outcomes[0], asyncio.CancelledError)
+    assert [outcome for outcome in outcomes[1:] if outcome is not None] == []
+    assert sorted(taken) == list(range(1, 1000))
 
 
 # -- inspection and removal -------------------------------------------------------------

@@ -12,7 +12,7 @@ from django.core.exceptions import ImproperlyConfigured
 
 from django_setnx import lock, locked, locks, semaphore
 from django_setnx.exceptions import LockError, LockNotAcquired, LockNotOwned
-from django_setnx.semaphore import MAX_LIMIT, slot_record, split_slot
+from django_setnx.semaphore import MAX_LIMIT, _checked_limits, slot_record, split_slot
 from django_setnx.signals import lock_acquired, lock_contended, lock_released
 
 from . import workers
@@ -194,6 +194,12 @@ def test_signals_are_those_of_a_lock(alias, name):
         events.clear()
         assert extra.acquire(timeout=0.3) is False
         assert [sig for sig, _ in events] == [lock_contended]  # once per acquire
+        # Its first use in this process, non-blocking: the read of the slots finds
+        # them all held and no attempt is made; it is refused all the same.
+        _checked_limits.clear()
+        events.clear()
+        assert semaphore(name, 2, backend=alias).acquire(blocking=False) is False
+        assert [sig for sig, _ in events] == [lock_contended]
         holders[0].release()
         assert events[-1] == (lock_released, holders[0])
     finally:
@@ -491,7 +497,8 @@ def test_slots_are_read_at_once_not_tried_one_by_one(alias, name, attempts, monk
     limit, and a refused acquire tried every other slot in turn: a round trip each
     (with Redlock and a silent master, NODE_TIMEOUT each: a non-blocking acquire of
     a full limit=10 took 10 s). Each reads all the slots at once, and only the free
-    ones are tried: on a full semaphore, the first attempt and the queue's."""
+    ones are tried: on a full semaphore, a non-blocking acquire makes its first
+    attempt only (review r146: and one on the slot it would have queued on)."""
     backend = locks[alias]
     reads = []
     real_get_many = backend.get_many
@@ -509,8 +516,8 @@ def test_slots_are_read_at_once_not_tried_one_by_one(alias, name, attempts, monk
     made.clear()
     extra = semaphore(name, 6, ttl=10, backend=alias)
     assert extra.acquire(blocking=False) is False
-    assert len(made) == 2, made
-    assert len(reads) == 1 and len(reads[0]) == 4, reads  # neither the first nor the queue's
+    assert len(made) == 1, made  # the first; the read then showed the others all held
+    assert len(reads) == 1 and len(reads[0]) == 5, reads  # all but the first
     for sem in held:
         sem.release()
 

@@ -4,10 +4,12 @@ For tests and single-process development only: another process (a second runserv
 worker, a Celery worker) has its own memory and does not see these locks. Backends
 with the same ``LOCATION`` share their store, as Django's locmem cache does.
 Waiters are woken by a release: threads through a condition variable, coroutines
-through a future of their event loop (no thread per waiting coroutine).
+through a future of their event loop (no thread per waiting coroutine), the one that
+has waited longest on that name, which passes the wake-up on if it is cancelled.
 """
 
 import asyncio
+import collections
 import threading
 import time
 
@@ -23,9 +25,10 @@ class _Store:
     def __init__(self):
         self.records = {}  # name -> dict(token, owner JSON, acquired, expires, fencing)
         self._condition = PerProcess(threading.Condition)
-        # (event loop, future) of each waiting coroutine of this process: a forked
-        # child must not wake its parent's loops (their self-pipe is shared).
-        self._async_waiters = PerProcess(set)
+        # name -> deque of (event loop, future), one per waiting coroutine of this
+        # process, oldest first: a forked child must not wake its parent's loops
+        # (their self-pipe is shared).
+        self._async_waiters = PerProcess(dict)
         # The last fencing token minted: tokens are a hybrid clock (this process'
         # clock in µs, or the last token plus one if larger), so nothing per name
         # outlives its record and tokens still increase after a release.
@@ -45,17 +48,42 @@ class _Store:
         self.last_fencing = max(self.last_fencing + 1, time.time_ns() // 1000)
         return self.last_fencing
 
-    def wake_all(self):
-        """Wake every waiter of this process, threads and coroutines (called holding
-        the condition): each retries its acquire."""
+    def wake(self, name):
+        """``name`` is free: wake its waiters (called holding the condition). Every
+        waiting thread retries its acquire, and the coroutine that has waited longest
+        on ``name``: waking them all would have each retry on every release, and a
+        thousand waiters cost a million attempts (review r146)."""
         self.condition.notify_all()
+        self.wake_coroutine(name)
+
+    def wake_coroutine(self, name):
+        """Wake the coroutine that has waited longest on ``name``, if any (called
+        holding the condition)."""
         waiters = self.async_waiters
-        for loop, future in waiters:
+        queue = waiters.get(name)
+        while queue:
+            loop, future = queue.popleft()
             try:
                 loop.call_soon_threadsafe(_resolve, future)
+                break
             except RuntimeError:  # its loop is closed: nobody waits there any more
-                pass
-        waiters.clear()
+                continue
+        if queue is not None and not queue:
+            del waiters[name]
+
+    def stop_waiting(self, name, entry):
+        """Take ``entry`` (a coroutine's ``(loop, future)``) out of ``name``'s queue
+        (called holding the condition). Returns False if it was not there any more:
+        a wake-up came for it, or is on its way."""
+        waiters = self.async_waiters
+        queue = waiters.get(name)
+        try:
+            queue.remove(entry)
+        except (AttributeError, ValueError):  # no queue; not in it
+            return False
+        if not queue:
+            del waiters[name]
+        return True
 
 
 def _resolve(future):
@@ -115,7 +143,7 @@ class LocMemBackend(BaseLockBackend):
             if record is None or record["token"] != token:
                 return False
             del store.records[name]
-            store.wake_all()
+            store.wake(name)
             return True
 
     def extend(self, name, token, ttl):
@@ -156,7 +184,7 @@ class LocMemBackend(BaseLockBackend):
             if fencing_token is not None and info.fencing_token != fencing_token:
                 return None
             del self._store.records[name]
-            self._store.wake_all()
+            self._store.wake(name)
             return info
 
     def clear(
@@ -176,9 +204,8 @@ class LocMemBackend(BaseLockBackend):
                     continue
                 if not dry_run:
                     del self._store.records[info.name]
+                    self._store.wake(info.name)
                 result.names.append(info.name)
-            if result.names and not dry_run:
-                self._store.wake_all()
         if progress is not None and result.names:
             progress(list(result.names))
         return result
@@ -203,20 +230,26 @@ class LocMemBackend(BaseLockBackend):
         return None
 
     async def await_release(self, name, *, token, attempt, max_wait, retry_after):
-        """Async twin of :meth:`wait`, in the event loop: a future the next release
-        resolves (review r144: the wait ran in the loop's default executor, whose few
-        threads the waiters then filled, and the holders' releases queued behind
-        them). Returns None: the caller retries."""
+        """Async twin of :meth:`wait`, in the event loop: a future that a release of
+        ``name`` resolves, the longest-waiting coroutine's first (review r144: the
+        wait ran in the loop's default executor, whose few threads the waiters then
+        filled, and the holders' releases queued behind them). Returns None: the
+        caller retries, and its release wakes the next; cancelled once woken, it
+        wakes the next itself."""
         loop = asyncio.get_running_loop()
-        woken = loop.create_future()
+        entry = (loop, loop.create_future())
         store = self._store
         with store.condition:
             if not self._is_held(name):
                 return None
-            store.async_waiters.add((loop, woken))
+            store.async_waiters.setdefault(name, collections.deque()).append(entry)
         try:
-            await asyncio.wait((woken,), timeout=self._wait_timeout(max_wait, retry_after))
-        finally:
+            await asyncio.wait((entry[1],), timeout=self._wait_timeout(max_wait, retry_after))
+        except BaseException:  # cancelled: the wake-up it took is not lost
             with store.condition:
-                store.async_waiters.discard((loop, woken))
+                if not store.stop_waiting(name, entry):
+                    store.wake_coroutine(name)
+            raise
+        with store.condition:
+            store.stop_waiting(name, entry)
         return None

@@ -445,6 +445,9 @@ def check_connection_kwargs(alias, pool):
         ) from exc
 
 
+_MISSING = object()
+
+
 def _close_sockets_of(client):
     """Close the sockets of an asyncio client whose event loop is closed: its
     transports cannot close them any more (that would schedule a callback on the
@@ -465,7 +468,7 @@ def _close_sockets_of(client):
             socket_transport = transport
         else:
             socket_transport = getattr(ssl_protocol, "_transport", None)
-        sock = getattr(socket_transport, "_sock", None)
+        sock = getattr(socket_transport, "_sock", _MISSING)
         if isinstance(sock, socket.socket):
             sock.close()
             # What transport.close() would have recorded, had the loop been open:
@@ -473,8 +476,9 @@ def _close_sockets_of(client):
             # ResourceWarning ("unclosed transport", "loop is closed").
             socket_transport._sock = None
             socket_transport._closing = True
-        elif ssl_protocol is None or socket_transport is not None:
+        elif sock is _MISSING and socket_transport is not None:
             continue  # not the standard loop's transports (uvloop's): left to the GC
+        # else closed already (the server closed it): only let go of it
         if ssl_protocol is not None:
             transport._closed = True
         connection._reader = connection._writer = None
