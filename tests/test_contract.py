@@ -5,6 +5,7 @@ PostgreSQL, MariaDB/MySQL, Redis and local memory, all real.
 """
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import sys
@@ -423,6 +424,52 @@ def test_a_release_on_local_memory_wakes_one_waiting_coroutine(name):
     assert isinstance(outcomes[0], asyncio.CancelledError)
     assert [outcome for outcome in outcomes[1:] if outcome is not None] == []
     assert sorted(taken) == list(range(1, 1000))
+
+
+def test_a_woken_coroutine_cancelled_as_it_retries_leaves_the_lock_to_the_next(name):
+    """Review r147: a coroutine woken by a release on local memory retried in an
+    executor thread; cancelled while its retry waited for a thread (the app's other
+    sync_to_async calls kept them busy), the retry never ran and the wake-up was
+    lost: the next waiter slept out its timeout while the lock was free."""
+    if "locmem" not in settings.SETNX_LOCKS:
+        pytest.skip("locmem is not in settings.TEST_BACKENDS")
+    holder = lock(name, ttl=30, backend="locmem")
+    assert holder.acquire()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(2))
+
+        async def waiter():
+            lk = lock(name, ttl=30, timeout=5, backend="locmem")
+            if not await lk.aacquire():
+                return None
+            got_it = time.monotonic() - released_at
+            try:
+                await asyncio.sleep(0.2)
+            finally:
+                await lk.arelease()
+            return got_it
+
+        first = asyncio.ensure_future(waiter())
+        await asyncio.sleep(0.1)  # first in line
+        second = asyncio.ensure_future(waiter())
+        await asyncio.sleep(0.1)
+        busy = [loop.run_in_executor(None, time.sleep, 0.5) for _ in range(2)]
+        nonlocal released_at
+        released_at = time.monotonic()
+        holder.release()  # wakes the first
+        await asyncio.sleep(0.05)  # it runs again: its retry
+        first.cancel()
+        outcomes = await asyncio.gather(first, second, *busy, return_exceptions=True)
+        return outcomes[:2]
+
+    released_at = 0.0
+    first, second = asyncio.run(main())
+    assert isinstance(first, asyncio.CancelledError)
+    # Woken by the first's release (or handed the wake-up), not at its 5 s deadline,
+    # when its wait ends with one more attempt.
+    assert second is not None and second < 2.5, second
 
 
 # -- inspection and removal -------------------------------------------------------------

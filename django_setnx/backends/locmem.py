@@ -229,6 +229,13 @@ class LocMemBackend(BaseLockBackend):
                 self._store.condition.wait(self._wait_timeout(max_wait, retry_after))
         return None
 
+    async def aacquire(self, name, token, ttl, owner, wait=0.0):
+        """Async twin of :meth:`acquire`, in the event loop: a dict operation under a
+        lock. Not in an executor thread: a woken waiter's retry cancelled before a
+        thread took it up never ran, and the wake-up it had been given was lost
+        (review r147)."""
+        return self.acquire(name, token, ttl, owner, wait)
+
     async def await_release(self, name, *, token, attempt, max_wait, retry_after):
         """Async twin of :meth:`wait`, in the event loop: a future that a release of
         ``name`` resolves, the longest-waiting coroutine's first (review r144: the
