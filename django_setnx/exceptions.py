@@ -46,8 +46,9 @@ class LockNotAcquired(LockError):
 class LockNotOwned(LockError):
     """Release or extend of a lock this Lock object no longer holds.
 
-    Raised when the lock was never acquired, was already released, or expired and
-    was taken over by another owner (its token no longer matches).
+    Raised when the lock was never acquired, was already released, or is no longer
+    this object's: it expired (and maybe passed to another owner) or was
+    force-released (its token no longer matches).
     """
 
     def __init__(self, name: str, message: str | None = None) -> None:

@@ -574,8 +574,8 @@ class Lock:
     def _lost_error(self, action: str) -> LockNotOwned:
         return LockNotOwned(
             self.name,
-            f"Cannot {action} lock {self.name!r}: it was lost (expired and taken over, "
-            f"or not renewed in time).",
+            f"Cannot {action} lock {self.name!r}: it was lost (expired, taken over or "
+            f"force-released, or not renewed in time).",
         )
 
     # Marked lost by our own clock, the record may still carry our token (a late
@@ -611,8 +611,9 @@ class Lock:
             self._mark_lost()
             raise LockNotOwned(
                 self.name,
-                f"Lock {self.name!r} expired and was taken over by another owner before "
-                f"release; the new holder keeps it.",
+                f"Lock {self.name!r} was no longer held by this object at release: it "
+                f"expired (another owner may hold it now) or was force-released (admin, "
+                f"clearlocks, a dead owner's cleanup). Nothing was released.",
             )
         logger.debug("Released lock %r", self.name)
         signals.lock_released.send(sender=Lock, lock=self)
@@ -738,7 +739,9 @@ class Lock:
         if not extended:
             self._mark_lost()
             raise LockNotOwned(
-                self.name, f"Cannot extend lock {self.name!r}: it expired and was taken over."
+                self.name,
+                f"Cannot extend lock {self.name!r}: it is no longer held by this object "
+                f"(it expired, was taken over or was force-released).",
             )
 
     def extend(self, ttl: float | None = None) -> None:

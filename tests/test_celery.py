@@ -55,6 +55,11 @@ eager_app.conf.update(
 eager_app.finalize()
 
 
+#: What a worker logs when a task finds one of its locks lost: the once lock's warning
+#: (ExclusiveTask) and a release's LockNotOwned (Lock.release).
+LOST_LOCK_MESSAGES = ("expired and was taken over", "was no longer held by this object")
+
+
 def eager_task(**options):
     """Define a one-off eager task (unique name) with ExclusiveTask as its base."""
     options.setdefault("base", ExclusiveTask)
@@ -267,12 +272,18 @@ def test_a_run_delivered_again_tries_again_when_the_cleanup_frees_its_lock_as_it
     run.release()
 
 
-def test_bad_lock_limits_fail_at_definition():
-    for limit, message in ((0, "from 1 to 1000, got 0"), ("2", "not str")):
-        with pytest.raises(ImproperlyConfigured, match=message):
+def test_bad_lock_limits_and_timeouts_fail_at_definition_naming_task_and_attribute():
+    cases = (
+        ({"lock_limit": 0}, "lock_limit: Semaphore limit must be from 1 to 1000, got 0"),
+        ({"lock_limit": "2"}, "lock_limit: Semaphore limit must be an int, not str"),
+        ({"lock_timeout": -1}, "lock_timeout: timeout must be None or >= 0 seconds, got -1"),
+    )
+    for options, message in cases:
+        task_name = f"tasks.badly_set.{uuid.uuid4().hex}"
+        with pytest.raises(ImproperlyConfigured, match=rf"^task {task_name}: {message}"):
 
-            @eager_task(lock_name="x", lock_limit=limit)
-            def job():
+            @eager_task(name=task_name, lock_name="x", **options)
+            def badly_set():
                 pass
 
 
@@ -1097,7 +1108,8 @@ def test_sigkill_mid_task_locks_expire_after_ttl(
         assert get(victim, workers) == "victim"
         ((_, _, rec),) = runs(log)
         assert rec["pid"] == victim_worker.pid and rec["task_id"] == victim.id
-        assert "expired and was taken over" not in victim_worker.log_tail(20000)
+        tail = victim_worker.log_tail(20000)
+        assert not any(lost in tail for lost in LOST_LOCK_MESSAGES), tail
     assert backend.get(run_name) is None
     assert backend.get(once_name) is None
     assert lock(run_name, backend=worker_alias).acquire(blocking=False)
@@ -1328,7 +1340,8 @@ def test_a_lost_run_sent_again_later_keeps_its_once_lock_until_it_is_due(
     )
     wait_until(lambda: not held(worker_alias, once_name), 5, "its once lock's release")
     assert not started(log, "duplicate")
-    assert "expired and was taken over" not in prefork_worker.log_tail(40000)
+    tail = prefork_worker.log_tail(40000)
+    assert not any(lost in tail for lost in LOST_LOCK_MESSAGES), tail
 
 
 def test_a_revoke_that_does_not_kill_leaves_the_run_its_locks(

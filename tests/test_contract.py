@@ -138,13 +138,26 @@ def test_expired_lock_is_stale_and_taken_over(alias, name):
     new = lock(name, ttl=10, backend=alias)
     assert new.acquire(blocking=False), "a stale lock must never block an acquire"
     assert new.fencing_token > old.fencing_token
-    with pytest.raises(LockNotOwned, match="taken over"):
+    with pytest.raises(LockNotOwned, match="no longer held by this object at release"):
         old.release()
     assert new.owned(), "the old holder's release must not touch the new holder's lock"
     with pytest.raises(LockNotOwned):
         old.extend()
     assert new.owned()
     new.release()
+
+
+def test_release_and_extend_after_a_force_release_say_it_may_have_been_one(alias, name):
+    # Review r144: the holder's release once said "expired and was taken over by
+    # another owner", false after an admin or clearlocks force-release.
+    for action in ("release", "extend"):
+        lk = lock(name, ttl=30, backend=alias)
+        assert lk.acquire(blocking=False)
+        assert locks[alias].delete(name) is not None  # what the admin's release does
+        with pytest.raises(LockNotOwned, match="force-released") as raised:
+            getattr(lk, action)()
+        assert "expired" in str(raised.value)
+        assert lk.info() is None and not lk.locked()
 
 
 def test_expired_but_not_taken_over_is_still_ours(alias, name):

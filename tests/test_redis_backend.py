@@ -665,6 +665,55 @@ def test_check_params_errors(params, expected):
     assert "SETNX_LOCKS['x']" in errors[0].msg
 
 
+REDLOCK = "django_setnx.backends.redlock.RedlockBackend"
+MASTERS = [f"redis://127.0.0.1:{port}/0" for port in (1, 2, 3)]
+
+
+@pytest.mark.parametrize(
+    "backend_path, location, kwargs, expected",
+    [
+        (BACKEND, "redis://h/0", {"socket_timout": 1}, "E018"),
+        (BACKEND, "redis://h/0?socket_timout=1", {}, "E018"),  # what the first lock meets
+        (BACKEND, "redis://h/0", {"ssl": True}, "E018"),
+        (BACKEND, "rediss://h/0", {"ssl_cert_reqs": "sometimes"}, "E018"),
+        (BACKEND, "unix:///tmp/r.sock", {"socket_keepalive": True, "host": "x"}, "E018"),
+        (BACKEND, "redis://h/0", {"socket_timeout": 2, "health_check_interval": 30}, None),
+        (BACKEND, "rediss://h/0", {"ssl_cert_reqs": "required", "ssl_ca_certs": "/x"}, None),
+        (REDLOCK, MASTERS, {"socket_timout": 1}, "E037"),
+        (REDLOCK, MASTERS, {"single_connection_client": True}, "E037"),
+        (REDLOCK, MASTERS, {"socket_timeout": 2}, None),
+    ],
+)
+def test_the_checks_report_connection_kwargs_redis_py_does_not_take(
+    backend_path, location, kwargs, expected
+):
+    """Review r145 N8: a misspelt CONNECTION_KWARGS passed ``manage.py check`` and
+    failed the first lock. The check builds a connection object, which does no I/O
+    (the hosts here do not exist)."""
+    from django.utils.module_loading import import_string
+
+    params = {"BACKEND": backend_path, "LOCATION": location}
+    params["OPTIONS"] = {"CONNECTION_KWARGS": kwargs}
+    errors = import_string(backend_path).check_params("x", params)
+    if expected is None:
+        assert errors == []
+        return
+    assert {e.id for e in errors} == {f"django_setnx.{expected}"}, errors
+    assert all("SETNX_LOCKS['x']['OPTIONS']['CONNECTION_KWARGS']" in e.msg for e in errors)
+    # The message names the argument, or the value refused.
+    named = next(iter(kwargs.items()), ("socket_timout", None))
+    assert all(any(str(part) in e.msg for part in named) for e in errors), errors
+
+
+def test_a_client_class_takes_its_own_connection_kwargs_unchecked():
+    params = {
+        "BACKEND": BACKEND,
+        "LOCATION": "redis://h/0",
+        "OPTIONS": {"CLIENT_CLASS": "redis.Redis.from_url", "CONNECTION_KWARGS": {"x": 1}},
+    }
+    assert RedisBackend.check_params("x", params) == []
+
+
 @pytest.mark.parametrize(
     "backend_path, location",
     [

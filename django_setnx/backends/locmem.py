@@ -233,7 +233,9 @@ class LocMemBackend(BaseLockBackend):
         """Async twin of :meth:`acquire`, in the event loop: a dict operation under a
         lock. Not in an executor thread: a woken waiter's retry cancelled before a
         thread took it up never ran, and the wake-up it had been given was lost
-        (review r147)."""
+        (review r147). The price: while another thread holds the store's lock for a
+        ``list()`` or ``clear()`` of a very large store (0.6 s for 100,000 records),
+        the event loop waits for it too (review r148)."""
         return self.acquire(name, token, ttl, owner, wait)
 
     async def await_release(self, name, *, token, attempt, max_wait, retry_after):

@@ -946,21 +946,49 @@ def _max_block(socket_timeout):
     return MAX_BLOCK if not socket_timeout else min(MAX_BLOCK, socket_timeout * BLOCK_SHARE)
 
 
-def check_client_options(options, where, error, *, kwargs_id, eviction_id):
+def check_client_options(options, where, error, *, kwargs_id, eviction_id, alias, urls=()):
     """The system checks of the options the Redis and Redlock backends share:
-    ``error(id, message)`` for a CONNECTION_KWARGS that is not a dict, or an
-    ALLOW_EVICTION that is not a bool."""
+    ``error(id, message)`` for a CONNECTION_KWARGS that is not a dict, or that,
+    with one of ``urls`` (the servers a plain redis-py client is made for), has an
+    argument redis-py's connection does not take; or an ALLOW_EVICTION that is not
+    a bool."""
     kwargs = options.get("CONNECTION_KWARGS")
     if kwargs is not None and not isinstance(kwargs, dict):
         error(
             kwargs_id, f"{where}['OPTIONS']['CONNECTION_KWARGS'] must be a dict, got {kwargs!r}."
         )
+    elif redis is not None:
+        for url in urls:
+            problem = _connection_kwargs_problem(alias, url, kwargs or {})
+            if problem is not None:
+                error(kwargs_id, problem)
     allow = options.get(ALLOW_EVICTION_OPTION, False)
     if not isinstance(allow, bool):
         error(
             eviction_id,
             f"{where}['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] must be True or False, got {allow!r}.",
         )
+
+
+def _connection_kwargs_problem(alias, url, kwargs):
+    """What the first lock operation would report about ``kwargs`` for the server of
+    ``url`` (see :func:`check_connection_kwargs`), or None. Builds a pool and one
+    connection object, as redis-py's ``Redis.from_url`` does: no I/O. A URL redis-py
+    cannot read is left to the LOCATION checks."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "single_connection_client"}
+    try:
+        pool = redis.ConnectionPool.from_url(url, **kwargs)
+    except ValueError:
+        return None
+    except (TypeError, redis.exceptions.RedisError) as exc:
+        return f"SETNX_LOCKS[{alias!r}]['OPTIONS']['CONNECTION_KWARGS']: {exc}"
+    try:
+        check_connection_kwargs(alias, pool)
+    except ImproperlyConfigured as exc:
+        return str(exc)
+    except (ValueError, redis.exceptions.RedisError) as exc:  # a value it refuses
+        return f"SETNX_LOCKS[{alias!r}]['OPTIONS']['CONNECTION_KWARGS']: {exc}"
+    return None
 
 
 def require_redis_py(alias, backend_label):
@@ -1210,7 +1238,14 @@ class RedisBackend(BaseLockBackend):
                         "E017",
                         f"{where}['OPTIONS']['CLIENT_CLASS'] {client_class!r} is not callable.",
                     )
-        check_client_options(options, where, error, kwargs_id="E018", eviction_id="E019")
+        # A URL is checked with CONNECTION_KWARGS only when the client is redis-py's
+        # own (a CLIENT_CLASS may take other arguments) and LOCATION was readable.
+        urls = [location] if isinstance(location, str) and location and not client_class else []
+        if any(e.id == "django_setnx.E011" for e in errors):
+            urls = []
+        check_client_options(
+            options, where, error, kwargs_id="E018", eviction_id="E019", alias=alias, urls=urls
+        )
         return errors
 
     # -- connection ---------------------------------------------------------------

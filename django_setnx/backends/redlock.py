@@ -715,7 +715,17 @@ class RedlockBackend(BaseLockBackend):
                 f"{where}['TTL'] = {ttl!r} s is above OPTIONS['MAX_TTL'] = {max_ttl!r} s.",
                 hint="MAX_TTL bounds every ttl and is how long a restarted node sits out.",
             )
-        check_client_options(options, where, error, kwargs_id="E037", eviction_id="E039")
+        kwargs = options.get("CONNECTION_KWARGS")
+        if isinstance(kwargs, dict) and kwargs.get("single_connection_client"):
+            error(
+                "E037",
+                f"{where}['OPTIONS']['CONNECTION_KWARGS']: single_connection_client is not "
+                f"for Redlock, which keeps its own connections to each master; remove it.",
+            )
+        urls = location if not any(e.id == "django_setnx.E031" for e in errors) else []
+        check_client_options(
+            options, where, error, kwargs_id="E037", eviction_id="E039", alias=alias, urls=urls
+        )
         return errors
 
     # -- connections --------------------------------------------------------------

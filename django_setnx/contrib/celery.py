@@ -318,6 +318,18 @@ def _delay_seconds(
     return 0.0
 
 
+def _validate_attribute(
+    where: str, attribute: str, validate: Callable[[Any], Any], value: Any
+) -> None:
+    """Run ``validate(value)``; its TypeError/ValueError (whose message names neither
+    the task nor the attribute: "timeout must be...") becomes an ImproperlyConfigured
+    that names both."""
+    try:
+        validate(value)
+    except (TypeError, ValueError) as exc:
+        raise ImproperlyConfigured(f"{where}: {attribute}: {exc}") from exc
+
+
 def _find_run(cls: type) -> Callable[..., Any] | None:
     """The task's body function as a bound-looking callable (first param dropped when
     it is a method), or None while ``run`` is still Celery's abstract one."""
@@ -441,9 +453,9 @@ class ExclusiveTaskMixin:
             if cls.lock_ttl is not None:
                 validate_ttl(cls.lock_ttl, what=f"{where}: lock_ttl")
             validate_ttl(cls.once_ttl, what=f"{where}: once_ttl")
-            validate_timeout(cls.lock_timeout)
+            _validate_attribute(where, "lock_timeout", validate_timeout, cls.lock_timeout)
             if cls.lock_limit is not None:
-                validate_limit(cls.lock_limit)
+                _validate_attribute(where, "lock_limit", validate_limit, cls.lock_limit)
             if cls.lock_retry_countdown is not None and cls.lock_retry_countdown < 0:
                 raise ValueError(
                     f"{where}: lock_retry_countdown must be >= 0, got "
