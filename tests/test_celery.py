@@ -56,8 +56,9 @@ eager_app.finalize()
 
 
 #: What a worker logs when a task finds one of its locks lost: the once lock's warning
-#: (ExclusiveTask) and a release's LockNotOwned (Lock.release).
-LOST_LOCK_MESSAGES = ("expired and was taken over", "was no longer held by this object")
+#: (ExclusiveTask), LockNotOwned from release() or extend() of a lock no longer held,
+#: or from any call on one marked lost, and the lock_lost warning (Lock).
+LOST_LOCK_MESSAGES = ("expired and was taken over", "no longer held by this object", "was lost")
 
 
 def eager_task(**options):

@@ -678,8 +678,16 @@ MASTERS = [f"redis://127.0.0.1:{port}/0" for port in (1, 2, 3)]
         (BACKEND, "rediss://h/0", {"ssl_cert_reqs": "sometimes"}, "E018"),
         (BACKEND, "unix:///tmp/r.sock", {"socket_keepalive": True, "host": "x"}, "E018"),
         (BACKEND, "redis://h/0", {"socket_timeout": 2, "health_check_interval": 30}, None),
-        (BACKEND, "rediss://h/0", {"ssl_cert_reqs": "required", "ssl_ca_certs": "/x"}, None),
+        (BACKEND, "rediss://h/0", {"ssl_cert_reqs": "required", "ssl_ca_certs": __file__}, None),
+        # Review r149: values refused by the pool, not the URL (D2); errors other than
+        # TypeError/ValueError (D3); TLS files that are not there (D4); no port (D6).
+        (BACKEND, "redis://h/0", {"max_connections": "20"}, "E018"),
+        (BACKEND, "redis://h/0", {"connection_class": "redis.connection.SSLConnection"}, "E018"),
+        (BACKEND, "redis://h/0", {"maint_notifications_config": {"enabled": False}}, "E018"),
+        (BACKEND, "rediss://h/0", {"ssl_ca_certs": "/nonexistent/ca.pem"}, "E018"),
+        (BACKEND, "rediss://h/0?ssl_ca_certs=/nonexistent/ca.pem", {}, "E018"),
         (REDLOCK, MASTERS, {"socket_timout": 1}, "E037"),
+        (REDLOCK, MASTERS, {"max_connections": -1}, "E037"),
         (REDLOCK, MASTERS, {"single_connection_client": True}, "E037"),
         (REDLOCK, MASTERS, {"socket_timeout": 2}, None),
     ],
@@ -698,10 +706,10 @@ def test_the_checks_report_connection_kwargs_redis_py_does_not_take(
     if expected is None:
         assert errors == []
         return
-    assert {e.id for e in errors} == {f"django_setnx.{expected}"}, errors
+    assert [e.id for e in errors] == [f"django_setnx.{expected}"], errors  # once per alias
     assert all("SETNX_LOCKS['x']['OPTIONS']['CONNECTION_KWARGS']" in e.msg for e in errors)
     # The message names the argument, or the value refused.
-    named = next(iter(kwargs.items()), ("socket_timout", None))
+    named = next(iter(kwargs.items()), ("socket_timout", "/nonexistent/ca.pem"))
     assert all(any(str(part) in e.msg for part in named) for e in errors), errors
 
 
@@ -709,9 +717,45 @@ def test_a_client_class_takes_its_own_connection_kwargs_unchecked():
     params = {
         "BACKEND": BACKEND,
         "LOCATION": "redis://h/0",
-        "OPTIONS": {"CLIENT_CLASS": "redis.Redis.from_url", "CONNECTION_KWARGS": {"x": 1}},
+        "OPTIONS": {"CLIENT_CLASS": "redis.StrictRedis.from_url", "CONNECTION_KWARGS": {"x": 1}},
     }
     assert RedisBackend.check_params("x", params) == []
+    # The default, set explicitly, is redis-py's own client: checked (review r149 D7).
+    params["OPTIONS"]["CLIENT_CLASS"] = "redis.Redis.from_url"
+    assert [e.id for e in RedisBackend.check_params("x", params)] == ["django_setnx.E018"]
+    params["LOCATION"] = "http://h/0"
+    assert [e.id for e in RedisBackend.check_params("x", params)] == ["django_setnx.E011"]
+
+
+def test_a_connection_without_a_port_is_named_with_redis_default_port():
+    params = {
+        "BACKEND": BACKEND,
+        "LOCATION": "redis://cache.internal/0",
+        "OPTIONS": {"CONNECTION_KWARGS": {"socket_timout": 1}},
+    }
+    (error,) = RedisBackend.check_params("x", params)
+    assert "Connection for cache.internal:6379 refuses its arguments" in error.msg
+
+
+@pytest.mark.parametrize("backend_path", [BACKEND, REDLOCK])
+def test_a_master_url_redis_py_cannot_read_is_reported_and_never_quoted(backend_path):
+    """Review r149 D1: a Redlock master whose password holds an unencoded "#" passed
+    the checks, and its first lock raised redis-py's ValueError, which quotes the
+    part of the password before the "#" as the port."""
+    from django.utils.module_loading import import_string
+
+    bad = "redis://:Xy7#kLm@127.0.0.1:7401/0"
+    location = bad if backend_path == BACKEND else [bad, *MASTERS[1:]]
+    params = {"BACKEND": backend_path, "LOCATION": location}
+    cls = import_string(backend_path)
+    errors = cls.check_params("x", params)
+    expected = "E011" if backend_path == BACKEND else "E031"
+    assert [e.id for e in errors] == [f"django_setnx.{expected}"], errors
+    assert "Xy7" not in errors[0].msg and "kLm" not in errors[0].msg
+    with pytest.raises(ImproperlyConfigured, match="is not a Redis URL") as refused:
+        backend = cls("x", params)
+        backend.get("anything")  # the first operation makes the clients
+    assert "Xy7" not in str(refused.value) and "kLm" not in str(refused.value)
 
 
 @pytest.mark.parametrize(

@@ -306,7 +306,10 @@ def test_redlock_over_tls_and_mixed_sets(make_masters, plain):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"ssl": True}, r"'badrl'.*Connection for 127.0.0.1:\d+ does not take.*'ssl'.*rediss://"),
+        (
+            {"ssl": True},
+            r"'badrl'.*Connection for 127.0.0.1:\d+ refuses its arguments.*'ssl'.*rediss://",
+        ),
         ({"single_connection_client": True}, r"'badrl'.*single_connection_client is not for"),
     ],
 )

@@ -432,17 +432,82 @@ def check_connection_kwargs(alias, pool):
     try:
         pool.connection_class(**kwargs)
     except TypeError as exc:
-        server = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port')}"
         hint = (
             " For TLS, use a rediss:// URL (its certificate settings as ssl_* arguments)."
             if "'ssl'" in str(exc)
             else ""
         )
         raise ImproperlyConfigured(
-            f"SETNX_LOCKS[{alias!r}]['OPTIONS']['CONNECTION_KWARGS'] (or the "
-            f"LOCATION URL's query) has an argument redis-py's {pool.connection_class.__name__} "
-            f"for {server} does not take: {exc}.{hint}"
+            f"{_kwargs_setting(alias)} (or the LOCATION URL's query): redis-py's "
+            f"{_connection_label(pool)} refuses its arguments: {exc}.{hint}"
         ) from exc
+
+
+def require_readable_url(url, where):
+    """Raise ImproperlyConfigured naming ``where`` unless redis-py can read ``url``:
+    neither the URL nor redis-py's message, which quotes the "port" (review r129: a
+    password with a "/" or "#" is read as one), only as the cause."""
+    from redis.connection import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{where} is not a Redis URL {UNREADABLE_URL}") from exc
+
+
+def _kwargs_setting(alias):
+    return f"SETNX_LOCKS[{alias!r}]['OPTIONS']['CONNECTION_KWARGS']"
+
+
+def _connection_label(pool):
+    """``Connection for host:port`` (or the socket's path), as the messages name it."""
+    kwargs = pool.connection_kwargs
+    server = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port') or 6379}"
+    cls = pool.connection_class
+    return f"{getattr(cls, '__name__', repr(cls))} for {server}"
+
+
+#: The files a TLS connection reads when it connects: checked to exist beforehand
+#: (a missing one is otherwise reported by every lock operation as a connection
+#: error, "No such file or directory", as if the server were unreachable).
+SSL_FILE_ARGUMENTS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile")
+
+
+def _connection_kwargs_problem(alias, url, kwargs):
+    """What the first lock operation would report about ``kwargs`` for the server of
+    ``url`` (see :func:`check_connection_kwargs`), or None. Builds a pool and one
+    connection object, as redis-py's ``Redis.from_url`` does, and looks for the TLS
+    files it names: no network I/O. A URL redis-py cannot read is the LOCATION
+    checks' to report."""
+    from redis.connection import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError:
+        return None
+    kwargs = {k: v for k, v in kwargs.items() if k != "single_connection_client"}
+    try:
+        pool = redis.ConnectionPool.from_url(url, **kwargs)
+        check_connection_kwargs(alias, pool)
+    except ImproperlyConfigured as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the first lock meets it too
+        # redis-py's message may not say which argument (an AttributeError from deep
+        # inside, say): the ones given are listed.
+        given = ", ".join(map(str, sorted(kwargs))) or "none given"
+        return (
+            f"{_kwargs_setting(alias)} ({given}; or the LOCATION URL's query): redis-py "
+            f"refuses it: {type(exc).__name__}: {exc}"
+        )
+    for argument in SSL_FILE_ARGUMENTS:
+        path = pool.connection_kwargs.get(argument)
+        if isinstance(path, (str, os.PathLike)) and not os.path.exists(path):
+            return (
+                f"{_kwargs_setting(alias)} (or the LOCATION URL's query): {argument} is "
+                f"{os.fspath(path)!r}, which does not exist on this machine "
+                f"({_connection_label(pool)})."
+            )
+    return None
 
 
 _MISSING = object()
@@ -958,37 +1023,17 @@ def check_client_options(options, where, error, *, kwargs_id, eviction_id, alias
             kwargs_id, f"{where}['OPTIONS']['CONNECTION_KWARGS'] must be a dict, got {kwargs!r}."
         )
     elif redis is not None:
-        for url in urls:
-            problem = _connection_kwargs_problem(alias, url, kwargs or {})
-            if problem is not None:
-                error(kwargs_id, problem)
+        problems = (_connection_kwargs_problem(alias, url, kwargs or {}) for url in urls)
+        # The first only: the same arguments are refused for every Redlock master.
+        problem = next((p for p in problems if p is not None), None)
+        if problem is not None:
+            error(kwargs_id, problem)
     allow = options.get(ALLOW_EVICTION_OPTION, False)
     if not isinstance(allow, bool):
         error(
             eviction_id,
             f"{where}['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] must be True or False, got {allow!r}.",
         )
-
-
-def _connection_kwargs_problem(alias, url, kwargs):
-    """What the first lock operation would report about ``kwargs`` for the server of
-    ``url`` (see :func:`check_connection_kwargs`), or None. Builds a pool and one
-    connection object, as redis-py's ``Redis.from_url`` does: no I/O. A URL redis-py
-    cannot read is left to the LOCATION checks."""
-    kwargs = {k: v for k, v in kwargs.items() if k != "single_connection_client"}
-    try:
-        pool = redis.ConnectionPool.from_url(url, **kwargs)
-    except ValueError:
-        return None
-    except (TypeError, redis.exceptions.RedisError) as exc:
-        return f"SETNX_LOCKS[{alias!r}]['OPTIONS']['CONNECTION_KWARGS']: {exc}"
-    try:
-        check_connection_kwargs(alias, pool)
-    except ImproperlyConfigured as exc:
-        return str(exc)
-    except (ValueError, redis.exceptions.RedisError) as exc:  # a value it refuses
-        return f"SETNX_LOCKS[{alias!r}]['OPTIONS']['CONNECTION_KWARGS']: {exc}"
-    return None
 
 
 def require_redis_py(alias, backend_label):
@@ -1164,7 +1209,11 @@ class RedisBackend(BaseLockBackend):
                 "E011",
                 f"{where}['LOCATION'] must be a non-empty redis:// URL string, got {location!r}.",
             )
-        elif location is not None and redis is not None and "CLIENT_CLASS" not in options:
+        elif (
+            location is not None
+            and redis is not None
+            and options.get("CLIENT_CLASS") in (None, DEFAULT_CLIENT_CLASS)
+        ):
             # What redis.Redis.from_url will make of it, without connecting (review
             # r126: an http:// URL or a port that is not a number passed the checks
             # and failed the first lock). The message never repeats the URL: it may
@@ -1240,7 +1289,9 @@ class RedisBackend(BaseLockBackend):
                     )
         # A URL is checked with CONNECTION_KWARGS only when the client is redis-py's
         # own (a CLIENT_CLASS may take other arguments) and LOCATION was readable.
-        urls = [location] if isinstance(location, str) and location and not client_class else []
+        # (The default CLIENT_CLASS, set explicitly, is redis-py's own too.)
+        own_client = client_class in (None, DEFAULT_CLIENT_CLASS)
+        urls = [location] if isinstance(location, str) and location and own_client else []
         if any(e.id == "django_setnx.E011" for e in errors):
             urls = []
         check_client_options(
@@ -1268,18 +1319,26 @@ class RedisBackend(BaseLockBackend):
             return self._connect_to_cache()
         check = None if self.allow_eviction else _EvictionCheck(self.alias)
         kwargs = self._client_kwargs(check)
-        factory = import_dotted(self.options.get("CLIENT_CLASS", DEFAULT_CLIENT_CLASS))
+        client_class = self.options.get("CLIENT_CLASS", DEFAULT_CLIENT_CLASS)
+        factory = import_dotted(client_class)
+        own_client = client_class == DEFAULT_CLIENT_CLASS
+        if own_client:
+            require_readable_url(self.location, f"SETNX_LOCKS[{self.alias!r}]['LOCATION']")
         try:
             client = factory(self.location, **kwargs)
         except ValueError as exc:
-            # A URL redis-py cannot read (the system check says so too, E011): a
+            if own_client:  # the URL was readable: the arguments are not (review r149)
+                raise ImproperlyConfigured(
+                    f"{_kwargs_setting(self.alias)}: redis-py refuses it: {exc}"
+                ) from exc
+            # A client class of the user's: the URL may be what it cannot read. A
             # configuration error naming the alias, not a bare ValueError at the first
-            # lock. Neither the URL nor redis-py's message, which quotes the "port"
-            # (review r129: a password with a "/" or "#" is read as one), only as the
-            # cause.
+            # lock; neither the URL nor the message, which may quote part of it
+            # (review r129), only as the cause.
             raise ImproperlyConfigured(
                 f"SETNX_LOCKS[{self.alias!r}]: cannot make a Redis client from LOCATION "
-                f"and CONNECTION_KWARGS: LOCATION may not be a Redis URL {UNREADABLE_URL}"
+                f"and CONNECTION_KWARGS with {client_class}: LOCATION may not be a Redis "
+                f"URL {UNREADABLE_URL}"
             ) from exc
         except Exception as exc:
             # A client that connects while it is built (RedisCluster) wraps a refusal

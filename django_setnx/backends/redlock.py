@@ -156,6 +156,7 @@ from .redis import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_STALE_RETENTION,
     SCAN_COUNT,
+    UNREADABLE_URL,
     check_client_options,
     check_connection_kwargs,
     check_key_prefix,
@@ -163,6 +164,7 @@ from .redis import (
     lock_keys,
     name_from_lock_key,
     record_info,
+    require_readable_url,
     require_redis_py,
     scan_batches,
 )
@@ -414,7 +416,7 @@ class _Node:
     redis-py from the node's URL and options. Every new connection passes through
     :meth:`_on_connect` before it is used."""
 
-    def __init__(self, url, kwargs, alias, allow_eviction, marker_key, max_ttl_ms):
+    def __init__(self, url, kwargs, alias, allow_eviction, marker_key, max_ttl_ms, index):
         self.alias = alias
         self.allow_eviction = allow_eviction
         self.marker_key = marker_key
@@ -428,10 +430,17 @@ class _Node:
                 "single_connection_client is not for Redlock, which keeps its own "
                 "connections to each master; remove it."
             )
+        require_readable_url(url, f"SETNX_LOCKS[{alias!r}]['LOCATION'] master {index}")
         # The client parses the replies of _on_connect's checks; it never connects.
-        self.client = redis.Redis.from_url(
-            url, **{**kwargs, "redis_connect_func": self._on_connect}
-        )
+        try:
+            self.client = redis.Redis.from_url(
+                url, **{**kwargs, "redis_connect_func": self._on_connect}
+            )
+        except ValueError as exc:  # the URL was readable: the arguments are not
+            raise ImproperlyConfigured(
+                f"SETNX_LOCKS[{alias!r}]['OPTIONS']['CONNECTION_KWARGS']: redis-py refuses "
+                f"it: {exc}"
+            ) from exc
         pool = self.client.connection_pool
         check_connection_kwargs(alias, pool)
         ck = pool.connection_kwargs
@@ -677,6 +686,21 @@ class RedlockBackend(BaseLockBackend):
                     f"{where}['LOCATION'] lists {duplicates} more than once; every "
                     f"entry must be a different, independent master.",
                 )
+            if redis is not None:
+                # Each as redis-py will read it, without connecting (review r149: a
+                # master with a bad URL passed, and its first lock's ValueError quoted
+                # part of the password). The message never repeats a URL.
+                from redis.connection import parse_url
+
+                for index, url in enumerate(location, 1):
+                    try:
+                        parse_url(url)
+                    except ValueError:
+                        error(
+                            "E031",
+                            f"{where}['LOCATION'] master {index} is not a Redis URL "
+                            f"{UNREADABLE_URL}",
+                        )
             if len(location) >= 3 and len(location) % 2 == 0:
                 errors.append(
                     checks.Warning(
@@ -749,8 +773,16 @@ class RedlockBackend(BaseLockBackend):
             **self.options.get("CONNECTION_KWARGS", {}),
         }
         nodes = [
-            _Node(url, kwargs, self.alias, self.allow_eviction, self.marker_key, self.max_ttl_ms)
-            for url in self.locations
+            _Node(
+                url,
+                kwargs,
+                self.alias,
+                self.allow_eviction,
+                self.marker_key,
+                self.max_ttl_ms,
+                index=index,
+            )
+            for index, url in enumerate(self.locations, 1)
         ]
         if not all(node.server.fast for node in nodes):
             # A round takes one path for all its servers (review r140: some over TLS
