@@ -285,6 +285,19 @@ def retry_after_seconds(
     return max(1, math.ceil(retry_after))
 
 
+async def _call_from_async(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call a user's ``on_contention`` or ``retry_after`` from async code: a
+    coroutine function is awaited; a plain function runs in Django's sync thread
+    (``sync_to_async``), as a sync view would, so that it may use the ORM or a lock's
+    sync API (review r151: in the event loop, both raised SynchronousOnlyOperation,
+    and only under contention). What it returns is awaited if awaitable."""
+    if iscoroutinefunction(func) or iscoroutinefunction(type(func).__call__):
+        result = func(*args, **kwargs)
+    else:
+        result = await sync_to_async(func, thread_sensitive=True)(*args, **kwargs)
+    return await result if inspect.isawaitable(result) else result
+
+
 async def aretry_after_seconds(
     lock: Lock,
     retry_after: float | Callable[[Lock, Any], float] | None = None,
@@ -292,9 +305,11 @@ async def aretry_after_seconds(
 ) -> int:
     """:func:`retry_after_seconds` for async code: the holder is looked up with the
     async API (a database backend refuses sync calls in an event loop)."""
-    seconds: Any = retry_after(lock, request) if callable(retry_after) else retry_after
-    if inspect.isawaitable(seconds):
-        seconds = await seconds
+    seconds: Any = (
+        await _call_from_async(retry_after, lock, request)
+        if callable(retry_after)
+        else retry_after
+    )
     if seconds is None:
         try:
             infos = await lock.aholders() if isinstance(lock, Semaphore) else [await lock.ainfo()]
@@ -606,8 +621,9 @@ def locked(
             if request is not None and on_contention is None:
                 seconds = await aretry_after_seconds(lk, retry_after, request)
                 return default_contention_response(request, lk, status, seconds)
-            result = contended(lk, request, args, kwargs)
-            return await result if inspect.isawaitable(result) else result
+            if callable(on_contention):
+                return await _call_from_async(on_contention, lk, *args, **kwargs)
+            return contended(lk, request, args, kwargs)  # no call that may block
 
         def contended(lk: Lock, request: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
             if callable(on_contention):

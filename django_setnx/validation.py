@@ -127,3 +127,22 @@ def validate_timeout(timeout: object) -> float | None:
 def ttl_to_ms(ttl: float) -> int:
     """Seconds to whole milliseconds, never rounding a valid ttl down to zero."""
     return max(1, int(round(ttl * 1000)))
+
+
+def redacted(value: object) -> str:
+    """``repr(value)`` for an error message, with the credentials of every URL in it
+    (a str, or a list or tuple of them) replaced by ``***``: a LOCATION may hold a
+    password. Everything up to the last "@" is masked, since a password may hold
+    unencoded "/", "#" or "@" (the very URLs that are refused)."""
+    if isinstance(value, (list, tuple)):
+        return repr(type(value)(_without_credentials(item) for item in value))
+    return repr(_without_credentials(value))
+
+
+def _without_credentials(value: object) -> object:
+    if not isinstance(value, str):
+        return value
+    scheme, separator, rest = value.partition("://")
+    if not separator or "@" not in rest:
+        return value
+    return f"{scheme}://***@{rest.rpartition('@')[2]}"

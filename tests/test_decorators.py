@@ -537,6 +537,58 @@ def test_async_view_retry_after_is_the_holders_ttl(alias, name):
     assert 38 <= int(response["Retry-After"]) <= 40
 
 
+def test_an_async_view_runs_sync_contention_callables_outside_the_event_loop(alias, name):
+    """Review r151: a sync ``on_contention`` or ``retry_after`` of an async view ran
+    in the event loop: one that used the ORM or the lock's sync API (a database
+    backend refuses sync calls there) failed, and only under contention. They run
+    in Django's sync thread, as a sync view's would; async ones in the loop."""
+    import threading
+
+    threads = {}
+
+    def busy(lk, request):
+        threads["on_contention"] = threading.current_thread()
+        info = lk.info()  # the sync API
+        return HttpResponse(f"busy {info.expires_in > 30}", status=423)
+
+    def time_left(lk, request):
+        threads["retry_after"] = threading.current_thread()
+        return lk.info().expires_in + 100
+
+    async def abusy(lk, request):
+        threads["async on_contention"] = threading.current_thread()
+        return HttpResponse("abusy", status=423)
+
+    @locked(name, backend=alias, on_contention=busy)
+    async def view(request):
+        return HttpResponse("ok")
+
+    @locked(name, backend=alias, retry_after=time_left)
+    async def view_with_retry_after(request):
+        return HttpResponse("ok")
+
+    @locked(name, backend=alias, on_contention=abusy)
+    async def view_with_async_callable(request):
+        return HttpResponse("ok")
+
+    async def main():
+        async with lock(name, ttl=40, backend=alias):
+            threads["loop"] = threading.current_thread()
+            return [
+                await v(RequestFactory().get("/"))
+                for v in (view, view_with_retry_after, view_with_async_callable)
+            ]
+
+    busy_page, with_retry_after, async_page = asyncio.run(main())
+    assert (busy_page.status_code, busy_page.content) == (423, b"busy True")
+    assert with_retry_after.status_code == 409
+    assert 138 <= int(with_retry_after["Retry-After"]) <= 140
+    assert async_page.content == b"abusy"
+    assert threads["on_contention"] is not threads["loop"]
+    assert threads["retry_after"] is not threads["loop"]
+    assert threads["async on_contention"] is threads["loop"]
+
+
 def test_a_streaming_response_dropped_unsent_in_an_event_loop_releases(alias, name):
     """Under ASGI a streaming response replaced by a middleware is collected in the
     event loop's thread: the lock is released there the async way (a database

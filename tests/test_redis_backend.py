@@ -684,8 +684,19 @@ MASTERS = [f"redis://127.0.0.1:{port}/0" for port in (1, 2, 3)]
         (BACKEND, "redis://h/0", {"max_connections": "20"}, "E018"),
         (BACKEND, "redis://h/0", {"connection_class": "redis.connection.SSLConnection"}, "E018"),
         (BACKEND, "redis://h/0", {"maint_notifications_config": {"enabled": False}}, "E018"),
-        (BACKEND, "rediss://h/0", {"ssl_ca_certs": "/nonexistent/ca.pem"}, "E018"),
-        (BACKEND, "rediss://h/0?ssl_ca_certs=/nonexistent/ca.pem", {}, "E018"),
+        # A missing TLS file is a warning: the checks may run where it is not mounted.
+        (BACKEND, "rediss://h/0", {"ssl_ca_certs": "/nonexistent/ca.pem"}, "W010"),
+        (BACKEND, "rediss://h/0?ssl_ca_certs=/nonexistent/ca.pem", {}, "W010"),
+        (BACKEND, "rediss://h/0", {"ssl_ca_certs": os.path.dirname(__file__)}, "W010"),
+        (BACKEND, "rediss://h/0", {"ssl_ca_path": __file__}, "W010"),
+        (
+            REDLOCK,
+            [u.replace("redis:", "rediss:") for u in MASTERS],
+            {"ssl_keyfile": "/x"},
+            "W031",
+        ),
+        (BACKEND, "redis://h/0", {"socket_timeout": "3"}, "E018"),
+        (BACKEND, "redis://h/0?socket_connect_timeout=0", {}, "E018"),
         (REDLOCK, MASTERS, {"socket_timout": 1}, "E037"),
         (REDLOCK, MASTERS, {"max_connections": -1}, "E037"),
         (REDLOCK, MASTERS, {"single_connection_client": True}, "E037"),
@@ -708,8 +719,9 @@ def test_the_checks_report_connection_kwargs_redis_py_does_not_take(
         return
     assert [e.id for e in errors] == [f"django_setnx.{expected}"], errors  # once per alias
     assert all("SETNX_LOCKS['x']['OPTIONS']['CONNECTION_KWARGS']" in e.msg for e in errors)
+    assert all("h:" not in e.msg or "for h:6379" in e.msg for e in errors)
     # The message names the argument, or the value refused.
-    named = next(iter(kwargs.items()), ("socket_timout", "/nonexistent/ca.pem"))
+    named = next(iter(kwargs.items()), ("socket_timout", "/nonexistent/ca.pem", "connect"))
     assert all(any(str(part) in e.msg for part in named) for e in errors), errors
 
 
@@ -725,6 +737,38 @@ def test_a_client_class_takes_its_own_connection_kwargs_unchecked():
     assert [e.id for e in RedisBackend.check_params("x", params)] == ["django_setnx.E018"]
     params["LOCATION"] = "http://h/0"
     assert [e.id for e in RedisBackend.check_params("x", params)] == ["django_setnx.E011"]
+
+
+@pytest.mark.parametrize(
+    "backend_path, location",
+    [
+        (BACKEND, ["redis://:Secr3tPW@10.0.0.1:6379/0"]),  # a list, not a str
+        (REDLOCK, "redis://:Secr3tPW@10.0.0.1:6379/0"),  # a str, not a list
+        (REDLOCK, ["redis://u:Secr3t/PW@10.0.0.1:6379/0"] * 3),  # duplicates
+    ],
+)
+def test_messages_about_a_location_never_show_its_password(backend_path, location):
+    """Review r150: E011/E031/E033 and the backends' ImproperlyConfigured repeated
+    the LOCATION, password included."""
+    from django.utils.module_loading import import_string
+
+    cls = import_string(backend_path)
+    params = {"BACKEND": backend_path, "LOCATION": location}
+    messages = [e.msg for e in cls.check_params("x", params)]
+    with pytest.raises(ImproperlyConfigured) as refused:
+        cls("x", params).get("anything")
+    messages.append(str(refused.value))
+    assert all("***@10.0.0.1:6379/0" in m for m in messages[:1]), messages
+    assert not any("Secr3t" in m or "PW" in m for m in messages), messages
+
+
+def test_a_sentinel_location_s_errors_never_show_its_password():
+    from django_setnx.backends.clients import parse_sentinel_url
+
+    for bad in ("redis+sentinel://:pa/ss@h:26379/m", "redis+sentinel://:pa#ss@h:26379/a/b/c"):
+        with pytest.raises(ValueError) as refused:
+            parse_sentinel_url(bad)
+        assert "pa" not in str(refused.value).replace("password", ""), refused.value
 
 
 def test_a_connection_without_a_port_is_named_with_redis_default_port():

@@ -83,7 +83,7 @@ def test_parse_sentinel_url(location, sentinels, service, kwargs):
     [
         ("redis://h1:26379/m", r"must start with redis\+sentinel://"),
         ("redis+sentinel:///m", "names no sentinel host"),
-        ("redis+sentinel://h1:x/m", "bad port"),
+        ("redis+sentinel://h1:x/m", r"a sentinel.s port is not a number \('h1:x'\)"),
         ("redis+sentinel://h1:1", "must end with /service_name"),
         ("redis+sentinel://h1:1/m/zero", "db 'zero' is not an integer"),
     ],

@@ -42,6 +42,8 @@ to redis-py.
 
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from ..validation import redacted
+
 SENTINEL_SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}
 DEFAULT_SENTINEL_PORT = 26379
 #: The master's connection kwargs the sentinels' connections share unless
@@ -62,7 +64,7 @@ def parse_sentinel_url(location):
     parts = urlsplit(location)
     if parts.scheme not in SENTINEL_SCHEMES:
         raise ValueError(
-            f"Sentinel LOCATION {location!r} must start with redis+sentinel:// or "
+            f"Sentinel LOCATION {redacted(location)} must start with redis+sentinel:// or "
             f"rediss+sentinel://."
         )
     netloc = parts.netloc
@@ -89,15 +91,20 @@ def parse_sentinel_url(location):
         try:
             sentinels.append((host, int(port) if port else DEFAULT_SENTINEL_PORT))
         except ValueError:
+            # Not the host itself if the URL has credentials: with a "/" in the
+            # password, urlsplit ends the netloc early, and the "host" is a piece of
+            # the password.
+            which = "" if "@" in location else f" ({hostport!r})"
             raise ValueError(
-                f"Sentinel LOCATION {location!r}: bad port in {hostport!r}."
+                f"Sentinel LOCATION {redacted(location)}: a sentinel's port is not a "
+                f"number{which} (a password's /, # and ? must be percent-encoded)."
             ) from None
     if not sentinels:
-        raise ValueError(f"Sentinel LOCATION {location!r} names no sentinel host.")
+        raise ValueError(f"Sentinel LOCATION {redacted(location)} names no sentinel host.")
     path = [unquote(p) for p in parts.path.split("/") if p]
     if not path or len(path) > 2:
         raise ValueError(
-            f"Sentinel LOCATION {location!r} must end with /service_name or "
+            f"Sentinel LOCATION {redacted(location)} must end with /service_name or "
             f"/service_name/db, e.g. redis+sentinel://host:26379/mymaster/0."
         )
     service = path[0]
@@ -106,7 +113,7 @@ def parse_sentinel_url(location):
             kwargs["db"] = int(path[1])
         except ValueError:
             raise ValueError(
-                f"Sentinel LOCATION {location!r}: db {path[1]!r} is not an integer."
+                f"Sentinel LOCATION {redacted(location)}: db {path[1]!r} is not an integer."
             ) from None
     if SENTINEL_SCHEMES[parts.scheme]:
         kwargs["ssl"] = True

@@ -110,7 +110,7 @@ from ..exceptions import LockBackendError
 from ..forksafe import ForkSafeLock
 from ..globs import compile_glob, redis_match
 from ..globs import escape as _escape_glob
-from ..validation import ttl_to_ms
+from ..validation import redacted, ttl_to_ms
 from . import paging, redis_scripts
 from .aio import mark_undone, mark_unsent, undo, was_unsent
 from .base import (
@@ -444,15 +444,16 @@ def check_connection_kwargs(alias, pool):
 
 
 def require_readable_url(url, where):
-    """Raise ImproperlyConfigured naming ``where`` unless redis-py can read ``url``:
-    neither the URL nor redis-py's message, which quotes the "port" (review r129: a
-    password with a "/" or "#" is read as one), only as the cause."""
+    """Raise ImproperlyConfigured naming ``where`` unless redis-py can read ``url``,
+    without the URL or redis-py's message, which quotes the "port" (review r129: a
+    password with a "/" or "#" is read as one)."""
     from redis.connection import parse_url
 
     try:
         parse_url(url)
-    except ValueError as exc:
-        raise ImproperlyConfigured(f"{where} is not a Redis URL {UNREADABLE_URL}") from exc
+    except ValueError:
+        # Not chained: a logged traceback would print the cause (review r150).
+        raise ImproperlyConfigured(f"{where} is not a Redis URL {UNREADABLE_URL}") from None
 
 
 def _kwargs_setting(alias):
@@ -462,51 +463,75 @@ def _kwargs_setting(alias):
 def _connection_label(pool):
     """``Connection for host:port`` (or the socket's path), as the messages name it."""
     kwargs = pool.connection_kwargs
-    server = kwargs.get("path") or f"{kwargs.get('host')}:{kwargs.get('port') or 6379}"
+    host = kwargs.get("host") or "localhost"  # where redis-py connects without one
+    server = kwargs.get("path") or f"{host}:{kwargs.get('port') or 6379}"
     cls = pool.connection_class
     return f"{getattr(cls, '__name__', repr(cls))} for {server}"
 
 
-#: The files a TLS connection reads when it connects: checked to exist beforehand
-#: (a missing one is otherwise reported by every lock operation as a connection
-#: error, "No such file or directory", as if the server were unreachable).
-SSL_FILE_ARGUMENTS = ("ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile")
+#: The files (and the directory, ``ssl_ca_path``) a TLS connection reads when it
+#: connects: a missing one is otherwise reported by every lock operation as a
+#: connection error, "No such file or directory", as if the server were unreachable.
+SSL_FILE_ARGUMENTS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+SSL_DIRECTORY_ARGUMENTS = ("ssl_ca_path",)
+#: The timeouts our own code computes with (a str, "3", raised a bare TypeError).
+TIMEOUT_ARGUMENTS = ("socket_timeout", "socket_connect_timeout")
 
 
 def _connection_kwargs_problem(alias, url, kwargs):
-    """What the first lock operation would report about ``kwargs`` for the server of
-    ``url`` (see :func:`check_connection_kwargs`), or None. Builds a pool and one
-    connection object, as redis-py's ``Redis.from_url`` does, and looks for the TLS
-    files it names: no network I/O. A URL redis-py cannot read is the LOCATION
-    checks' to report."""
+    """``(error, pool)``: what the first lock operation would report about
+    ``kwargs`` for the server of ``url`` (see :func:`check_connection_kwargs`), or
+    None; and the pool built from them, if one could be. Builds a pool and one
+    connection object, as redis-py's ``Redis.from_url`` does: no I/O. A URL
+    redis-py cannot read is the LOCATION checks' to report."""
     from redis.connection import parse_url
 
     try:
         parse_url(url)
     except ValueError:
-        return None
+        return None, None
     kwargs = {k: v for k, v in kwargs.items() if k != "single_connection_client"}
     try:
         pool = redis.ConnectionPool.from_url(url, **kwargs)
         check_connection_kwargs(alias, pool)
     except ImproperlyConfigured as exc:
-        return str(exc)
+        return str(exc), None
     except Exception as exc:  # noqa: BLE001 - whatever it is, the first lock meets it too
         # redis-py's message may not say which argument (an AttributeError from deep
         # inside, say): the ones given are listed.
-        given = ", ".join(map(str, sorted(kwargs))) or "none given"
+        given = ", ".join(sorted(map(str, kwargs))) or "none given"
         return (
             f"{_kwargs_setting(alias)} ({given}; or the LOCATION URL's query): redis-py "
             f"refuses it: {type(exc).__name__}: {exc}"
-        )
-    for argument in SSL_FILE_ARGUMENTS:
-        path = pool.connection_kwargs.get(argument)
-        if isinstance(path, (str, os.PathLike)) and not os.path.exists(path):
+        ), None
+    for argument in TIMEOUT_ARGUMENTS:
+        value = pool.connection_kwargs.get(argument)
+        if value is not None and (not _is_positive_number(value)):
             return (
-                f"{_kwargs_setting(alias)} (or the LOCATION URL's query): {argument} is "
-                f"{os.fspath(path)!r}, which does not exist on this machine "
-                f"({_connection_label(pool)})."
-            )
+                f"{_kwargs_setting(alias)} (or the LOCATION URL's query): {argument} must "
+                f"be None or a positive number of seconds, got {value!r}."
+            ), pool
+    return None, pool
+
+
+def _missing_tls_file(alias, pool):
+    """A warning about a TLS file (or directory) that ``pool``'s connections name and
+    this machine lacks, or None. A warning, not an error: a job that runs the
+    checks (``migrate``) may run where the certificates are not mounted (review
+    r150)."""
+    for arguments, exists, kind in (
+        (SSL_FILE_ARGUMENTS, os.path.isfile, "file"),
+        (SSL_DIRECTORY_ARGUMENTS, os.path.isdir, "directory"),
+    ):
+        for argument in arguments:
+            path = pool.connection_kwargs.get(argument)
+            if isinstance(path, (str, os.PathLike)) and not exists(path):
+                return (
+                    f"{_kwargs_setting(alias)} (or the LOCATION URL's query): {argument} is "
+                    f"{os.fspath(path)!r}, which is not a {kind} on this machine "
+                    f"({_connection_label(pool)}): every lock operation will fail to "
+                    f"connect where that is so."
+                )
     return None
 
 
@@ -1011,23 +1036,32 @@ def _max_block(socket_timeout):
     return MAX_BLOCK if not socket_timeout else min(MAX_BLOCK, socket_timeout * BLOCK_SHARE)
 
 
-def check_client_options(options, where, error, *, kwargs_id, eviction_id, alias, urls=()):
+def check_client_options(
+    options, where, error, warn, *, kwargs_id, eviction_id, tls_id, alias, urls=()
+):
     """The system checks of the options the Redis and Redlock backends share:
     ``error(id, message)`` for a CONNECTION_KWARGS that is not a dict, or that,
     with one of ``urls`` (the servers a plain redis-py client is made for), has an
-    argument redis-py's connection does not take; or an ALLOW_EVICTION that is not
-    a bool."""
+    argument redis-py's connection does not take or a value it (or we) cannot use;
+    or an ALLOW_EVICTION that is not a bool. ``warn(id, message)`` for a TLS file
+    missing here."""
     kwargs = options.get("CONNECTION_KWARGS")
     if kwargs is not None and not isinstance(kwargs, dict):
         error(
             kwargs_id, f"{where}['OPTIONS']['CONNECTION_KWARGS'] must be a dict, got {kwargs!r}."
         )
     elif redis is not None:
-        problems = (_connection_kwargs_problem(alias, url, kwargs or {}) for url in urls)
-        # The first only: the same arguments are refused for every Redlock master.
-        problem = next((p for p in problems if p is not None), None)
-        if problem is not None:
-            error(kwargs_id, problem)
+        # The first of each only: the same arguments are refused for every master.
+        problem = missing = None
+        for url in urls:
+            problem, pool = _connection_kwargs_problem(alias, url, kwargs or {})
+            if problem is not None:
+                error(kwargs_id, problem)
+                break
+            if missing is None and pool is not None:
+                missing = _missing_tls_file(alias, pool)
+        if problem is None and missing is not None:
+            warn(tls_id, missing)
     allow = options.get(ALLOW_EVICTION_OPTION, False)
     if not isinstance(allow, bool):
         error(
@@ -1119,7 +1153,7 @@ class RedisBackend(BaseLockBackend):
         if self.location is not None and (not isinstance(self.location, str) or not self.location):
             raise ImproperlyConfigured(
                 f"{where}['LOCATION'] must be a non-empty redis:// URL "
-                f"string, got {self.location!r}."
+                f"string, got {redacted(self.location)}."
             )
         self.allow_eviction = self.options.get(ALLOW_EVICTION_OPTION, False)
         if not isinstance(self.allow_eviction, bool):
@@ -1176,13 +1210,16 @@ class RedisBackend(BaseLockBackend):
 
     @classmethod
     def check_params(cls, alias, params):
-        """Return ``checks.Error`` objects (ids ``django_setnx.E010``-``E019``) for
+        """Return ``checks.Error`` objects (ids ``django_setnx.E010``-``E019``, ``W010``) for
         this alias' settings. Imports but never connects."""
         where = f"SETNX_LOCKS[{alias!r}]"
         errors = []
 
         def error(id_, msg, hint=None):
             errors.append(checks.Error(msg, hint=hint, id=f"django_setnx.{id_}"))
+
+        def warn(id_, msg):
+            errors.append(checks.Warning(msg, id=f"django_setnx.{id_}"))
 
         options = params.get("OPTIONS") or {}
         if not isinstance(options, dict):
@@ -1207,7 +1244,8 @@ class RedisBackend(BaseLockBackend):
         elif location is not None and (not isinstance(location, str) or not location):
             error(
                 "E011",
-                f"{where}['LOCATION'] must be a non-empty redis:// URL string, got {location!r}.",
+                f"{where}['LOCATION'] must be a non-empty redis:// URL string, got "
+                f"{redacted(location)}.",
             )
         elif (
             location is not None
@@ -1295,7 +1333,15 @@ class RedisBackend(BaseLockBackend):
         if any(e.id == "django_setnx.E011" for e in errors):
             urls = []
         check_client_options(
-            options, where, error, kwargs_id="E018", eviction_id="E019", alias=alias, urls=urls
+            options,
+            where,
+            error,
+            warn,
+            kwargs_id="E018",
+            eviction_id="E019",
+            tls_id="W010",
+            alias=alias,
+            urls=urls,
         )
         return errors
 
@@ -1334,12 +1380,12 @@ class RedisBackend(BaseLockBackend):
             # A client class of the user's: the URL may be what it cannot read. A
             # configuration error naming the alias, not a bare ValueError at the first
             # lock; neither the URL nor the message, which may quote part of it
-            # (review r129), only as the cause.
+            # (review r129), not even as the cause (review r150: tracebacks print it).
             raise ImproperlyConfigured(
                 f"SETNX_LOCKS[{self.alias!r}]: cannot make a Redis client from LOCATION "
                 f"and CONNECTION_KWARGS with {client_class}: LOCATION may not be a Redis "
                 f"URL {UNREADABLE_URL}"
-            ) from exc
+            ) from None
         except Exception as exc:
             # A client that connects while it is built (RedisCluster) wraps a refusal
             # found on its first node in an error of its own.

@@ -141,7 +141,7 @@ from django.core.exceptions import ImproperlyConfigured
 from ..exceptions import LockBackendError
 from ..forksafe import ForkSafeLock
 from ..globs import compile_glob, escape, redis_match
-from ..validation import ttl_to_ms
+from ..validation import redacted, ttl_to_ms
 from .base import (
     STATES,
     AcquireResult,
@@ -615,7 +615,7 @@ class RedlockBackend(BaseLockBackend):
         ):
             raise ImproperlyConfigured(
                 f"SETNX_LOCKS[{alias!r}]['LOCATION'] must be a list of at least 3 redis:// "
-                f"URLs of independent masters, got {location!r}."
+                f"URLs of independent masters, got {redacted(location)}."
             )
         self.locations = list(location)
         self.key_prefix = check_key_prefix(alias, params)
@@ -644,7 +644,7 @@ class RedlockBackend(BaseLockBackend):
 
     @classmethod
     def check_params(cls, alias, params):
-        """Return ``checks`` messages (ids ``django_setnx.E030``-``E039``, ``W030``)
+        """Return ``checks`` messages (ids ``django_setnx.E030``-``E039``, ``W030``, ``W031``)
         for this alias' settings. Never connects. (Unknown OPTIONS keys are warned
         about by the common checks, from ``option_names``.)"""
         where = f"SETNX_LOCKS[{alias!r}]"
@@ -652,6 +652,9 @@ class RedlockBackend(BaseLockBackend):
 
         def error(id_, msg, hint=None):
             errors.append(checks.Error(msg, hint=hint, id=f"django_setnx.{id_}"))
+
+        def warn(id_, msg):
+            errors.append(checks.Warning(msg, id=f"django_setnx.{id_}"))
 
         if redis is None:
             error(
@@ -668,7 +671,7 @@ class RedlockBackend(BaseLockBackend):
             error(
                 "E031",
                 f"{where}['LOCATION'] must be a list of redis:// URLs (one per "
-                f"independent master), got {location!r}.",
+                f"independent master), got {redacted(location)}.",
                 hint='Example: ["redis://10.0.0.1:6379/0", "redis://10.0.0.2:6379/0", '
                 '"redis://10.0.0.3:6379/0"]',
             )
@@ -683,7 +686,7 @@ class RedlockBackend(BaseLockBackend):
             if duplicates:
                 error(
                     "E033",
-                    f"{where}['LOCATION'] lists {duplicates} more than once; every "
+                    f"{where}['LOCATION'] lists {redacted(duplicates)} more than once; every "
                     f"entry must be a different, independent master.",
                 )
             if redis is not None:
@@ -748,7 +751,15 @@ class RedlockBackend(BaseLockBackend):
             )
         urls = location if not any(e.id == "django_setnx.E031" for e in errors) else []
         check_client_options(
-            options, where, error, kwargs_id="E037", eviction_id="E039", alias=alias, urls=urls
+            options,
+            where,
+            error,
+            warn,
+            kwargs_id="E037",
+            eviction_id="E039",
+            tls_id="W031",
+            alias=alias,
+            urls=urls,
         )
         return errors
 
