@@ -12,7 +12,7 @@ from django.core.checks import Error, Warning, register
 from django.utils.module_loading import import_string
 
 from .conf import DEFAULT_LOCK_ALIAS, get_lock_settings
-from .validation import MAX_TTL_LIMIT, validate_ttl
+from .validation import MAX_TTL_LIMIT, redacted, validate_ttl
 
 #: The keys an alias of SETNX_LOCKS may have (as in CACHES).
 ALIAS_KEYS = ("BACKEND", "LOCATION", "KEY_PREFIX", "TTL", "OPTIONS")
@@ -54,7 +54,7 @@ def _check_alias(alias, params):
     if not isinstance(params, dict) or not isinstance(params.get("BACKEND"), str):
         return [
             Error(
-                f"{where} must be a dict with a 'BACKEND' dotted path, got {params!r}.",
+                f"{where} must be a dict with a 'BACKEND' dotted path, got {redacted(params)}.",
                 hint=_SETTING_HINT,
                 id="django_setnx.E003",
             )
@@ -83,7 +83,7 @@ def _check_alias(alias, params):
     if not isinstance(options, dict):
         errors.append(
             Error(
-                f"{where}['OPTIONS'] must be a dict, got {params['OPTIONS']!r}.",
+                f"{where}['OPTIONS'] must be a dict, got {redacted(params['OPTIONS'])}.",
                 id="django_setnx.E006",
             )
         )

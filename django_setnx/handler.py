@@ -14,6 +14,7 @@ from django.utils.module_loading import import_string
 from .conf import get_lock_settings
 from .exceptions import InvalidLockBackendError
 from .forksafe import ForkSafeLock
+from .validation import redacted
 
 if TYPE_CHECKING:
     from .backends.base import BaseLockBackend
@@ -93,7 +94,7 @@ class LockHandler(_Handler):
         if not isinstance(params, dict) or not params.get("BACKEND"):
             raise self.exception_class(
                 f"SETNX_LOCKS[{alias!r}] must be a dict with a 'BACKEND' dotted path, "
-                f"got {params!r}."
+                f"got {redacted(params)}."
             )
         try:
             backend_cls = import_string(params["BACKEND"])

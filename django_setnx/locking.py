@@ -32,7 +32,7 @@ from .exceptions import LockBackendError, LockError, LockNotAcquired, LockNotOwn
 from .forksafe import ForkSafeLock, PerProcess
 from .handler import locks
 from .transactions import database_aliases, deferred_lock, release_after_commit
-from .validation import validate_name, validate_timeout, validate_ttl
+from .validation import validate_name, validate_timeout, validate_token, validate_ttl
 
 logger = logging.getLogger("django_setnx")
 
@@ -142,13 +142,6 @@ def _forget_thread_owners() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_thread_owners)
-
-
-def _check_token(token: object) -> None:
-    """An acquisition's token, as given to :meth:`Lock.adopt`/:meth:`Lock.take_token`:
-    a non-empty string (the empty token marks a released record, nobody's)."""
-    if not isinstance(token, str) or not token:
-        raise ValueError(f"A lock token must be a non-empty string, got {token!r}.")
 
 
 #: How many owner records with guards or extra fields each thread keeps built.
@@ -492,7 +485,7 @@ class Lock:
         frees the lock when its acquirer dies, and another client may take it while
         this one still holds it.
         """
-        _check_token(token)
+        validate_token(token)
         self._prepare_acquire(blocking=False, timeout=0)
         started = time.monotonic()
         if not self.backend.extend(self.name, token, self.ttl):
@@ -507,7 +500,7 @@ class Lock:
         without any round trip, so that :meth:`release` frees it (token-checked, with
         the lock signals): for integrations that release what another process took
         (a Celery message revoked before it ran). Use :meth:`adopt` to hold it on."""
-        _check_token(token)
+        validate_token(token)
         if self._token is not None and not self.lost:
             raise LockError(f"Lock {self.name!r} is already acquired by this Lock object.")
         self._token, self.lost = token, False

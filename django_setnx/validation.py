@@ -6,6 +6,7 @@ value, so a typo never turns into a lock that nobody else will ever contend for.
 
 import math
 import numbers
+import re
 
 from .conf import MAX_NAME_LENGTH
 
@@ -40,6 +41,23 @@ def validate_name(name: object) -> str:
             f"Lock name must not contain \\x1f, which names a semaphore's slots: {name!r}."
         )
     return name
+
+
+#: The longest token a backend record takes (the database column's length).
+MAX_TOKEN_LENGTH = 64
+
+
+def validate_token(token: object) -> str:
+    """Return ``token`` if an acquisition may carry it: a non-empty string of at most
+    MAX_TOKEN_LENGTH characters (the empty token marks a released record, nobody's:
+    a record written with it could be neither seen nor released). Else raise
+    ValueError."""
+    if not isinstance(token, str) or not token or len(token) > MAX_TOKEN_LENGTH:
+        raise ValueError(
+            f"A lock token must be a non-empty string of at most {MAX_TOKEN_LENGTH} "
+            f"characters, got {token!r}."
+        )
+    return token
 
 
 def validate_record_name(name: object) -> str:
@@ -130,19 +148,33 @@ def ttl_to_ms(ttl: float) -> int:
 
 
 def redacted(value: object) -> str:
-    """``repr(value)`` for an error message, with the credentials of every URL in it
-    (a str, or a list or tuple of them) replaced by ``***``: a LOCATION may hold a
-    password. Everything up to the last "@" is masked, since a password may hold
-    unencoded "/", "#" or "@" (the very URLs that are refused)."""
-    if isinstance(value, (list, tuple)):
-        return repr(type(value)(_without_credentials(item) for item in value))
+    """``repr(value)`` for an error message, with every credential a Redis URL in it
+    may hold replaced by ``***``: a settings value (a str, bytes, or a list, tuple,
+    set or dict of them, at any depth) may be a LOCATION with a password. Masked: a
+    URL's userinfo, everything up to the last "@" after its "://" (a password may
+    hold unencoded "/", "#" or "@": the very URLs that are refused; a "@" elsewhere
+    is masked with it, which errs on the safe side), and a ``password=`` or
+    ``username=`` query argument (redis-py reads both)."""
     return repr(_without_credentials(value))
 
 
+_QUERY_CREDENTIAL = re.compile(r"(?i)([?&;](?:password|username)=)[^&;#]*")
+
+
 def _without_credentials(value: object) -> object:
-    if not isinstance(value, str):
-        return value
-    scheme, separator, rest = value.partition("://")
-    if not separator or "@" not in rest:
-        return value
-    return f"{scheme}://***@{rest.rpartition('@')[2]}"
+    if isinstance(value, dict):
+        return {key: _without_credentials(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return type(value)(_without_credentials(item) for item in value)
+    if isinstance(value, bytes):
+        text = value.decode("utf-8", "replace")
+        masked = _masked(text)
+        return value if masked == text else masked.encode()
+    return _masked(value) if isinstance(value, str) else value
+
+
+def _masked(text: str) -> str:
+    scheme, separator, rest = text.partition("://")
+    if separator and "@" in rest:
+        text = f"{scheme}://***@{rest.rpartition('@')[2]}"
+    return _QUERY_CREDENTIAL.sub(r"\1***", text)

@@ -762,8 +762,68 @@ def test_messages_about_a_location_never_show_its_password(backend_path, locatio
     assert not any("Secr3t" in m or "PW" in m for m in messages), messages
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"default": {"LOCATION": "redis://:Secr3tPW@10.0.0.1:6379/0"}},  # no BACKEND
+        {"default": "redis://:Secr3tPW@10.0.0.1:6379/0"},  # a URL, not a dict
+        {"default": {"BACKEND": BACKEND, "OPTIONS": "redis://h/0?password=Secr3tPW"}},
+        {"default": {"BACKEND": REDLOCK, "LOCATION": {f"redis://:Secr3tPW@h{i}" for i in "123"}}},
+        {
+            "default": {
+                "BACKEND": REDLOCK,
+                "LOCATION": [f"redis://h{i}?password=Secr3tPW" for i in "12"],
+            }
+        },
+        {"default": {"BACKEND": BACKEND, "LOCATION": b"redis://:Secr3tPW@h/0"}},
+    ],
+)
+def test_no_settings_error_shows_a_password(setting):
+    """Review r153: E003 and the handler's InvalidLockBackendError printed the whole
+    alias; a password in the URL's query, or in a set or bytes, was not masked."""
+    from django.core.checks import run_checks
+
+    from django_setnx.handler import LockHandler
+
+    with override_settings(SETNX_LOCKS=setting):
+        messages = [e.msg for e in run_checks(tags=["django_setnx"])]
+        assert messages
+        with pytest.raises((ImproperlyConfigured, TypeError, ValueError)) as refused:
+            LockHandler()["default"].get("x")
+        messages.append(str(refused.value))
+    assert not any("Secr3tPW" in m for m in messages), messages
+
+
+def test_a_socket_timeout_of_the_wrong_type_is_a_configuration_error_at_first_use():
+    """Review r153: the checks refused socket_timeout="3", but gunicorn and Celery do
+    not run them, and the first lock raised a bare TypeError."""
+    from decimal import Decimal
+    from fractions import Fraction
+
+    for value in ("3", Decimal("2.5"), Fraction(5, 2), 0, -1):
+        options = {"CONNECTION_KWARGS": {"socket_timeout": value}}
+        backend = RedisBackend("x", {"LOCATION": session_url(), "OPTIONS": options})
+        with pytest.raises(
+            ImproperlyConfigured, match="socket_timeout must be None or a positive"
+        ):
+            backend.get("anything")
+
+
 def test_a_sentinel_location_s_errors_never_show_its_password():
     from django_setnx.backends.clients import parse_sentinel_url
+
+    # The checks and the backend say what is wrong with it (review r153: the
+    # backend's message was the one for redis:// URLs, and the checks said nothing).
+    params = {
+        "BACKEND": BACKEND,
+        "LOCATION": "redis+sentinel://:Secr3tPW@127.0.0.1:26379",
+        "OPTIONS": {"CLIENT_CLASS": "django_setnx.backends.clients.sentinel"},
+    }
+    (error,) = RedisBackend.check_params("x", params)
+    assert error.id == "django_setnx.E011" and "must end with /service_name" in error.msg
+    with pytest.raises(ImproperlyConfigured, match="must end with /service_name") as refused:
+        RedisBackend("x", params).get("anything")
+    assert "Secr3tPW" not in error.msg + str(refused.value)
 
     for bad in ("redis+sentinel://:pa/ss@h:26379/m", "redis+sentinel://:pa#ss@h:26379/a/b/c"):
         with pytest.raises(ValueError) as refused:

@@ -60,7 +60,7 @@ def parse_sentinel_url(location):
     Raises ValueError (TypeError for a non-str) naming the location when it is
     malformed."""
     if not isinstance(location, str):
-        raise TypeError(f"a Sentinel LOCATION must be a str, got {location!r}.")
+        raise TypeError(f"a Sentinel LOCATION must be a str, got {redacted(location)}.")
     parts = urlsplit(location)
     if parts.scheme not in SENTINEL_SCHEMES:
         raise ValueError(

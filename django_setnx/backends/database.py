@@ -120,6 +120,7 @@ from django.core.exceptions import ImproperlyConfigured
 from ..exceptions import LockBackendError
 from ..forksafe import ForkSafeLock, PerProcess
 from ..globs import compile_glob
+from ..validation import validate_record_name, validate_token
 from .base import (
     STALE,
     STATES,
@@ -164,6 +165,12 @@ GET_MANY_CHUNK = 500
 #: WAITER_MAX_BACKOFF (three statements an attempt: about 12 a second).
 #: At most this many names are remembered as just left to a waiter (see release).
 HANDED_OVER_KEEP = 1024
+#: A retried release (its first attempt's connection died) that finds another holder
+#: says the lock was lost only if that holder took it at least this long (ms, by the
+#: server's clock) before the first attempt was sent: the margin absorbs the drift
+#: between this process' monotonic clock and the server's over the retry. Within
+#: it, the release cannot tell and says released (see release).
+RETRIED_RELEASE_MARGIN_MS = 10
 HEAD_POLL = 0.0005
 #: ``PRAGMA synchronous`` values the lock connection may use on an SQLite database in
 #: WAL mode (``OPTIONS["SQLITE_SYNCHRONOUS"]``; OFF could corrupt the file).
@@ -853,15 +860,23 @@ class DatabaseBackend(BaseLockBackend):
 
         own = connections[self.database]
         if own.in_atomic_block or getattr(own.connection, "in_transaction", False):
+            # With AUTOCOMMIT off, Django's transaction is open outside atomic() too,
+            # and @locked cannot wait for a commit it never sees (review r152).
+            after_commit = (
+                "@locked releases after the commit"
+                if own.in_atomic_block
+                else "with AUTOCOMMIT off, commit inside the guarded call, since @locked "
+                "releases when the call returns"
+            )
             return (
                 f"{what}. SQLite has a single writer, and this thread's own connection to "
                 f"{self.database!r} is inside a transaction: once that transaction has "
                 f"written (or, while the database is not in WAL mode yet, read), nobody "
                 f"else (this lock included) can write until it commits. "
                 f"Take the lock before the transaction writes, or release it after the "
-                f"commit (transaction.on_commit); @locked releases after the commit. A "
-                f"database not in WAL mode yet is switched at the first lock operation "
-                f"outside any transaction."
+                f"commit (transaction.on_commit); {after_commit}. Or keep the lock table "
+                f"in another database (OPTIONS['DATABASE']). A database not in WAL mode "
+                f"yet is switched at the first lock operation outside any transaction."
             )
         return f"{what}. Another connection kept SQLite's single write lock for longer than that."
 
@@ -913,6 +928,10 @@ class DatabaseBackend(BaseLockBackend):
         that attempt was given. That is what makes retrying an acquire safe.
         """
         ttl_ms = self.check_ttl(ttl)
+        # Checked here too, for callers of the backend itself (review r152: an empty
+        # token wrote a row nothing could see or release; a long one was an "outage").
+        validate_record_name(name)
+        validate_token(token)
         owner_json = encode_owner(owner)
         attempted_at = time.monotonic()  # a wake-up after this may concern us (see wait)
 
@@ -1312,6 +1331,7 @@ class DatabaseBackend(BaseLockBackend):
         that waiter."""
         if not token:
             return False
+        sent_at = time.monotonic()  # no later than the first attempt reached the server
 
         def work(cursor, sql, raw, retried=False):
             if name in self._handed_over:
@@ -1332,10 +1352,24 @@ class DatabaseBackend(BaseLockBackend):
             # the first attempt may have deleted the row and lost only its answer
             # with the connection. Reporting "lost" then would tell a caller whose
             # release worked that its lock was taken over; and either way the lock is
-            # no longer ours, which is all a release promises.
-            return retried
+            # no longer ours, which is all a release promises. Unless another holder
+            # took it before the first attempt was sent (review r152).
+            return retried and not self._held_since_before(cursor, sql, name, sent_at)
 
         return self._run("release", work, retry=functools.partial(work, retried=True))
+
+    def _held_since_before(self, cursor, sql, name, sent_at):
+        """True if ``name``'s holder (not us: a release just found nothing of ours)
+        took it before ``sent_at`` (monotonic, this process) by the server's clock,
+        less RETRIED_RELEASE_MARGIN_MS for the clocks' drift: so before a release
+        sent then could have freed it, which proves that release found it lost."""
+        self._execute(cursor, sql.get, (name,))
+        row = cursor.fetchone()
+        if row is None:
+            return False
+        info = self._info(row)
+        sent_ms = info.now_ms - (time.monotonic() - sent_at) * 1000
+        return info.acquired_at_ms < sent_ms - RETRIED_RELEASE_MARGIN_MS
 
     def _release_any(self, cursor, sql, name, token):
         """Release with ``release_any`` (see release). Returns True if released."""

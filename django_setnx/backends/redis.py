@@ -180,6 +180,8 @@ DEFAULT_WAKE_TTL = 1
 #: increasing across a release if Redis' clock steps back by less than this.
 DEFAULT_FENCING_RETENTION = 60
 DEFAULT_CLIENT_CLASS = "redis.Redis.from_url"
+#: The client factories this package ships (django_setnx.backends.clients).
+OUR_CLIENTS = "django_setnx.backends.clients."
 #: What a Redis URL needs, said instead of redis-py's message for one it cannot read
 #: (which may quote part of a password).
 UNREADABLE_URL = (
@@ -425,9 +427,12 @@ _INHERITED_ASYNC: list[object] = []
 
 def check_connection_kwargs(alias, pool):
     """Build one connection object of ``pool`` (it connects lazily: no I/O) so that
-    an argument redis-py does not take (a misspelt ``socket_timout``, ``ssl=True``)
-    is reported as ImproperlyConfigured naming ``alias``, rather than as a TypeError
-    from every lock operation."""
+    an argument redis-py does not take (a misspelt ``socket_timout``, ``ssl=True``),
+    or a timeout we cannot use, is reported as ImproperlyConfigured naming ``alias``,
+    rather than as a TypeError from every lock operation."""
+    problem = timeout_problem(alias, pool)
+    if problem is not None:
+        raise ImproperlyConfigured(problem)
     kwargs = pool.connection_kwargs
     try:
         pool.connection_class(**kwargs)
@@ -504,14 +509,23 @@ def _connection_kwargs_problem(alias, url, kwargs):
             f"{_kwargs_setting(alias)} ({given}; or the LOCATION URL's query): redis-py "
             f"refuses it: {type(exc).__name__}: {exc}"
         ), None
+    return timeout_problem(alias, pool), pool
+
+
+def timeout_problem(alias, pool):
+    """What is wrong with ``pool``'s socket timeouts, or None. Our own code computes
+    with them, and the socket module takes an int or a float only: a str ("3"), a
+    Decimal or a Fraction failed every lock with a bare TypeError (review r153)."""
     for argument in TIMEOUT_ARGUMENTS:
         value = pool.connection_kwargs.get(argument)
-        if value is not None and (not _is_positive_number(value)):
+        if value is not None and not (
+            type(value) in (int, float) and math.isfinite(value) and value > 0
+        ):
             return (
                 f"{_kwargs_setting(alias)} (or the LOCATION URL's query): {argument} must "
-                f"be None or a positive number of seconds, got {value!r}."
-            ), pool
-    return None, pool
+                f"be None or a positive int or float (seconds), got {value!r}."
+            )
+    return None
 
 
 def _missing_tls_file(alias, pool):
@@ -1223,7 +1237,7 @@ class RedisBackend(BaseLockBackend):
 
         options = params.get("OPTIONS") or {}
         if not isinstance(options, dict):
-            error("E019", f"{where}['OPTIONS'] must be a dict, got {options!r}.")
+            error("E019", f"{where}['OPTIONS'] must be a dict, got {redacted(options)}.")
             options = {}
         if redis is None:
             error(
@@ -1262,6 +1276,13 @@ class RedisBackend(BaseLockBackend):
                 parse_url(location)
             except ValueError:
                 error("E011", f"{where}['LOCATION'] is not a Redis URL {UNREADABLE_URL}")
+        elif location is not None and options.get("CLIENT_CLASS") == f"{OUR_CLIENTS}sentinel":
+            from .clients import parse_sentinel_url
+
+            try:
+                parse_sentinel_url(location)
+            except (TypeError, ValueError) as exc:  # its messages show no credentials
+                error("E011", f"{where}['LOCATION']: {exc}")
         prefix_problem = key_prefix_problem(params.get("KEY_PREFIX", DEFAULT_KEY_PREFIX))
         if prefix_problem is not None:
             error("E013", f"{where}['KEY_PREFIX'] {prefix_problem}.")
@@ -1377,6 +1398,12 @@ class RedisBackend(BaseLockBackend):
                 raise ImproperlyConfigured(
                     f"{_kwargs_setting(self.alias)}: redis-py refuses it: {exc}"
                 ) from exc
+            if client_class.startswith(OUR_CLIENTS):
+                # Ours (Sentinel, Cluster): the message is specific, and never shows
+                # credentials (review r153: "must end with /service_name" was lost).
+                raise ImproperlyConfigured(
+                    f"SETNX_LOCKS[{self.alias!r}]['LOCATION']: {exc}"
+                ) from None
             # A client class of the user's: the URL may be what it cannot read. A
             # configuration error naming the alias, not a bare ValueError at the first
             # lock; neither the URL nor the message, which may quote part of it

@@ -718,7 +718,7 @@ class RedlockBackend(BaseLockBackend):
         options = params.get("OPTIONS")
         options = {} if options is None else options
         if not isinstance(options, dict):
-            error("E039", f"{where}['OPTIONS'] must be a dict, got {options!r}.")
+            error("E039", f"{where}['OPTIONS'] must be a dict, got {redacted(options)}.")
             return errors
         for option in ("NODE_TIMEOUT", "MAX_TTL", "STALE_RETENTION"):
             if option in options and not _is_number(options[option]):
