@@ -156,15 +156,11 @@ from .redis import (
     DEFAULT_KEY_PREFIX,
     DEFAULT_STALE_RETENTION,
     SCAN_COUNT,
-    UNREADABLE_URL,
-    check_client_options,
-    check_connection_kwargs,
     check_key_prefix,
     key_prefix_problem,
     lock_keys,
     name_from_lock_key,
     record_info,
-    require_readable_url,
     require_redis_py,
     scan_batches,
 )
@@ -178,6 +174,12 @@ from .redis_eviction import (
     settings_from_info,
 )
 from .redis_scripts import ACQUIRE, CLEAR, DELETE, EXTEND, GET, OWNS, RELEASE
+from .redis_settings import (
+    UNREADABLE_URL,
+    check_client_options,
+    check_connection_kwargs,
+    require_readable_url,
+)
 
 try:
     import redis

@@ -1,0 +1,181 @@
+"""The settings of the Redis and Redlock backends that redis-py takes: their system
+checks and first-use checks. A connection object is built to see what redis-py
+refuses (it connects lazily: no network I/O), and no message ever repeats a URL,
+which may hold a password (redis-py's own messages quote parts of one)."""
+
+import math
+import os
+
+from django.core.exceptions import ImproperlyConfigured
+
+from .redis_eviction import ALLOW_EVICTION_OPTION
+
+try:
+    import redis
+except ImportError:  # reported by the backends' checks (E010, E030)
+    redis = None  # type: ignore[assignment]
+
+#: What a Redis URL needs, said instead of redis-py's message for one it cannot read
+#: (which may quote part of a password).
+UNREADABLE_URL = (
+    "that redis-py can read: it needs the scheme redis://, rediss:// or unix://, a "
+    "port that is a number, and a password whose #, /, ? and @ are percent-encoded."
+)
+
+
+def check_connection_kwargs(alias, pool):
+    """Build one connection object of ``pool`` (it connects lazily: no I/O) so that
+    an argument redis-py does not take (a misspelt ``socket_timout``, ``ssl=True``),
+    or a timeout we cannot use, is reported as ImproperlyConfigured naming ``alias``,
+    rather than as a TypeError from every lock operation."""
+    problem = timeout_problem(alias, pool)
+    if problem is not None:
+        raise ImproperlyConfigured(problem)
+    kwargs = pool.connection_kwargs
+    try:
+        pool.connection_class(**kwargs)
+    except TypeError as exc:
+        hint = (
+            " For TLS, use a rediss:// URL (its certificate settings as ssl_* arguments)."
+            if "'ssl'" in str(exc)
+            else ""
+        )
+        raise ImproperlyConfigured(
+            f"{kwargs_setting(alias)} (or the LOCATION URL's query): redis-py's "
+            f"{_connection_label(pool)} refuses its arguments: {exc}.{hint}"
+        ) from exc
+
+
+def require_readable_url(url, where):
+    """Raise ImproperlyConfigured naming ``where`` unless redis-py can read ``url``,
+    without the URL or redis-py's message, which quotes the "port" (review r129: a
+    password with a "/" or "#" is read as one)."""
+    from redis.connection import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError:
+        # Not chained: a logged traceback would print the cause (review r150).
+        raise ImproperlyConfigured(f"{where} is not a Redis URL {UNREADABLE_URL}") from None
+
+
+def kwargs_setting(alias):
+    return f"SETNX_LOCKS[{alias!r}]['OPTIONS']['CONNECTION_KWARGS']"
+
+
+def _connection_label(pool):
+    """``Connection for host:port`` (or the socket's path), as the messages name it."""
+    kwargs = pool.connection_kwargs
+    host = kwargs.get("host") or "localhost"  # where redis-py connects without one
+    server = kwargs.get("path") or f"{host}:{kwargs.get('port') or 6379}"
+    cls = pool.connection_class
+    return f"{getattr(cls, '__name__', repr(cls))} for {server}"
+
+
+#: The files (and the directory, ``ssl_ca_path``) a TLS connection reads when it
+#: connects: a missing one is otherwise reported by every lock operation as a
+#: connection error, "No such file or directory", as if the server were unreachable.
+SSL_FILE_ARGUMENTS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+SSL_DIRECTORY_ARGUMENTS = ("ssl_ca_path",)
+#: The timeouts our own code computes with (a str, "3", raised a bare TypeError).
+TIMEOUT_ARGUMENTS = ("socket_timeout", "socket_connect_timeout")
+
+
+def _connection_kwargs_problem(alias, url, kwargs):
+    """``(error, pool)``: what the first lock operation would report about
+    ``kwargs`` for the server of ``url`` (see :func:`check_connection_kwargs`), or
+    None; and the pool built from them, if one could be. Builds a pool and one
+    connection object, as redis-py's ``Redis.from_url`` does: no I/O. A URL
+    redis-py cannot read is the LOCATION checks' to report."""
+    from redis.connection import parse_url
+
+    try:
+        parse_url(url)
+    except ValueError:
+        return None, None
+    kwargs = {k: v for k, v in kwargs.items() if k != "single_connection_client"}
+    try:
+        pool = redis.ConnectionPool.from_url(url, **kwargs)
+        check_connection_kwargs(alias, pool)
+    except ImproperlyConfigured as exc:
+        return str(exc), None
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the first lock meets it too
+        # redis-py's message may not say which argument (an AttributeError from deep
+        # inside, say): the ones given are listed.
+        given = ", ".join(sorted(map(str, kwargs))) or "none given"
+        return (
+            f"{kwargs_setting(alias)} ({given}; or the LOCATION URL's query): redis-py "
+            f"refuses it: {type(exc).__name__}: {exc}"
+        ), None
+    return timeout_problem(alias, pool), pool
+
+
+def timeout_problem(alias, pool):
+    """What is wrong with ``pool``'s socket timeouts, or None. Our own code computes
+    with them, and the socket module takes an int or a float only: a str ("3"), a
+    Decimal or a Fraction failed every lock with a bare TypeError (review r153)."""
+    for argument in TIMEOUT_ARGUMENTS:
+        value = pool.connection_kwargs.get(argument)
+        if value is not None and not (
+            type(value) in (int, float) and math.isfinite(value) and value > 0
+        ):
+            return (
+                f"{kwargs_setting(alias)} (or the LOCATION URL's query): {argument} must "
+                f"be None or a positive int or float (seconds), got {value!r}."
+            )
+    return None
+
+
+def _missing_tls_file(alias, pool):
+    """A warning about a TLS file (or directory) that ``pool``'s connections name and
+    this machine lacks, or None. A warning, not an error: a job that runs the
+    checks (``migrate``) may run where the certificates are not mounted (review
+    r150)."""
+    for arguments, exists, kind in (
+        (SSL_FILE_ARGUMENTS, os.path.isfile, "file"),
+        (SSL_DIRECTORY_ARGUMENTS, os.path.isdir, "directory"),
+    ):
+        for argument in arguments:
+            path = pool.connection_kwargs.get(argument)
+            if isinstance(path, (str, os.PathLike)) and not exists(path):
+                return (
+                    f"{kwargs_setting(alias)} (or the LOCATION URL's query): {argument} is "
+                    f"{os.fspath(path)!r}, which is not a {kind} on this machine "
+                    f"({_connection_label(pool)}): every lock operation will fail to "
+                    f"connect where that is so."
+                )
+    return None
+
+
+def check_client_options(
+    options, where, error, warn, *, kwargs_id, eviction_id, tls_id, alias, urls=()
+):
+    """The system checks of the options the Redis and Redlock backends share:
+    ``error(id, message)`` for a CONNECTION_KWARGS that is not a dict, or that,
+    with one of ``urls`` (the servers a plain redis-py client is made for), has an
+    argument redis-py's connection does not take or a value it (or we) cannot use;
+    or an ALLOW_EVICTION that is not a bool. ``warn(id, message)`` for a TLS file
+    missing here."""
+    kwargs = options.get("CONNECTION_KWARGS")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        error(
+            kwargs_id, f"{where}['OPTIONS']['CONNECTION_KWARGS'] must be a dict, got {kwargs!r}."
+        )
+    elif redis is not None:
+        # The first of each only: the same arguments are refused for every master.
+        problem = missing = None
+        for url in urls:
+            problem, pool = _connection_kwargs_problem(alias, url, kwargs or {})
+            if problem is not None:
+                error(kwargs_id, problem)
+                break
+            if missing is None and pool is not None:
+                missing = _missing_tls_file(alias, pool)
+        if problem is None and missing is not None:
+            warn(tls_id, missing)
+    allow = options.get(ALLOW_EVICTION_OPTION, False)
+    if not isinstance(allow, bool):
+        error(
+            eviction_id,
+            f"{where}['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] must be True or False, got {allow!r}.",
+        )
