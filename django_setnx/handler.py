@@ -81,7 +81,7 @@ class LockHandler(_Handler):
         if not isinstance(settings, dict):
             raise self.exception_class(
                 f"SETNX_LOCKS must be a dict of aliases, not {type(settings).__name__}: "
-                f"{settings!r}."
+                f"{redacted(settings)}."
             )
         return settings
 

@@ -148,22 +148,33 @@ def ttl_to_ms(ttl: float) -> int:
 
 
 def redacted(value: object) -> str:
-    """``repr(value)`` for an error message, with every credential a Redis URL in it
-    may hold replaced by ``***``: a settings value (a str, bytes, or a list, tuple,
-    set or dict of them, at any depth) may be a LOCATION with a password. Masked: a
-    URL's userinfo, everything up to the last "@" after its "://" (a password may
-    hold unencoded "/", "#" or "@": the very URLs that are refused; a "@" elsewhere
-    is masked with it, which errs on the safe side), and a ``password=`` or
-    ``username=`` query argument (redis-py reads both)."""
+    """``repr(value)`` for an error message, with every credential in it replaced by
+    ``***``: a settings value (a str, bytes, or a list, tuple, set or dict of them,
+    at any depth) may be a LOCATION with a password, or connection arguments with
+    one. Masked: a URL's userinfo, everything up to the last "@" after its "://" (a
+    password may hold unencoded "/", "#" or "@": the very URLs that are refused; a
+    "@" elsewhere is masked with it, which errs on the safe side); a ``password=``,
+    ``username=`` (redis-py reads both) or other credential-like query argument; the
+    value of a credential-like key in a dict, or in a ``(key, value)`` pair."""
     return repr(_without_credentials(value))
 
 
-_QUERY_CREDENTIAL = re.compile(r"(?i)([?&;](?:password|username)=)[^&;#]*")
+#: The names whose values are secret, or may be: in query strings, dict keys and
+#: ``(key, value)`` pairs (``password``, ``sentinel_password``, ``ssl_password``,
+#: ``credential_provider``, ``username``, ``token``...).
+_SECRET_NAME = r"[a-z_]*(?:pass|secret|token|credential|username|auth)[a-z_]*"
+_SECRET_KEY = re.compile(rf"(?i){_SECRET_NAME}")
+_QUERY_CREDENTIAL = re.compile(rf"(?i)((?:^|[?&;]){_SECRET_NAME}=)[^&;#]*")
 
 
 def _without_credentials(value: object) -> object:
     if isinstance(value, dict):
-        return {key: _without_credentials(item) for key, item in value.items()}
+        return {
+            key: "***" if _is_secret_name(key) else _without_credentials(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, tuple) and len(value) == 2 and _is_secret_name(value[0]):
+        return (value[0], "***")
     if isinstance(value, (list, tuple, set, frozenset)):
         return type(value)(_without_credentials(item) for item in value)
     if isinstance(value, bytes):
@@ -178,3 +189,7 @@ def _masked(text: str) -> str:
     if separator and "@" in rest:
         text = f"{scheme}://***@{rest.rpartition('@')[2]}"
     return _QUERY_CREDENTIAL.sub(r"\1***", text)
+
+
+def _is_secret_name(key: object) -> bool:
+    return isinstance(key, str) and _SECRET_KEY.fullmatch(key) is not None

@@ -776,6 +776,46 @@ def test_messages_about_a_location_never_show_its_password(backend_path, locatio
             }
         },
         {"default": {"BACKEND": BACKEND, "LOCATION": b"redis://:Secr3tPW@h/0"}},
+        # Review r154: a password as a connection argument, not in a URL.
+        {
+            "default": {
+                "BACKNED": BACKEND,
+                "OPTIONS": {"CONNECTION_KWARGS": {"password": "Secr3tPW"}},
+            }
+        },
+        {
+            "default": {
+                "BACKEND": BACKEND,
+                "OPTIONS": [("CONNECTION_KWARGS", {"password": "Secr3tPW"})],
+            }
+        },
+        {
+            "default": {
+                "BACKEND": BACKEND,
+                "LOCATION": "redis://h/0",
+                "OPTIONS": {"CONNECTION_KWARGS": [("password", "Secr3tPW")]},
+            }
+        },
+        {
+            "default": {
+                "BACKEND": BACKEND,
+                "LOCATION": "redis://h/0",
+                "OPTIONS": {"CONNECTION_KWARGS": "password=Secr3tPW"},
+            }
+        },
+        {
+            "default": {
+                "BACKEND": REDLOCK,
+                "LOCATION": MASTERS,
+                "OPTIONS": {"CONNECTION_KWARGS": ("ssl_password", "Secr3tPW")},
+            }
+        },
+        [
+            {
+                "LOCATION": "redis://u:Secr3tPW@h/0",
+                "OPTIONS": {"CONNECTION_KWARGS": {"password": "Secr3tPW"}},
+            }
+        ],
     ],
 )
 def test_no_settings_error_shows_a_password(setting):
@@ -788,7 +828,7 @@ def test_no_settings_error_shows_a_password(setting):
     with override_settings(SETNX_LOCKS=setting):
         messages = [e.msg for e in run_checks(tags=["django_setnx"])]
         assert messages
-        with pytest.raises((ImproperlyConfigured, TypeError, ValueError)) as refused:
+        with pytest.raises(Exception) as refused:  # whatever it is: its message
             LockHandler()["default"].get("x")
         messages.append(str(refused.value))
     assert not any("Secr3tPW" in m for m in messages), messages

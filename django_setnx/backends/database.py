@@ -165,12 +165,6 @@ GET_MANY_CHUNK = 500
 #: WAITER_MAX_BACKOFF (three statements an attempt: about 12 a second).
 #: At most this many names are remembered as just left to a waiter (see release).
 HANDED_OVER_KEEP = 1024
-#: A retried release (its first attempt's connection died) that finds another holder
-#: says the lock was lost only if that holder took it at least this long (ms, by the
-#: server's clock) before the first attempt was sent: the margin absorbs the drift
-#: between this process' monotonic clock and the server's over the retry. Within
-#: it, the release cannot tell and says released (see release).
-RETRIED_RELEASE_MARGIN_MS = 10
 HEAD_POLL = 0.0005
 #: ``PRAGMA synchronous`` values the lock connection may use on an SQLite database in
 #: WAL mode (``OPTIONS["SQLITE_SYNCHRONOUS"]``; OFF could corrupt the file).
@@ -1331,7 +1325,6 @@ class DatabaseBackend(BaseLockBackend):
         that waiter."""
         if not token:
             return False
-        sent_at = time.monotonic()  # no later than the first attempt reached the server
 
         def work(cursor, sql, raw, retried=False):
             if name in self._handed_over:
@@ -1352,24 +1345,13 @@ class DatabaseBackend(BaseLockBackend):
             # the first attempt may have deleted the row and lost only its answer
             # with the connection. Reporting "lost" then would tell a caller whose
             # release worked that its lock was taken over; and either way the lock is
-            # no longer ours, which is all a release promises. Unless another holder
-            # took it before the first attempt was sent (review r152).
-            return retried and not self._held_since_before(cursor, sql, name, sent_at)
+            # no longer ours, which is all a release promises. So a retry cannot
+            # report a lock lost before it either (review r152): no row says who
+            # freed it (acquired_at is when the next holder's statement arrived,
+            # which may precede our release: review r154).
+            return retried
 
         return self._run("release", work, retry=functools.partial(work, retried=True))
-
-    def _held_since_before(self, cursor, sql, name, sent_at):
-        """True if ``name``'s holder (not us: a release just found nothing of ours)
-        took it before ``sent_at`` (monotonic, this process) by the server's clock,
-        less RETRIED_RELEASE_MARGIN_MS for the clocks' drift: so before a release
-        sent then could have freed it, which proves that release found it lost."""
-        self._execute(cursor, sql.get, (name,))
-        row = cursor.fetchone()
-        if row is None:
-            return False
-        info = self._info(row)
-        sent_ms = info.now_ms - (time.monotonic() - sent_at) * 1000
-        return info.acquired_at_ms < sent_ms - RETRIED_RELEASE_MARGIN_MS
 
     def _release_any(self, cursor, sql, name, token):
         """Release with ``release_any`` (see release). Returns True if released."""

@@ -8,6 +8,7 @@ import os
 
 from django.core.exceptions import ImproperlyConfigured
 
+from ..validation import redacted
 from .redis_eviction import ALLOW_EVICTION_OPTION
 
 try:
@@ -117,7 +118,10 @@ def timeout_problem(alias, pool):
     for argument in TIMEOUT_ARGUMENTS:
         value = pool.connection_kwargs.get(argument)
         if value is not None and not (
-            type(value) in (int, float) and math.isfinite(value) and value > 0
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and value > 0
         ):
             return (
                 f"{kwargs_setting(alias)} (or the LOCATION URL's query): {argument} must "
@@ -159,7 +163,8 @@ def check_client_options(
     kwargs = options.get("CONNECTION_KWARGS")
     if kwargs is not None and not isinstance(kwargs, dict):
         error(
-            kwargs_id, f"{where}['OPTIONS']['CONNECTION_KWARGS'] must be a dict, got {kwargs!r}."
+            kwargs_id,
+            f"{where}['OPTIONS']['CONNECTION_KWARGS'] must be a dict, got {redacted(kwargs)}.",
         )
     elif redis is not None:
         # The first of each only: the same arguments are refused for every master.
