@@ -162,9 +162,10 @@ def redacted(value: object) -> str:
 #: The names whose values are secret, or may be: in query strings, dict keys and
 #: ``(key, value)`` pairs (``password``, ``sentinel_password``, ``ssl_password``,
 #: ``credential_provider``, ``username``, ``token``...).
-_SECRET_NAME = r"[a-z_]*(?:pass|secret|token|credential|username|auth)[a-z_]*"
+_SECRET_NAME = r"[a-z0-9_-]*(?:pass|secret|token|credential|username|auth)[a-z0-9_-]*"
 _SECRET_KEY = re.compile(rf"(?i){_SECRET_NAME}")
-_QUERY_CREDENTIAL = re.compile(rf"(?i)((?:^|[?&;]){_SECRET_NAME}=)[^&;#]*")
+#: Masked to the end: an unencoded "&" or "#" may be part of the password (r155).
+_QUERY_CREDENTIAL = re.compile(rf"(?i)((?:^|[?&;]){_SECRET_NAME}=).*")
 
 
 def _without_credentials(value: object) -> object:
@@ -173,10 +174,13 @@ def _without_credentials(value: object) -> object:
             key: "***" if _is_secret_name(key) else _without_credentials(item)
             for key, item in value.items()
         }
-    if isinstance(value, tuple) and len(value) == 2 and _is_secret_name(value[0]):
+    if isinstance(value, (tuple, list)) and len(value) == 2 and _is_secret_name(value[0]):
         return (value[0], "***")
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return type(value)(_without_credentials(item) for item in value)
+    # Plain types rebuilt (a namedtuple's type takes its fields, not an iterable:
+    # review r155).
+    for kind in (list, tuple, set, frozenset):
+        if isinstance(value, kind):
+            return kind(_without_credentials(item) for item in value)
     if isinstance(value, bytes):
         text = value.decode("utf-8", "replace")
         masked = _masked(text)
@@ -192,4 +196,6 @@ def _masked(text: str) -> str:
 
 
 def _is_secret_name(key: object) -> bool:
+    if isinstance(key, bytes):
+        key = key.decode("utf-8", "replace")
     return isinstance(key, str) and _SECRET_KEY.fullmatch(key) is not None

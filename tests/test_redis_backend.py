@@ -6,6 +6,7 @@ queue of waiters and handing the lock over to them, the fence counter, outages, 
 reusing a django-redis connection.
 """
 
+import collections
 import os
 import threading
 import time
@@ -816,6 +817,22 @@ def test_messages_about_a_location_never_show_its_password(backend_path, locatio
                 "OPTIONS": {"CONNECTION_KWARGS": {"password": "Secr3tPW"}},
             }
         ],
+        # Review r155: a URL as the django-redis alias; pairs as lists; a query
+        # password with an unencoded "&"; a namedtuple (it crashed the checks).
+        {"default": {"BACKEND": BACKEND, "OPTIONS": {"CACHE": "redis://:Secr3tPW@h/0"}}},
+        {
+            "default": {
+                "BACKEND": BACKEND,
+                "LOCATION": "redis://h/0",
+                "OPTIONS": {"CONNECTION_KWARGS": [["password", "Secr3tPW"]]},
+            }
+        },
+        {"default": {"BACKEND": REDLOCK, "LOCATION": ["redis://h/0?password=ab&Secr3tPW"]}},
+        {
+            "default": collections.namedtuple("Pair", "key value")(
+                "LOCATION", "redis://:Secr3tPW@h"
+            )
+        },
     ],
 )
 def test_no_settings_error_shows_a_password(setting):
@@ -840,7 +857,7 @@ def test_a_socket_timeout_of_the_wrong_type_is_a_configuration_error_at_first_us
     from decimal import Decimal
     from fractions import Fraction
 
-    for value in ("3", Decimal("2.5"), Fraction(5, 2), 0, -1):
+    for value in ("3", Decimal("2.5"), Fraction(5, 2), 0, -1, True, 10**400):
         options = {"CONNECTION_KWARGS": {"socket_timeout": value}}
         backend = RedisBackend("x", {"LOCATION": session_url(), "OPTIONS": options})
         with pytest.raises(

@@ -1146,7 +1146,7 @@ class RedisBackend(BaseLockBackend):
             if cache not in getattr(settings, "CACHES", {}):
                 error(
                     "E016",
-                    f"{where}['OPTIONS']['CACHE'] is {cache!r}, which is not an "
+                    f"{where}['OPTIONS']['CACHE'] is {redacted(cache)}, which is not an "
                     f"alias in settings.CACHES.",
                 )
             else:
@@ -1163,7 +1163,7 @@ class RedisBackend(BaseLockBackend):
                     if problem is not None:
                         error(
                             "E016",
-                            f"{where}['OPTIONS']['CACHE'] is {cache!r}, {problem}",
+                            f"{where}['OPTIONS']['CACHE'] is {redacted(cache)}, {problem}",
                             hint="Point it at a django_redis.cache.RedisCache alias, or set "
                             "LOCATION to the Redis URL instead.",
                         )
@@ -1292,15 +1292,18 @@ class RedisBackend(BaseLockBackend):
                 client.get_redis_connection(node).ping()
 
     def _connect_to_cache(self):
+        from django.core.cache import InvalidCacheBackendError
         from django_redis import get_redis_connection
 
+        where = f"SETNX_LOCKS[{self.alias!r}]['OPTIONS']['CACHE'] = {redacted(self.cache_alias)}"
         try:
             client = get_redis_connection(self.cache_alias)
         except NotImplementedError as exc:
-            raise ImproperlyConfigured(
-                f"SETNX_LOCKS[{self.alias!r}]['OPTIONS']['CACHE'] = {self.cache_alias!r} "
-                f"is not a django-redis cache."
-            ) from exc
+            raise ImproperlyConfigured(f"{where} is not a django-redis cache.") from exc
+        except InvalidCacheBackendError:
+            # Not chained: Django's message quotes the alias, which may be a URL given
+            # here by mistake, password included (review r155).
+            raise ImproperlyConfigured(f"{where} is not an alias in settings.CACHES.") from None
         pool = client.connection_pool
         watch = None if self.allow_eviction else _watch_shared_pool(pool)
         self._watch = watch

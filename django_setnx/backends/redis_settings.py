@@ -117,17 +117,22 @@ def timeout_problem(alias, pool):
     Decimal or a Fraction failed every lock with a bare TypeError (review r153)."""
     for argument in TIMEOUT_ARGUMENTS:
         value = pool.connection_kwargs.get(argument)
-        if value is not None and not (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and math.isfinite(value)
-            and value > 0
-        ):
+        if value is not None and not _is_seconds(value):
             return (
                 f"{kwargs_setting(alias)} (or the LOCATION URL's query): {argument} must "
                 f"be None or a positive int or float (seconds), got {value!r}."
             )
     return None
+
+
+def _is_seconds(value):
+    """A positive, finite int or float (a subclass too; not a bool)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:  # an int too large for a float (review r155)
+        return False
 
 
 def _missing_tls_file(alias, pool):
