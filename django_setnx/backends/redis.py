@@ -140,6 +140,7 @@ from .redis_settings import (
     UNREADABLE_URL,
     check_client_options,
     check_connection_kwargs,
+    is_readable_url,
     kwargs_setting,
     require_readable_url,
 )
@@ -1113,11 +1114,7 @@ class RedisBackend(BaseLockBackend):
             # r126: an http:// URL or a port that is not a number passed the checks
             # and failed the first lock). The message never repeats the URL: it may
             # hold a password. A CLIENT_CLASS may take other URLs.
-            from redis.connection import parse_url
-
-            try:
-                parse_url(location)
-            except ValueError:
+            if not is_readable_url(location):
                 error("E011", f"{where}['LOCATION'] is not a Redis URL {UNREADABLE_URL}")
         elif location is not None and options.get("CLIENT_CLASS") == f"{OUR_CLIENTS}sentinel":
             from .clients import parse_sentinel_url

@@ -47,17 +47,25 @@ def check_connection_kwargs(alias, pool):
         ) from exc
 
 
-def require_readable_url(url, where):
-    """Raise ImproperlyConfigured naming ``where`` unless redis-py can read ``url``,
-    without the URL or redis-py's message, which quotes the "port" (review r129: a
-    password with a "/" or "#" is read as one)."""
+def is_readable_url(url):
+    """True if redis-py can read ``url`` (``Redis.from_url`` would take it), read
+    without connecting. Its ValueError is never shown: it quotes the "port", which
+    is part of a password with an unencoded "/" or "#" (review r129)."""
     from redis.connection import parse_url
 
     try:
         parse_url(url)
     except ValueError:
-        # Not chained: a logged traceback would print the cause (review r150).
-        raise ImproperlyConfigured(f"{where} is not a Redis URL {UNREADABLE_URL}") from None
+        return False
+    return True
+
+
+def require_readable_url(url, where):
+    """Raise ImproperlyConfigured naming ``where`` unless redis-py can read ``url``,
+    without the URL or redis-py's message (see :func:`is_readable_url`; not chained
+    either: a logged traceback would print the cause, review r150)."""
+    if not is_readable_url(url):
+        raise ImproperlyConfigured(f"{where} is not a Redis URL {UNREADABLE_URL}")
 
 
 def kwargs_setting(alias):
@@ -88,11 +96,7 @@ def _connection_kwargs_problem(alias, url, kwargs):
     None; and the pool built from them, if one could be. Builds a pool and one
     connection object, as redis-py's ``Redis.from_url`` does: no I/O. A URL
     redis-py cannot read is the LOCATION checks' to report."""
-    from redis.connection import parse_url
-
-    try:
-        parse_url(url)
-    except ValueError:
+    if not is_readable_url(url):
         return None, None
     kwargs = {k: v for k, v in kwargs.items() if k != "single_connection_client"}
     try:

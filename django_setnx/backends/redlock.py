@@ -178,6 +178,7 @@ from .redis_settings import (
     UNREADABLE_URL,
     check_client_options,
     check_connection_kwargs,
+    is_readable_url,
     require_readable_url,
 )
 
@@ -413,6 +414,14 @@ class _OnConnection(CoreCommands):
         return self._client.parse_response(self._connection, args[0], **options)
 
 
+def _single_connection_refusal(alias):
+    """What the checks (E037) and the backend say of ``single_connection_client``."""
+    return (
+        f"SETNX_LOCKS[{alias!r}]['OPTIONS']['CONNECTION_KWARGS']: single_connection_client "
+        f"is not for Redlock, which keeps its own connections to each master; remove it."
+    )
+
+
 class _Node:
     """One master: its idle connections (a fork-safe :class:`wire.Server`), made by
     redis-py from the node's URL and options. Every new connection passes through
@@ -427,11 +436,7 @@ class _Node:
         if kwargs.get("single_connection_client"):
             # redis-py would connect in the constructor, through _on_connect, with
             # nothing of this node set up yet (review r145: an AttributeError).
-            raise ImproperlyConfigured(
-                f"SETNX_LOCKS[{alias!r}]['OPTIONS']['CONNECTION_KWARGS']: "
-                "single_connection_client is not for Redlock, which keeps its own "
-                "connections to each master; remove it."
-            )
+            raise ImproperlyConfigured(_single_connection_refusal(alias))
         require_readable_url(url, f"SETNX_LOCKS[{alias!r}]['LOCATION'] master {index}")
         # The client parses the replies of _on_connect's checks; it never connects.
         try:
@@ -695,12 +700,8 @@ class RedlockBackend(BaseLockBackend):
                 # Each as redis-py will read it, without connecting (review r149: a
                 # master with a bad URL passed, and its first lock's ValueError quoted
                 # part of the password). The message never repeats a URL.
-                from redis.connection import parse_url
-
                 for index, url in enumerate(location, 1):
-                    try:
-                        parse_url(url)
-                    except ValueError:
+                    if not is_readable_url(url):
                         error(
                             "E031",
                             f"{where}['LOCATION'] master {index} is not a Redis URL "
@@ -746,11 +747,7 @@ class RedlockBackend(BaseLockBackend):
             )
         kwargs = options.get("CONNECTION_KWARGS")
         if isinstance(kwargs, dict) and kwargs.get("single_connection_client"):
-            error(
-                "E037",
-                f"{where}['OPTIONS']['CONNECTION_KWARGS']: single_connection_client is not "
-                f"for Redlock, which keeps its own connections to each master; remove it.",
-            )
+            error("E037", _single_connection_refusal(alias))
         urls = location if not any(e.id == "django_setnx.E031" for e in errors) else []
         check_client_options(
             options,
