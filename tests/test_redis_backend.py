@@ -17,6 +17,7 @@ from django.conf import settings
 from django.core.cache.backends.base import BaseCache
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
+from django.utils.module_loading import import_string
 
 if "redis" not in settings.TEST_BACKENDS:
     pytest.skip("redis is not in settings.TEST_BACKENDS", allow_module_level=True)
@@ -738,6 +739,52 @@ def test_a_client_class_takes_its_own_connection_kwargs_unchecked():
     assert [e.id for e in RedisBackend.check_params("x", params)] == ["django_setnx.E018"]
     params["LOCATION"] = "http://h/0"
     assert [e.id for e in RedisBackend.check_params("x", params)] == ["django_setnx.E011"]
+
+
+@pytest.mark.parametrize("backend_path", [BACKEND, REDLOCK])
+@pytest.mark.parametrize(
+    "kwargs, works",
+    [
+        ([("password", "pairs-s3cret"), ("socket_timeout", 2)], False),
+        ((("socket_timeout", 2),), False),
+        (None, True),
+        ({}, True),
+    ],
+)
+def test_connection_kwargs_the_check_refuses_are_refused_at_first_use(
+    request, backend_path, kwargs, works
+):
+    """A list of pairs for CONNECTION_KWARGS was refused by ``manage.py check``
+    (E018/E037) but taken by the Redis backend, and crashed Redlock with a TypeError,
+    as None did (which the check lets pass). Now the check and first use agree: a
+    dict or None, else ImproperlyConfigured naming the setting, never the password."""
+    if backend_path == BACKEND:
+        location = request.getfixturevalue("redis_server").url
+    else:
+        location = request.getfixturevalue("redlock_masters3").urls
+    params = {
+        "BACKEND": backend_path,
+        "LOCATION": location,
+        "KEY_PREFIX": "setnx-test",
+        "OPTIONS": {"CONNECTION_KWARGS": kwargs},
+    }
+    checked = [e.id for e in import_string(backend_path).check_params("kw", params)]
+    with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "kw": params}):
+        try:
+            if works:
+                assert checked == []
+                with lock(unique(), ttl=5, backend="kw") as held:
+                    assert held.owned()
+            else:
+                assert checked == [
+                    "django_setnx.E018" if backend_path == BACKEND else "django_setnx.E037"
+                ]
+                with pytest.raises(ImproperlyConfigured, match="must be a dict") as refused:
+                    lock(unique(), ttl=5, backend="kw").acquire(blocking=False)
+                assert "SETNX_LOCKS['kw']['OPTIONS']['CONNECTION_KWARGS']" in str(refused.value)
+                assert "pairs-s3cret" not in str(refused.value)
+        finally:
+            locks.close_all()
 
 
 @pytest.mark.parametrize(

@@ -140,6 +140,7 @@ from .redis_settings import (
     UNREADABLE_URL,
     check_client_options,
     check_connection_kwargs,
+    connection_kwargs,
     is_readable_url,
     kwargs_setting,
     require_readable_url,
@@ -1211,7 +1212,7 @@ class RedisBackend(BaseLockBackend):
     def _client_kwargs(self, check):
         """CONNECTION_KWARGS with our defaults (timeouts, no retries) and, unless
         eviction is allowed, ``check`` as the connect hook."""
-        kwargs = dict(self.options.get("CONNECTION_KWARGS") or {})
+        kwargs = connection_kwargs(self.options, self.alias)
         kwargs.setdefault("socket_timeout", DEFAULT_SOCKET_TIMEOUT)
         kwargs.setdefault("socket_connect_timeout", DEFAULT_SOCKET_CONNECT_TIMEOUT)
         if not RETRY_KWARGS & kwargs.keys():

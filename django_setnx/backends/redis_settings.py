@@ -72,6 +72,21 @@ def kwargs_setting(alias):
     return f"SETNX_LOCKS[{alias!r}]['OPTIONS']['CONNECTION_KWARGS']"
 
 
+def connection_kwargs(options, alias):
+    """A copy of ``OPTIONS["CONNECTION_KWARGS"]``: ``{}`` when unset or None. Raises
+    ImproperlyConfigured, as the system check reports it (E018/E037), for anything
+    but a dict: a list of pairs would otherwise be taken by one backend and refused
+    by the check, and crash the other with a TypeError."""
+    kwargs = options.get("CONNECTION_KWARGS")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ImproperlyConfigured(
+            f"{kwargs_setting(alias)} must be a dict, got {redacted(kwargs)}."
+        )
+    return dict(kwargs)
+
+
 def _connection_label(pool):
     """``Connection for host:port`` (or the socket's path), as the messages name it."""
     kwargs = pool.connection_kwargs

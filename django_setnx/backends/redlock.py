@@ -178,6 +178,7 @@ from .redis_settings import (
     UNREADABLE_URL,
     check_client_options,
     check_connection_kwargs,
+    connection_kwargs,
     is_readable_url,
     require_readable_url,
 )
@@ -780,7 +781,7 @@ class RedlockBackend(BaseLockBackend):
             "socket_connect_timeout": self.node_timeout,
             # A retried connect would hold a round up; a down node is a no.
             "retry": Retry(NoBackoff(), 0),
-            **self.options.get("CONNECTION_KWARGS", {}),
+            **connection_kwargs(self.options, self.alias),
         }
         nodes = [
             _Node(
