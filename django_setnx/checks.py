@@ -3,7 +3,8 @@
 Misconfiguration is reported here, with an id and a hint, instead of as a crash at
 import time. Ids: E001-E009 and W001-W009 the setting's shape (this module),
 E010-E019 (and W010-W019) the Redis backend, E020-E029 (W020-W029) the database
-backend, E030-E039 (W030-W039) Redlock (each backend's ``check_params``).
+backend, E030-E039 (W030-W039) Redlock, E040-E049 local memory (each backend's
+``check_params``).
 """
 
 import difflib

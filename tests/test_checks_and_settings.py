@@ -303,3 +303,109 @@ def test_a_ttl_above_max_ttl_is_named_exactly(ttl, shown):
 def test_a_name_utf8_cannot_encode_is_refused(name):
     with pytest.raises(ValueError, match="UTF-8"):
         lock(name)
+
+
+_REDIS = "django_setnx.backends.redis.RedisBackend"
+_REDLOCK = "django_setnx.backends.redlock.RedlockBackend"
+_LOCMEM = "django_setnx.backends.locmem.LocMemBackend"
+_MASTERS = ["redis://127.0.0.1:1/0", "redis://127.0.0.1:2/0", "redis://127.0.0.1:3/0"]
+
+
+def _redis(**options):
+    return {"BACKEND": _REDIS, "LOCATION": "redis://127.0.0.1:1/0", "OPTIONS": options}
+
+
+def _redlock(location=_MASTERS, **options):
+    return {"BACKEND": _REDLOCK, "LOCATION": location, "OPTIONS": options}
+
+
+@pytest.mark.parametrize(
+    "params, error_id, message",
+    [
+        # A value the Lua scripts refuse made every release fail, the lock held for
+        # its ttl (D1, D9, D10); the others were taken at first use, some unsafely.
+        (_redis(FENCING_RETENTION=2e9), "E015", "above the 1e+09 s the Redis scripts take"),
+        (_redis(STALE_RETENTION=1e300), "E014", "above the 1e+09 s"),
+        (_redis(STALE_RETENTION=-5), "E014", "must be a positive number"),
+        (_redis(STALE_RETENTION=True), "E014", "must be a positive number"),
+        (_redis(STALE_RETENTION=float("nan")), "E014", "must be a positive number"),
+        (_redis(WAKE_TTL=1e300), "E015", "above the 1e+09 s"),
+        (_redis(CONNECTION_KWARGS={1: 2}), "E018", "must have str keys"),
+        (_redlock(FENCING_RETENTION=2e9), "E035", "above the 1e+09 s"),
+        (_redlock(FENCING_RETENTION="x"), "E035", "must be a positive number"),
+        (_redlock(FENCING_RETENTION=-1), "E035", "must be a positive number"),
+        (_redlock(STALE_RETENTION=2e9), "E035", "above the 1e+09 s"),
+        (_redlock(CLOCK_DRIFT_FACTOR=-5), "E036", "in [0, 1)"),
+        (_redlock(CLOCK_DRIFT_FACTOR="0.01"), "E036", "in [0, 1)"),
+        (_redlock(NODE_TIMEOUT="1"), "E035", "must be a positive number"),
+        (_redlock(NODE_TIMEOUT=True), "E035", "must be a positive number"),
+        (_redlock(NODE_TIMEOUT=0), "E035", "NODE_TIMEOUT'] must be a positive number"),
+        (_redlock(NODE_TIMEOUT=1e300), "E035", "above the 60 s"),
+        (_redlock(ALLOW_EVICTION="True"), "E039", "must be True or False"),
+        (_redlock(ALLOW_EVICTION=1), "E039", "must be True or False"),
+        (_redlock(CONNECTION_KWARGS={1: 2}), "E037", "must have str keys"),
+        # One server counted twice toward the majority (D12).
+        (
+            _redlock([_MASTERS[0], "redis://127.0.0.1:1", _MASTERS[2]]),
+            "E033",
+            "master(s) 2 point to the same server",
+        ),
+        ({"BACKEND": _LOCMEM, "LOCATION": ["a"]}, "E040", "must be a str, got ['a']"),
+        ({"BACKEND": _LOCMEM, "OPTIONS": [("MAX_TTL", 1)]}, "E006", "must be a dict"),
+        ({**_redis(), "OPTIONS": [("MAX_TTL", 1)]}, "E006", "must be a dict"),
+    ],
+)
+def test_first_use_refuses_what_the_check_refuses(params, error_id, message):
+    """Review r156: values that ``manage.py check`` refused were taken at first use
+    (a negative CLOCK_DRIFT_FACTOR made a Redlock lock's validity outlive its keys),
+    or passed both and failed every release; some crashed with a bare TypeError.
+    Now both say the same, before any connection (the servers here do not exist)."""
+    with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "parity": params}):
+        errors = [e for e in run_checks() if e.id.startswith("django_setnx.")]
+        assert f"django_setnx.{error_id}" in [e.id for e in errors], errors
+        assert any(message in e.msg for e in errors if e.id == f"django_setnx.{error_id}"), errors
+        try:
+            with pytest.raises(ImproperlyConfigured) as refused:
+                locks["parity"].get("anything")
+        finally:
+            locks.close_all()
+    assert message in str(refused.value)
+
+
+@pytest.mark.parametrize("cache", [["default"], {"default": 1}, 7])
+def test_a_cache_alias_that_is_not_a_str_is_refused_not_a_crash(cache):
+    """Review r156 D2: a list or dict as OPTIONS['CACHE'] crashed manage.py check
+    itself (unhashable type), and first use raised a bare TypeError."""
+    params = {"BACKEND": _REDIS, "OPTIONS": {"CACHE": cache}}
+    with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "parity": params}):
+        errors = [e for e in run_checks() if e.id == "django_setnx.E016"]
+        assert errors and "must be the alias (a str)" in errors[0].msg
+        try:
+            with pytest.raises(ImproperlyConfigured, match=r"must be the alias \(a str\)"):
+                locks["parity"].get("anything")
+        finally:
+            locks.close_all()
+
+
+def test_a_sentinel_url_query_wins_and_a_misspelt_argument_is_a_settings_error():
+    """Review r156 D13/D14: a Sentinel URL's ``?socket_timeout=`` was overridden by
+    the backend's default, and a misspelt CONNECTION_KWARGS raised redis-py's
+    TypeError at first use. Nothing here connects (the sentinels do not exist)."""
+    from django_setnx.backends.clients import sentinel as make_sentinel
+    from django_setnx.backends.redis import RedisBackend
+
+    sentinel = "django_setnx.backends.clients.sentinel"
+    url = "redis+sentinel://127.0.0.1:1/mymaster/0?socket_timeout=0.5"
+    backend = RedisBackend("s", {"LOCATION": url, "OPTIONS": {"CLIENT_CLASS": sentinel}})
+    # The arguments the backend gives its CLIENT_CLASS (its defaults among them).
+    made = make_sentinel(url, **backend._client_kwargs(None))
+    assert made.connection_pool.connection_kwargs["socket_timeout"] == 0.5
+    misspelt = RedisBackend(
+        "s",
+        {
+            "LOCATION": "redis+sentinel://127.0.0.1:1/mymaster/0",
+            "OPTIONS": {"CLIENT_CLASS": sentinel, "CONNECTION_KWARGS": {"socket_timout": 1}},
+        },
+    )
+    with pytest.raises(ImproperlyConfigured, match="refuses its arguments.*socket_timout"):
+        misspelt.get("anything")

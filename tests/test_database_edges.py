@@ -1346,6 +1346,126 @@ def test_bad_connection_options_are_named(options, named):
     assert [e.id for e in errors] == ["django_setnx.E022"] and named in errors[0].msg
 
 
+#: The largest OPERATION_TIMEOUT (a day) and STALE_RETENTION (10 years) accepted.
+LONGEST_OPERATION_TIMEOUT = 86400.0
+LONGEST_STALE_RETENTION = 10 * 365 * 86400.0
+
+
+def _refused_alike(params):
+    """``params`` as lock alias "bad": the system check's one error about it, and the
+    start of the backend, which must raise ImproperlyConfigured (a configuration
+    error, not a LockBackendError: an outage) with the same message. Returns the
+    check's error."""
+    from django.core import checks
+    from django.core.exceptions import ImproperlyConfigured
+    from django.test import override_settings
+
+    bad = {"BACKEND": "django_setnx.backends.database.DatabaseBackend", **params}
+    with override_settings(SETNX_LOCKS={**settings.SETNX_LOCKS, "bad": bad}):
+        errors = [
+            e
+            for e in checks.run_checks(tags=["django_setnx"])
+            if e.level >= checks.ERROR and "['bad']" in e.msg
+        ]
+        with pytest.raises(ImproperlyConfigured) as started:
+            locks["bad"]
+    assert len(errors) == 1, errors
+    assert str(started.value) == errors[0].msg
+    return errors[0]
+
+
+@pytest.mark.no_db
+@pytest.mark.parametrize("database_alias", _aliases("postgresql", "mysql", "sqlite"))
+@pytest.mark.parametrize("timeout", [LONGEST_OPERATION_TIMEOUT + 0.5, 40000000, 1e10])
+def test_an_operation_timeout_past_a_day_is_a_configuration_error(database_alias, timeout):
+    """Review D6: an OPERATION_TIMEOUT past what the drivers take (32767 s of TCP
+    keepalive on PostgreSQL, 31536000 s of connect_timeout on MySQL) passed the
+    check, then every connection failed, as an outage. Now refused by both."""
+    error = _refused_alike({"OPTIONS": {"DATABASE": database_alias, "OPERATION_TIMEOUT": timeout}})
+    assert error.id == "django_setnx.E022"
+    assert "['OPERATION_TIMEOUT']" in error.msg and f"got {timeout!r}" in error.msg
+    assert "at most 86400" in error.msg
+
+
+def test_the_longest_operation_timeout_connects_acquires_and_releases(
+    db_alias, name, make_backend
+):
+    """Review D6: every connection option derived from the largest OPERATION_TIMEOUT
+    is within its driver's limits (PostgreSQL's keepalives are capped)."""
+    backend = make_backend(db_alias, OPERATION_TIMEOUT=LONGEST_OPERATION_TIMEOUT)
+    token = _token()
+    assert backend.acquire(name, token, 30, OWNER).acquired
+    raw = backend._state().wrapper.connection
+    vendor = _vendor(db_alias)
+    if vendor == "postgresql":
+        parameters = raw.info.get_parameters()
+        assert parameters["keepalives_idle"] == "32767"  # Linux's maximum
+        assert parameters["keepalives_interval"] == "28800"
+        assert parameters["tcp_user_timeout"] == "86400000"
+        assert parameters["connect_timeout"] == "86400"
+    elif vendor == "mysql":
+        assert _sql(
+            backend, "SELECT @@SESSION.innodb_lock_wait_timeout, @@SESSION.lock_wait_timeout"
+        ) == (86400, 86400)
+    else:
+        assert _sql(backend, "PRAGMA busy_timeout") == (86400000,)
+    assert backend.release(name, token) is True
+
+
+@pytest.mark.no_db
+@pytest.mark.parametrize("database", [["default"], ("default",), None, 0, "nope"])
+def test_a_database_option_naming_no_database_is_a_configuration_error(database):
+    """Review D7: ``["default"]`` crashed the system check (unhashable), None failed
+    the first use with a TypeError, and an unknown alias with a LockBackendError."""
+    error = _refused_alike({"OPTIONS": {"DATABASE": database}})
+    assert error.id == "django_setnx.E020"
+    assert "['DATABASE']" in error.msg and repr(database) in error.msg
+    assert "'default'" in error.msg  # the configured ones
+
+
+def test_a_database_gone_before_the_first_connection_is_a_configuration_error(
+    make_backend, temporary_database, name
+):
+    """Review D7: the alias left DATABASES after the backend was made: its first
+    connection raises ImproperlyConfigured, as the backend's start would have."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    with temporary_database("default", "default-gone") as alias:
+        backend = make_backend(alias)
+    with pytest.raises(
+        ImproperlyConfigured, match=r"\['DATABASE'\] is 'default-gone', which is not in DATABASES"
+    ):
+        backend.owns(name, _token())
+
+
+@pytest.mark.no_db
+@pytest.mark.parametrize("database_alias", _aliases("postgresql", "mysql", "sqlite"))
+@pytest.mark.parametrize("retention", [1e300, LONGEST_STALE_RETENTION + 1, 10**20])
+def test_a_stale_retention_past_ten_years_is_a_configuration_error(database_alias, retention):
+    """Review D8: STALE_RETENTION=1e300 passed the check, then no purge ever ran
+    (its milliseconds overflow a 64-bit parameter), with a warning each time."""
+    error = _refused_alike({"OPTIONS": {"DATABASE": database_alias, "STALE_RETENTION": retention}})
+    assert error.id == "django_setnx.E022"
+    assert "['STALE_RETENTION']" in error.msg and f"got {retention!r}" in error.msg
+
+
+def test_the_longest_stale_retention_purges(db_alias, name, make_backend, caplog):
+    """Review D8: with the largest STALE_RETENTION (10 years) the purge runs: a row
+    that expired 11 years ago goes, one that expired 9 years ago stays."""
+    backend = make_backend(db_alias, STALE_RETENTION=LONGEST_STALE_RETENTION)
+    now = int(time.time() * 1000)
+    year = 365 * 86400 * 1000
+    _insert_row(backend, f"{name}:older", "{}", now - 12 * year, now - 11 * year)
+    _insert_row(backend, f"{name}:newer", "{}", now - 10 * year, now - 9 * year)
+    token = _token()
+    with caplog.at_level(logging.WARNING, logger="django_setnx"):
+        assert backend.acquire(name, token, 30, OWNER).acquired  # purges, once due
+    assert "Could not purge" not in caplog.text
+    assert sorted(i.name for i in backend.list(name_glob=f"{name}:*")) == [f"{name}:newer"]
+    assert backend.release(name, token) is True
+    _sql(backend, "DELETE FROM {lock} WHERE name = {p}", (f"{name}:newer",))
+
+
 @pytest.mark.no_db
 @pytest.mark.parametrize("key", ["KEY_PREFIX", "LOCATION"])
 def test_redis_only_settings_on_a_database_alias_are_reported_as_ignored(key):

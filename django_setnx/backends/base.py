@@ -33,7 +33,14 @@ from django.core.exceptions import ImproperlyConfigured
 from ..conf import DEFAULT_MAX_TTL, DEFAULT_TTL
 from ..exceptions import LockBackendError
 from ..globs import compile_glob
-from ..validation import MAX_LIMIT, MAX_TTL_LIMIT, split_slot, ttl_to_ms, validate_ttl
+from ..validation import (
+    MAX_LIMIT,
+    MAX_TTL_LIMIT,
+    redacted,
+    split_slot,
+    ttl_to_ms,
+    validate_ttl,
+)
 from .paging import LockPage, check_ordering, check_window, page_of_stream
 
 _P = ParamSpec("_P")
@@ -400,8 +407,15 @@ class BaseLockBackend:
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         self.alias = alias
         self.params = params
-        self.options = dict(params.get("OPTIONS") or {})
         where = f"SETNX_LOCKS[{alias!r}]"
+        options = params.get("OPTIONS")
+        if options is not None and not isinstance(options, dict):
+            # The system check's E006, said at first use too: a list of pairs would
+            # otherwise be taken (dict() of it) where the check refuses it.
+            raise ImproperlyConfigured(
+                f"{where}['OPTIONS'] must be a dict, got {redacted(options)}."
+            )
+        self.options = dict(options or {})
         #: Names the setting in the message of a ttl above MAX_TTL (built once here:
         #: the check runs on every acquire).
         self.max_ttl_setting = f"{where}['OPTIONS']['MAX_TTL']"

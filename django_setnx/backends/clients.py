@@ -24,6 +24,8 @@ runs unchanged on either::
 Sentinel: ``redis+sentinel://[[user]:password@]host:port[,host:port...]/service[/db]``
 (``rediss+sentinel://`` for TLS to the master). A password in the URL is the
 master's; the sentinels' own credentials go in ``CONNECTION_KWARGS["sentinel_kwargs"]``.
+What the URL sets (its credentials, db, ``?key=value`` arguments) wins over
+``CONNECTION_KWARGS`` and the backend's defaults, as in a ``redis://`` URL.
 The client is ``Sentinel(...).master_for(service)``: every new connection asks the
 sentinels for the current master, and a connection to a demoted master is dropped,
 so after a failover the same backend object reaches the new master (and checks its
@@ -147,7 +149,9 @@ def sentinel(location, **kwargs):
     from redis.sentinel import Sentinel
 
     sentinels, service, url_kwargs = parse_sentinel_url(location)
-    kwargs = {**url_kwargs, **kwargs}
+    # The URL's arguments win, as redis-py's from_url makes them win for a redis://
+    # URL: the backend's defaults (socket timeouts) are among ``kwargs``.
+    kwargs = {**kwargs, **url_kwargs}
     sentinel_kwargs = kwargs.pop("sentinel_kwargs", None)
     min_other_sentinels = kwargs.pop("min_other_sentinels", 0)
     if sentinel_kwargs is None:

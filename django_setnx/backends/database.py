@@ -120,7 +120,7 @@ from django.core.exceptions import ImproperlyConfigured
 from ..exceptions import LockBackendError
 from ..forksafe import ForkSafeLock, PerProcess
 from ..globs import compile_glob
-from ..validation import validate_record_name, validate_token
+from ..validation import MAX_TTL_LIMIT, validate_record_name, validate_token
 from .base import (
     STALE,
     STATES,
@@ -145,6 +145,9 @@ logger = logging.getLogger("django_setnx")
 #: ago without a release is purged (see ``_purge_if_due``), as the Redis backend's
 #: records are dropped by Redis.
 DEFAULT_STALE_RETENTION = 86400.0
+#: The largest ``OPTIONS["STALE_RETENTION"]`` (seconds): 10 years, as the longest
+#: ttl (``MAX_TTL_LIMIT``). Its milliseconds are a 64-bit statement parameter.
+MAX_STALE_RETENTION = MAX_TTL_LIMIT
 #: At most one purge of old stale rows per backend and this many seconds.
 PURGE_EVERY = 60.0
 
@@ -198,6 +201,18 @@ PREPARE_THRESHOLD = 5
 #: connection waits to connect, for a row or table lock, and for a silent network,
 #: before the operation fails with LockBackendError.
 DEFAULT_OPERATION_TIMEOUT = 5.0
+#: The largest ``OPTIONS["OPERATION_TIMEOUT"]`` (seconds): a day. Every connection
+#: option derived from it stays within its driver's and server's limits (see
+#: ``_timeout_options``): PostgreSQL's ``tcp_user_timeout`` in ms (at most
+#: 2**31 - 1), MySQL's ``connect_timeout`` and ``lock_wait_timeout`` (at most
+#: 31536000 s), SQLite's busy timeout in ms (a C int). A larger value would be refused
+#: by the driver at every connection, which would look like an outage.
+MAX_OPERATION_TIMEOUT = 86400.0
+#: The longest TCP keepalive idle time and probe interval (seconds) Linux accepts
+#: (``MAX_TCP_KEEPIDLE``, ``MAX_TCP_KEEPINTVL``): PostgreSQL's keepalive options,
+#: which scale with OPERATION_TIMEOUT, are capped at it (``tcp_user_timeout`` still
+#: bounds a silent network by OPERATION_TIMEOUT).
+MAX_TCP_KEEPALIVE = 32767
 
 #: MySQL/MariaDB: how much longer than OPERATION_TIMEOUT (whole seconds) a read or
 #: write may take, so that the server's own lock-wait error arrives first.
@@ -262,10 +277,14 @@ class DatabaseBackend(BaseLockBackend):
     wakes_waiters = True
 
     def __init__(self, alias, params):
+        from django.db import connections
+
         super().__init__(alias, params)
-        problems = _option_problems(alias, self.options)
+        # The aliases the lock connections will be made from (see _private_wrapper):
+        # DATABASES, read now (a change of it resets the backends).
+        problems = _option_problems(alias, self.options, connections.settings)
         if problems:
-            raise ImproperlyConfigured(" ".join(problems))
+            raise ImproperlyConfigured(" ".join(message for _, message in problems))
         # token -> _Waiter, for the refused callers of this process that will retry;
         # and name -> the one of them that last took the place next in line (see
         # _local_head_until), weakly: the entry goes with the waiter (review r130).
@@ -358,10 +377,9 @@ class DatabaseBackend(BaseLockBackend):
         from django.conf import settings
 
         options = params.get("OPTIONS") or {}
-        errors = [
-            checks.Error(problem, id="django_setnx.E022")
-            for problem in _option_problems(alias, options)
-        ]
+        databases = getattr(settings, "DATABASES", None) or {}
+        problems = _option_problems(alias, options, databases)
+        errors = [checks.Error(message, id=check_id) for check_id, message in problems]
         for key in ("KEY_PREFIX", "LOCATION"):
             if params.get(key) is not None:
                 # Accepted by every backend (handler.py), used only by Redis': an alias
@@ -380,15 +398,9 @@ class DatabaseBackend(BaseLockBackend):
                         id="django_setnx.W022",
                     )
                 )
+        if any(check_id == "django_setnx.E020" for check_id, _ in problems):
+            return errors  # no database to look at
         database = options.get("DATABASE", "default")
-        if database not in getattr(settings, "DATABASES", {}):
-            return errors + [
-                checks.Error(
-                    f"SETNX_LOCKS[{alias!r}]['OPTIONS']['DATABASE'] is {database!r}, which is not "
-                    f"in DATABASES (configured: {', '.join(map(repr, settings.DATABASES)) or 'none'}).",
-                    id="django_setnx.E020",
-                )
-            ]
         engine = settings.DATABASES[database].get("ENGINE", "")
         if not any(
             v in engine for v in ("postgresql", "postgis", "mysql", "sqlite", "spatialite")
@@ -1731,16 +1743,42 @@ def _holder_result(token, holder):
 # -- options --------------------------------------------------------------------------
 
 
-def _option_problems(alias, options):
-    """Messages for invalid ``OPERATION_TIMEOUT``, ``HEALTH_CHECK_AFTER``,
-    ``STALE_RETENTION``, ``SQLITE_SYNCHRONOUS``, ``LOCAL_WAKEUPS``, ``SQLITE_WAL``,
-    ``ASYNC_CONNECTIONS`` and ``PREPARED_STATEMENTS`` values."""
+def _option_problems(alias, options, databases):
+    """``(check id, message)`` for each invalid value among the ``options``: the
+    ``DATABASE`` (E020: see _database_problem; ``databases``: the configured
+    aliases), ``OPERATION_TIMEOUT``, ``HEALTH_CHECK_AFTER``, ``STALE_RETENTION``,
+    ``SQLITE_SYNCHRONOUS``, ``LOCAL_WAKEUPS``, ``SQLITE_WAL``, ``ASYNC_CONNECTIONS``
+    and ``PREPARED_STATEMENTS`` (E022). The system check reports them, and the
+    backend raises ImproperlyConfigured with the same messages at its first use."""
+    database = _database_problem(alias, options.get("DATABASE", "default"), databases)
+    return ([("django_setnx.E020", database)] if database else []) + [
+        ("django_setnx.E022", problem) for problem in _value_problems(alias, options)
+    ]
+
+
+def _database_problem(alias, database, databases):
+    """The message for an ``OPTIONS["DATABASE"]`` that is not the name of one of
+    ``databases`` (the aliases of DATABASES), or None."""
+    if isinstance(database, str) and database in databases:
+        return None
+    where = f"SETNX_LOCKS[{alias!r}]['OPTIONS']['DATABASE']"
+    configured = ", ".join(map(repr, databases)) or "none"
+    if not isinstance(database, str):
+        return (
+            f"{where} must be the name (a str) of a database in DATABASES "
+            f"(configured: {configured}), got {database!r}."
+        )
+    return f"{where} is {database!r}, which is not in DATABASES (configured: {configured})."
+
+
+def _value_problems(alias, options):
     problems = []
     where = f"SETNX_LOCKS[{alias!r}]['OPTIONS']"
     timeout = options.get("OPERATION_TIMEOUT", DEFAULT_OPERATION_TIMEOUT)
-    if not _is_seconds(timeout) or timeout <= 0:
+    if not _is_seconds(timeout) or not 0 < timeout <= MAX_OPERATION_TIMEOUT:
         problems.append(
-            f"{where}['OPERATION_TIMEOUT'] must be a positive number of seconds, got {timeout!r}."
+            f"{where}['OPERATION_TIMEOUT'] must be a positive number of seconds, at most "
+            f"{MAX_OPERATION_TIMEOUT:g} (a day), got {timeout!r}."
         )
     idle = options.get("HEALTH_CHECK_AFTER", DEFAULT_HEALTH_CHECK_AFTER)
     if idle is not None and (not _is_seconds(idle) or idle < 0):
@@ -1749,9 +1787,10 @@ def _option_problems(alias, options):
             f"of seconds >= 0, got {idle!r}."
         )
     retention = options.get("STALE_RETENTION", DEFAULT_STALE_RETENTION)
-    if not _is_seconds(retention) or retention <= 0:
+    if not _is_seconds(retention) or not 0 < retention <= MAX_STALE_RETENTION:
         problems.append(
-            f"{where}['STALE_RETENTION'] must be a positive number of seconds, got {retention!r}."
+            f"{where}['STALE_RETENTION'] must be a positive number of seconds, at most "
+            f"{MAX_STALE_RETENTION:g} (10 years), got {retention!r}."
         )
     synchronous = options.get("SQLITE_SYNCHRONOUS", "NORMAL")
     if synchronous is not None and (
@@ -1946,8 +1985,10 @@ def _timeout_options(base, timeout):
         options = {
             "connect_timeout": max(2, whole),  # libpq reads 1 as 2
             "keepalives": 1,
-            "keepalives_idle": whole,
-            "keepalives_interval": max(1, math.ceil(whole / 3)),
+            # At most MAX_TCP_KEEPALIVE (Linux refuses more: "setsockopt failed");
+            # tcp_user_timeout still breaks a silent connection after ``timeout``.
+            "keepalives_idle": min(whole, MAX_TCP_KEEPALIVE),
+            "keepalives_interval": min(max(1, math.ceil(whole / 3)), MAX_TCP_KEEPALIVE),
             "keepalives_count": 3,
         }
         if _libpq_version(base.Database) >= 120000:
@@ -2181,7 +2222,10 @@ def _private_wrapper(alias, database, operation_timeout):
     try:
         base = connections[database]
     except ConnectionDoesNotExist as exc:
-        raise LockBackendError(alias, f"database {database!r} is not configured") from exc
+        # Gone from DATABASES since the backend was made: a configuration error, as
+        # at its start (see _option_problems), not an outage.
+        problem = _database_problem(alias, database, connections.settings)
+        raise ImproperlyConfigured(problem or str(exc)) from exc
     # Copied a level deep, not deeply: OPTIONS may hold what cannot be copied (an
     # ssl.SSLContext for PyMySQL: review r127), and nothing in it is changed here.
     settings_dict = {

@@ -13,7 +13,11 @@ import collections
 import threading
 import time
 
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+
 from ..forksafe import ForkSafeLock, PerProcess
+from ..validation import redacted
 from .base import STATES, AcquireResult, BaseLockBackend, ClearResult, LockInfo, encode_owner
 
 # LOCATION -> _Store; module-level so that two aliases naming one LOCATION share it.
@@ -95,12 +99,33 @@ def _now_ms():
     return time.time_ns() // 1_000_000
 
 
+def _location_problem(alias, params):
+    """The message for a LOCATION that cannot name a store (not a str: a list was
+    a TypeError at first use, and 1 and "1" named two stores), else None."""
+    location = params.get("LOCATION")
+    if location is None or isinstance(location, str):
+        return None
+    return (
+        f"SETNX_LOCKS[{alias!r}]['LOCATION'] names the local-memory store and must be "
+        f"a str, got {redacted(location)}."
+    )
+
+
 class LocMemBackend(BaseLockBackend):
     wakes_waiters = True
 
+    @classmethod
+    def check_params(cls, alias, params):
+        """``django_setnx.E040`` for a LOCATION that is not a str, as first use says."""
+        problem = _location_problem(alias, params)
+        return [] if problem is None else [checks.Error(problem, id="django_setnx.E040")]
+
     def __init__(self, alias, params):
         super().__init__(alias, params)
-        location = params.get("LOCATION", "")
+        problem = _location_problem(alias, params)
+        if problem is not None:
+            raise ImproperlyConfigured(problem)
+        location = params.get("LOCATION") or ""
         with _stores_lock:
             self._store = _stores.setdefault(location, _Store())
 

@@ -95,7 +95,6 @@ import functools
 import importlib
 import inspect
 import itertools
-import math
 import numbers
 import os
 import random
@@ -144,6 +143,8 @@ from .redis_settings import (
     is_readable_url,
     kwargs_setting,
     require_readable_url,
+    script_seconds_ms,
+    script_seconds_problem,
 )
 from .redis_undo import UndoRetries
 
@@ -368,15 +369,6 @@ def import_dotted(path):
             break
         return obj
     raise ImportError(f"cannot import {path!r}")
-
-
-def _is_positive_number(value):
-    return (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    )
 
 
 def _no_retry():
@@ -998,6 +990,11 @@ class RedisBackend(BaseLockBackend):
         self.location = params.get("LOCATION")
         self.key_prefix = check_key_prefix(alias, params)
         self.cache_alias = self.options.get("CACHE")
+        if self.cache_alias is not None and not isinstance(self.cache_alias, str):
+            raise ImproperlyConfigured(
+                f"{where}['OPTIONS']['CACHE'] must be the alias (a str) of a django-redis "
+                f"cache in settings.CACHES, got {redacted(self.cache_alias)}."
+            )
         # The system checks report these too (E011, E012); an alias used without
         # running them must still fail here, naming itself, not at its first acquire.
         if self.location is None and self.cache_alias is None:
@@ -1022,19 +1019,21 @@ class RedisBackend(BaseLockBackend):
             )
         #: Whether the lock operations watch a shared pool's eviction policy.
         self.watches_shared_pool = self.cache_alias is not None and not self.allow_eviction
-        self.retention_ms = ttl_to_ms(self.options.get("STALE_RETENTION", DEFAULT_STALE_RETENTION))
-        self.wake_ms = ttl_to_ms(self.options.get("WAKE_TTL", DEFAULT_WAKE_TTL))
-        self.fence_ms = ttl_to_ms(self.options.get("FENCING_RETENTION", DEFAULT_FENCING_RETENTION))
-        for option, ms in (
-            ("MAX_TTL", ttl_to_ms(self.max_ttl)),
-            ("STALE_RETENTION", self.retention_ms),
-            ("WAKE_TTL", self.wake_ms),
-        ):
-            if ms > MAX_SCRIPT_MS:
-                raise ImproperlyConfigured(
-                    f"{where}['OPTIONS'][{option!r}] is above the Redis backend's limit of "
-                    f"{MAX_SCRIPT_MS / 1000:g} s."
-                )
+        # As the system checks report them (E014, E015): a value the scripts refuse
+        # would make every release fail, and the lock stay held for its ttl.
+        opts = self.options
+        self.retention_ms = script_seconds_ms(
+            opts, "STALE_RETENTION", DEFAULT_STALE_RETENTION, where
+        )
+        self.wake_ms = script_seconds_ms(opts, "WAKE_TTL", DEFAULT_WAKE_TTL, where)
+        self.fence_ms = script_seconds_ms(
+            opts, "FENCING_RETENTION", DEFAULT_FENCING_RETENTION, where
+        )
+        if ttl_to_ms(self.max_ttl) > MAX_SCRIPT_MS:
+            raise ImproperlyConfigured(
+                f"{where}['OPTIONS']['MAX_TTL'] is above the Redis backend's limit of "
+                f"{MAX_SCRIPT_MS / 1000:g} s."
+            )
         # SCAN MATCH pattern head: escaped so that a prefix such as "a*" cannot match
         # keys outside it.
         self._match_head = _escape_glob(self.key_prefix) + ":{"
@@ -1132,16 +1131,19 @@ class RedisBackend(BaseLockBackend):
             ("WAKE_TTL", "E015"),
             ("FENCING_RETENTION", "E015"),
         ):
-            if option in options and not _is_positive_number(options[option]):
-                error(
-                    id_,
-                    f"{where}['OPTIONS']['{option}'] must be a positive number of "
-                    f"seconds, got {options[option]!r}.",
-                )
+            problem = option in options and script_seconds_problem(options[option])
+            if problem:
+                error(id_, f"{where}['OPTIONS'][{option!r}] {problem}")
         if cache is not None and location is None:
             from django.conf import settings
 
-            if cache not in getattr(settings, "CACHES", {}):
+            if not isinstance(cache, str):
+                error(
+                    "E016",
+                    f"{where}['OPTIONS']['CACHE'] must be the alias (a str) of a "
+                    f"django-redis cache in settings.CACHES, got {redacted(cache)}.",
+                )
+            elif cache not in getattr(settings, "CACHES", {}):
                 error(
                     "E016",
                     f"{where}['OPTIONS']['CACHE'] is {redacted(cache)}, which is not an "
@@ -1253,6 +1255,16 @@ class RedisBackend(BaseLockBackend):
                 f"SETNX_LOCKS[{self.alias!r}]: cannot make a Redis client from LOCATION "
                 f"and CONNECTION_KWARGS with {client_class}: LOCATION may not be a Redis "
                 f"URL {UNREADABLE_URL}"
+            ) from None
+        except TypeError as exc:
+            if not (own_client or client_class.startswith(OUR_CLIENTS)):
+                raise
+            # redis-py's clients refuse an argument they do not take when they are
+            # built (Sentinel's master does): a configuration error naming the
+            # setting. The message names the argument, never a value.
+            raise ImproperlyConfigured(
+                f"{kwargs_setting(self.alias)} (or the LOCATION URL's query): the Redis "
+                f"client refuses its arguments: {exc}"
             ) from None
         except Exception as exc:
             # A client that connects while it is built (RedisCluster) wraps a refusal

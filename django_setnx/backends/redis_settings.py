@@ -4,12 +4,14 @@ refuses (it connects lazily: no network I/O), and no message ever repeats a URL,
 which may hold a password (redis-py's own messages quote parts of one)."""
 
 import math
+import numbers
 import os
 
 from django.core.exceptions import ImproperlyConfigured
 
-from ..validation import redacted
+from ..validation import redacted, ttl_to_ms
 from .redis_eviction import ALLOW_EVICTION_OPTION
+from .redis_scripts import MAX_SCRIPT_MS
 
 try:
     import redis
@@ -68,6 +70,39 @@ def require_readable_url(url, where):
         raise ImproperlyConfigured(f"{where} is not a Redis URL {UNREADABLE_URL}")
 
 
+def _is_positive_number(value):
+    """A finite real number above 0, not a bool (``True`` is a bug, not 1 s)."""
+    return (
+        isinstance(value, numbers.Real)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+def script_seconds_problem(value):
+    """Why ``value`` cannot be an option of seconds that the Lua scripts take as a
+    millisecond argument (``STALE_RETENTION``, ``WAKE_TTL``, ``FENCING_RETENTION``):
+    not a positive number, or above what a script accepts (a record written with it
+    would be refused at its release, and stay held for its ttl). None if it can."""
+    if not _is_positive_number(value):
+        return f"must be a positive number of seconds, got {value!r}."
+    if ttl_to_ms(value) > MAX_SCRIPT_MS:
+        return f"is {value!r} s, above the {MAX_SCRIPT_MS / 1000:g} s the Redis scripts take."
+    return None
+
+
+def script_seconds_ms(options, option, default, where):
+    """``OPTIONS[option]`` (``default`` when unset) in ms, for a script. Raises
+    ImproperlyConfigured naming it, as the system check reports it, for a value
+    :func:`script_seconds_problem` refuses."""
+    value = options.get(option, default)
+    problem = script_seconds_problem(value)
+    if problem is not None:
+        raise ImproperlyConfigured(f"{where}['OPTIONS'][{option!r}] {problem}")
+    return ttl_to_ms(value)
+
+
 def kwargs_setting(alias):
     return f"SETNX_LOCKS[{alias!r}]['OPTIONS']['CONNECTION_KWARGS']"
 
@@ -75,14 +110,19 @@ def kwargs_setting(alias):
 def connection_kwargs(options, alias):
     """A copy of ``OPTIONS["CONNECTION_KWARGS"]``: ``{}`` when unset or None. Raises
     ImproperlyConfigured, as the system check reports it (E018/E037), for anything
-    but a dict: a list of pairs would otherwise be taken by one backend and refused
-    by the check, and crash the other with a TypeError."""
+    but a dict with str keys: a list of pairs would otherwise be taken by one backend
+    and refused by the check, and crash the other with a TypeError."""
     kwargs = options.get("CONNECTION_KWARGS")
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict):
         raise ImproperlyConfigured(
             f"{kwargs_setting(alias)} must be a dict, got {redacted(kwargs)}."
+        )
+    if not all(isinstance(key, str) for key in kwargs):
+        raise ImproperlyConfigured(
+            f"{kwargs_setting(alias)} must have str keys (argument names), got "
+            f"{redacted(list(kwargs))}."
         )
     return dict(kwargs)
 
@@ -179,22 +219,22 @@ def check_client_options(
     options, where, error, warn, *, kwargs_id, eviction_id, tls_id, alias, urls=()
 ):
     """The system checks of the options the Redis and Redlock backends share:
-    ``error(id, message)`` for a CONNECTION_KWARGS that is not a dict, or that,
+    ``error(id, message)`` for a CONNECTION_KWARGS that is not a dict with str keys
+    (as first use says, see :func:`connection_kwargs`), or that,
     with one of ``urls`` (the servers a plain redis-py client is made for), has an
     argument redis-py's connection does not take or a value it (or we) cannot use;
     or an ALLOW_EVICTION that is not a bool. ``warn(id, message)`` for a TLS file
     missing here."""
-    kwargs = options.get("CONNECTION_KWARGS")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        error(
-            kwargs_id,
-            f"{where}['OPTIONS']['CONNECTION_KWARGS'] must be a dict, got {redacted(kwargs)}.",
-        )
-    elif redis is not None:
+    try:
+        kwargs = connection_kwargs(options, alias)
+    except ImproperlyConfigured as exc:  # the very message of first use
+        error(kwargs_id, str(exc))
+        kwargs = None
+    if kwargs is not None and redis is not None:
         # The first of each only: the same arguments are refused for every master.
         problem = missing = None
         for url in urls:
-            problem, pool = _connection_kwargs_problem(alias, url, kwargs or {})
+            problem, pool = _connection_kwargs_problem(alias, url, kwargs)
             if problem is not None:
                 error(kwargs_id, problem)
                 break

@@ -67,7 +67,8 @@ writes over TLS). ``list`` and ``clear`` walk each node with ``SCAN`` calls of
 ``SCAN_COUNT`` keys that may take ``max(1 s, 4 * NODE_TIMEOUT)`` each, then read the
 records found in batch rounds (one script per record on every node) that may take
 ``BATCH_TIMEOUT`` (10 s) each. ``CONNECTION_KWARGS`` may override ``socket_timeout``
-and ``socket_connect_timeout``; the rounds' deadlines stay as they are.
+and ``socket_connect_timeout``; the rounds' deadlines stay as they are. ``NODE_TIMEOUT``
+is at most MAX_NODE_TIMEOUT (60 s).
 
 **Eviction.** A master whose ``maxmemory-policy`` may evict keys could drop a held
 lock and let a second holder in. Every new connection to a node (the first use
@@ -181,6 +182,7 @@ from .redis_settings import (
     connection_kwargs,
     is_readable_url,
     require_readable_url,
+    script_seconds_problem,
 )
 
 try:
@@ -581,6 +583,93 @@ def _is_number(value, *, minimum=0.0, inclusive=False):
     return value >= minimum if inclusive else value > minimum
 
 
+#: The longest NODE_TIMEOUT (seconds): a node that has not answered in a minute is
+#: down for any lock; longer values overflow the socket's timeout arithmetic.
+MAX_NODE_TIMEOUT = 60.0
+
+
+def _option_problems(where, options):
+    """``[(check id, message)]`` for the options Redlock reads, for the system checks
+    and for first use alike (so the two agree): NODE_TIMEOUT, MAX_TTL,
+    STALE_RETENTION, FENCING_RETENTION, CLOCK_DRIFT_FACTOR (a negative one made a
+    lock's validity longer than its key's life) and ALLOW_EVICTION."""
+    problems = []
+    for option in ("NODE_TIMEOUT", "MAX_TTL"):
+        if option in options and not _is_number(options[option]):
+            problems.append(
+                (
+                    "E035",
+                    f"{where}['OPTIONS']['{option}'] must be a positive number of "
+                    f"seconds, got {options[option]!r}.",
+                )
+            )
+    timeout = options.get("NODE_TIMEOUT")
+    if _is_number(timeout) and timeout > MAX_NODE_TIMEOUT:
+        problems.append(
+            (
+                "E035",
+                f"{where}['OPTIONS']['NODE_TIMEOUT'] is {timeout!r} s, above the "
+                f"{MAX_NODE_TIMEOUT:g} s a node may take to answer.",
+            )
+        )
+    for option in ("STALE_RETENTION", "FENCING_RETENTION"):
+        problem = option in options and script_seconds_problem(options[option])
+        if problem:
+            problems.append(("E035", f"{where}['OPTIONS'][{option!r}] {problem}"))
+    factor = options.get("CLOCK_DRIFT_FACTOR", DEFAULT_CLOCK_DRIFT_FACTOR)
+    if not _is_number(factor, inclusive=True) or factor >= 1:
+        problems.append(
+            (
+                "E036",
+                f"{where}['OPTIONS']['CLOCK_DRIFT_FACTOR'] must be a number in "
+                f"[0, 1), got {factor!r}.",
+            )
+        )
+    return problems
+
+
+def _listed_twice_message(where, positions):
+    """Names the masters by position only: a URL may hold a password."""
+    listed = ", ".join(map(str, positions))
+    return (
+        f"{where}['LOCATION']: master(s) {listed} point to the same server (host, port "
+        f"and db) as an earlier one; every entry must be a different, independent "
+        f"master, or one server's vote counts twice toward the majority."
+    )
+
+
+def _master_address(url):
+    """Where a master URL points, as redis-py reads it (host in lower case, port
+    6379 and db 0 when unset, or the socket's path), to find a master listed twice;
+    None for a URL redis-py cannot read. Names are not resolved: "localhost" and
+    "127.0.0.1" are different hosts here."""
+    from redis.connection import parse_url
+
+    try:
+        parsed = parse_url(url)
+    except (TypeError, ValueError):
+        return None
+    db = int(parsed.get("db") or 0)
+    if parsed.get("path"):
+        return ("unix", parsed["path"], db)
+    return (str(parsed.get("host") or "localhost").lower(), int(parsed.get("port") or 6379), db)
+
+
+def _listed_twice(locations):
+    """The positions (from 1) of the masters of ``locations`` that point where an
+    earlier one does (see _master_address)."""
+    seen = set()
+    twice = []
+    for index, url in enumerate(locations, 1):
+        address = _master_address(url) if isinstance(url, str) else None
+        if address is None:
+            continue
+        if address in seen:
+            twice.append(index)
+        seen.add(address)
+    return twice
+
+
 @dataclass(frozen=True)
 class NodeStatus:
     """Whether one master votes (see :meth:`RedlockBackend.node_status`).
@@ -626,11 +715,24 @@ class RedlockBackend(BaseLockBackend):
                 f"URLs of independent masters, got {redacted(location)}."
             )
         self.locations = list(location)
+        where = f"SETNX_LOCKS[{alias!r}]"
+        twice = _listed_twice(self.locations)
+        if twice:
+            # One server counted twice toward the majority (review r156).
+            raise ImproperlyConfigured(_listed_twice_message(where, twice))
         self.key_prefix = check_key_prefix(alias, params)
         opts = self.options
+        problems = _option_problems(where, opts)
+        if problems:
+            raise ImproperlyConfigured(problems[0][1])
         self.node_timeout = float(opts.get("NODE_TIMEOUT", DEFAULT_NODE_TIMEOUT))
         self.drift_factor = float(opts.get("CLOCK_DRIFT_FACTOR", DEFAULT_CLOCK_DRIFT_FACTOR))
-        self.allow_eviction = opts.get(ALLOW_EVICTION_OPTION, False) is True
+        self.allow_eviction = opts.get(ALLOW_EVICTION_OPTION, False)
+        if not isinstance(self.allow_eviction, bool):
+            raise ImproperlyConfigured(
+                f"{where}['OPTIONS'][{ALLOW_EVICTION_OPTION!r}] must be True or False, "
+                f"got {self.allow_eviction!r}."
+            )
         self.max_ttl_ms = ttl_to_ms(self.max_ttl)
         self.retention_ms = ttl_to_ms(opts.get("STALE_RETENTION", DEFAULT_STALE_RETENTION))
         self.fence_ms = ttl_to_ms(opts.get("FENCING_RETENTION", DEFAULT_FENCING_RETENTION))
@@ -690,13 +792,9 @@ class RedlockBackend(BaseLockBackend):
                     f"{where}['LOCATION'] lists {len(location)} master(s); Redlock "
                     f"needs at least 3 (a majority of 1 or 2 tolerates no failure).",
                 )
-            duplicates = sorted({url for url in location if list(location).count(url) > 1})
-            if duplicates:
-                error(
-                    "E033",
-                    f"{where}['LOCATION'] lists {redacted(duplicates)} more than once; every "
-                    f"entry must be a different, independent master.",
-                )
+            twice = _listed_twice(location) if redis is not None else []
+            if twice:
+                error("E033", _listed_twice_message(where, twice))
             if redis is not None:
                 # Each as redis-py will read it, without connecting (review r149: a
                 # master with a bad URL passed, and its first lock's ValueError quoted
@@ -724,20 +822,8 @@ class RedlockBackend(BaseLockBackend):
         if not isinstance(options, dict):
             error("E039", f"{where}['OPTIONS'] must be a dict, got {redacted(options)}.")
             return errors
-        for option in ("NODE_TIMEOUT", "MAX_TTL", "STALE_RETENTION"):
-            if option in options and not _is_number(options[option]):
-                error(
-                    "E035",
-                    f"{where}['OPTIONS']['{option}'] must be a positive number of "
-                    f"seconds, got {options[option]!r}.",
-                )
-        factor = options.get("CLOCK_DRIFT_FACTOR", DEFAULT_CLOCK_DRIFT_FACTOR)
-        if not _is_number(factor, inclusive=True) or factor >= 1:
-            error(
-                "E036",
-                f"{where}['OPTIONS']['CLOCK_DRIFT_FACTOR'] must be a number in "
-                f"[0, 1), got {factor!r}.",
-            )
+        for id_, problem in _option_problems(where, options):
+            error(id_, problem)
         max_ttl = options.get("MAX_TTL", DEFAULT_MAX_TTL)
         ttl = params.get("TTL")
         if _is_number(max_ttl) and _is_number(ttl) and ttl > max_ttl:
