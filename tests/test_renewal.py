@@ -271,3 +271,36 @@ def test_a_forked_child_gets_a_watchdog_of_its_own(private_redis, name):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0, "the child's lock was never marked lost"
     warm.release()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_short_lock_handed_over_after_a_wait_is_not_reported_lost(private_redis, mode):
+    """Review r157: on Redis, a lock of ttl 1 s with auto_renew, handed over to a
+    waiter after about a second, was reported lost the moment it was acquired (the
+    record held by the waiter with its whole ttl left), and its release raised
+    LockNotOwned. The Lock dates a handed-over lock from the start of the call
+    before the one that reported it, and a waiter's calls blocked up to 0.9 s each:
+    its watchdog's deadline had passed. A waiter now blocks for at most a quarter of
+    its ttl."""
+    import asyncio
+    import uuid
+
+    name = f"handed-{uuid.uuid4().hex[:8]}"
+    lost = []
+    for _ in range(3):
+        holder = lock(name, ttl=1, auto_renew=True, backend="private")
+        assert holder.acquire(blocking=False)
+        releaser = threading.Timer(1.0, holder.release)
+        releaser.start()
+        waiter = lock(name, ttl=1, auto_renew=True, backend="private")
+        if mode == "sync":
+            assert waiter.acquire(timeout=10)
+        else:
+            assert asyncio.run(waiter.aacquire(timeout=10))
+        releaser.join()
+        time.sleep(0.1)  # the watchdog of a lock dated too early has fired by now
+        lost.append(waiter.lost)
+        info = waiter.info()
+        assert info is not None and info.expires_in > 0.5
+        waiter.release()
+    assert lost == [False] * 3

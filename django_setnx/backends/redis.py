@@ -282,12 +282,20 @@ def name_from_lock_key(prefix, key):
     return key[len(prefix) + 2 : -len("}:lock")]
 
 
-def _block_timeout(conn, max_wait, retry_after):
+def _block_timeout(conn, max_wait, retry_after, ttl_ms=None):
     """Seconds one BLPOP of a waiter may block (None: do not block at all): up to
     WAIT_BLOCK, the holder's expiry and ``max_wait``, below the socket timeout. The
     WAIT_BLOCK share is jittered, so that waiters that queued up together do not all
-    retry (and renew their place) in the same millisecond."""
+    retry (and renew their place) in the same millisecond.
+
+    And at most a quarter of the ttl the waiter asked for (``ttl_ms``, when known):
+    the Lock dates a lock handed over during a wait from the start of the call
+    before the one that reported it (locking._CallClock), and its auto_renew
+    watchdog counts the ttl from there. Blocks of WAIT_BLOCK made a lock of ttl 1 s
+    look expired the moment it was handed over (review r157)."""
     timeout = min(WAIT_BLOCK * random.uniform(WAIT_JITTER, 1.0), conn.max_block)
+    if ttl_ms is not None:
+        timeout = min(timeout, ttl_ms / 4000)
     if retry_after is not None:
         timeout = min(timeout, max(retry_after, 0) + 0.001)
     if max_wait is not None:
@@ -1585,7 +1593,7 @@ class RedisBackend(BaseLockBackend):
             return await super().await_release(
                 name, token=token, attempt=attempt, max_wait=max_wait, retry_after=retry_after
             )
-        timeout = _block_timeout(conn, max_wait, retry_after)
+        timeout = _block_timeout(conn, max_wait, retry_after, self._aqueued.get(token))
         if timeout is None:
             return None
         with _ReportedAs(self, "wait for", name, shared=False):
@@ -2109,7 +2117,9 @@ class RedisBackend(BaseLockBackend):
         LockBackendError)."""
         with self._errors_as("wait for", name):
             conn = self.connection
-            timeout = _block_timeout(conn, max_wait, retry_after)
+            queued = self._queued.get(token)
+            ttl_ms = None if queued is None else queued[0]
+            timeout = _block_timeout(conn, max_wait, retry_after, ttl_ms)
             if timeout is None:
                 return None
             try:
