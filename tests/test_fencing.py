@@ -288,3 +288,50 @@ def test_a_released_row_is_nobodys(alias, name):
     taker = lock(name, ttl=30, backend=alias)
     assert taker.acquire(blocking=False)
     taker.release()
+
+
+def set_last_token_by_hand(alias, name, value):
+    """Make ``value`` the last fencing token of the released ``name``, in the
+    storage itself (a hand-written value, or one a clock set centuries ahead left)."""
+    params = settings.SETNX_LOCKS[alias]
+    if params["BACKEND"].endswith("DatabaseBackend"):
+        database = params.get("OPTIONS", {}).get("DATABASE", "default")
+        with connections[database].cursor() as cursor:
+            cursor.execute(
+                "UPDATE django_setnx_lock SET fencing = %s WHERE name = %s", [value, name]
+            )
+            assert cursor.rowcount == 1
+        return
+    import redis
+
+    urls = params["LOCATION"]
+    for url in [urls] if isinstance(urls, str) else urls:
+        client = redis.Redis.from_url(url)
+        key = f"{params.get('KEY_PREFIX', 'setnx')}:{{{name}}}:fence"
+        assert client.set(key, value, px=60_000, xx=True)
+        client.close()
+
+
+def test_tokens_past_53_bits_are_refused_not_repeated(shared_alias, name):
+    """Review r158: a remembered token near 2**53 made Redis repeat 2**53 to three
+    holders in turn (Lua's doubles), and the databases hand out tokens above
+    2**53 - 1, which the listing shows as 0; a corrupt one ("inf", 1e300) made Redis
+    hand out a negative token, again and again. The last token that fits is given;
+    past it every acquire fails with LockBackendError, and the lock is left free."""
+    from django_setnx.exceptions import LockBackendError
+
+    acquired_token(shared_alias, name)
+    set_last_token_by_hand(shared_alias, name, JSON_SAFE - 2)
+    assert acquired_token(shared_alias, name) == JSON_SAFE - 1
+    for _ in range(2):
+        refused = lock(name, ttl=30, backend=shared_alias)
+        with pytest.raises(LockBackendError, match="fencing tokens"):
+            refused.acquire(timeout=0)
+        assert not refused.owned()
+        info = locks[shared_alias].get(name)
+        assert info is None or not info.is_held
+    if not settings.SETNX_LOCKS[shared_alias]["BACKEND"].endswith("DatabaseBackend"):
+        for corrupt in ("inf", "1e300"):
+            set_last_token_by_hand(shared_alias, name, corrupt)
+            with pytest.raises(LockBackendError, match="fencing tokens"):
+                lock(name, ttl=30, backend=shared_alias).acquire(timeout=0)

@@ -122,6 +122,7 @@ from ..forksafe import ForkSafeLock, PerProcess
 from ..globs import compile_glob
 from ..validation import MAX_TTL_LIMIT, validate_record_name, validate_token
 from .base import (
+    MAX_FENCING_TOKEN,
     STALE,
     STATES,
     AcquireResult,
@@ -988,6 +989,8 @@ class DatabaseBackend(BaseLockBackend):
                 holder = cursor.fetchone()
                 holder_live = bool(holder and holder[0])
                 result = _holder_result(token, holder)
+            if result.acquired and result.fencing_token > MAX_FENCING_TOKEN:
+                self._give_back_exhausted(cursor, sql, name, token, result.fencing_token)
             if result.acquired:
                 # Taking the row cleared the place next in line if it was ours. The
                 # other waiters, if any, lost a race for that place to us: wake them
@@ -1005,6 +1008,21 @@ class DatabaseBackend(BaseLockBackend):
         # default isolation is SERIALIZABLE, say): nothing was written, which is a
         # refusal; a caller that waits tries again, as after any refusal.
         return self._run("acquire", work, outraced=lambda: AcquireResult.lost(retry_after=0.0))
+
+    def _give_back_exhausted(self, cursor, sql, name, token, fencing):
+        """A row just taken with a fencing token past 2**53 - 1 (the row's last one
+        was written by hand, or by a server clock set centuries ahead): no caller may
+        get it (review r158). Released again, keeping that token (a tombstone): a
+        token issued before, below it, must stay below every later one; then
+        LockBackendError says how to get out."""
+        self._release_any(cursor, sql, name, token)
+        raise LockBackendError(
+            self.alias,
+            f"fencing tokens of {name!r} are exhausted: the next one would be {fencing}, "
+            f"and a token must stay below 2**53 (a token written by hand, or a database "
+            f"clock set centuries ahead). Delete its row once nothing relies on its "
+            f"tokens.",
+        )
 
     def _purge_if_due(self, cursor, sql):
         """Delete the rows that expired ``STALE_RETENTION`` ago without a release, at

@@ -75,13 +75,23 @@ end
 # or a removal (retire()). So nothing per name outlives its last use by more than
 # that, and tokens keep increasing as long as Redis' clock does not step back by more
 # than FENCING_RETENTION (see the module docstring).
-_FENCING = """
+_FENCING = f"""
 local function mint(last)
   last = tonumber(last)
-  if last and last >= us then
-    return last + 1
+  local fencing = us
+  if last and last >= us and last == last then  -- (last ~= last: NaN, unreadable)
+    fencing = last + 1
   end
-  return us
+  if fencing > {MAX_FENCING_TOKEN} then
+    -- No larger token fits in 53 bits (Lua's doubles would repeat 2^53): refuse,
+    -- before the caller's script writes anything that depends on it (review r158).
+    error({{err = 'ERR django-setnx: fencing tokens exhausted: the next one of ' ..
+      KEYS[1] .. ' would be ' .. string.format('%.17g', fencing) .. ', and a token ' ..
+      'must stay below 2^53 (a remembered token written by hand, or a server clock ' ..
+      'set centuries ahead). Delete ' .. KEYS[1] .. ' and ' .. KEYS[2] .. ' once ' ..
+      'nothing relies on its tokens'}})
+  end
+  return fencing
 end
 local function retire(fencing, fence_ms)
   redis.call('DEL', KEYS[1])
@@ -236,6 +246,10 @@ end
 -- same atomic step. Releases hand the lock straight to waiters, so a free lock with
 -- waiters only follows an expiry; the first to retry wins it, queued or not.
 local last = held[3]
+if not held[1] then
+  last = redis.call('GET', KEYS[2])
+end
+local fencing = mint(last)  -- before any write: it may refuse (exhausted tokens)
 local queued = false
 if held[1] then
   if held[4] then
@@ -244,10 +258,7 @@ if held[1] then
     queued = redis.call('EXISTS', KEYS[3]) == 1
   end
   redis.call('DEL', KEYS[1])  -- no field of the old record survives
-else
-  last = redis.call('GET', KEYS[2])
 end
-local fencing = mint(last)
 redis.call('HSET', KEYS[1], 'token', ARGV[1], 'fencing', fencing, 'owner', ARGV[3],
            'acquired', now, 'expires', now + ttl)
 if queued then
