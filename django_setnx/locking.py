@@ -200,6 +200,9 @@ class Lock:
     by one thread (or task) at a time, like ``threading.Lock`` held across a block.
     """
 
+    #: What the messages call it (a Semaphore says "semaphore").
+    _kind = "lock"
+
     def __init__(
         self,
         name: str,
@@ -255,8 +258,8 @@ class Lock:
     ) -> tuple[str, dict[str, Any], float | None]:
         if self._token is not None and not self.lost:
             raise LockError(
-                f"Lock {self.name!r} is already acquired by this Lock object; release it "
-                f"first (locks are not reentrant)."
+                f"{self._kind.capitalize()} {self.name!r} is already acquired by this "
+                f"{type(self).__name__} object; release it first (not reentrant)."
             )
         blocking = self.blocking if blocking is None else bool(blocking)
         timeout = self.timeout if timeout is _UNSET else validate_timeout(timeout)
@@ -502,7 +505,10 @@ class Lock:
         (a Celery message revoked before it ran). Use :meth:`adopt` to hold it on."""
         validate_token(token)
         if self._token is not None and not self.lost:
-            raise LockError(f"Lock {self.name!r} is already acquired by this Lock object.")
+            raise LockError(
+                f"{self._kind.capitalize()} {self.name!r} is already acquired by this "
+                f"{type(self).__name__} object."
+            )
         self._token, self.lost = token, False
 
     def _stop_waiting(self, record: str, token: str) -> AcquireResult | None:
@@ -555,7 +561,7 @@ class Lock:
         False: from an event loop, where that sync release must not run)."""
         if self._token is None:
             raise LockNotOwned(
-                self.name, f"Cannot {action} lock {self.name!r}: it is not acquired."
+                self.name, f"Cannot {action} {self._kind} {self.name!r}: it is not acquired."
             )
         if self.lost:
             if action == "release" and free_lost:
@@ -567,7 +573,7 @@ class Lock:
     def _lost_error(self, action: str) -> LockNotOwned:
         return LockNotOwned(
             self.name,
-            f"Cannot {action} lock {self.name!r}: it was lost (expired, taken over or "
+            f"Cannot {action} {self._kind} {self.name!r}: it was lost (expired, taken over or "
             f"force-released, or not renewed in time).",
         )
 
@@ -604,7 +610,8 @@ class Lock:
             self._mark_lost()
             raise LockNotOwned(
                 self.name,
-                f"Lock {self.name!r} was no longer held by this object at release: it "
+                f"{self._kind.capitalize()} {self.name!r} was no longer held by this object "
+                f"at release: it "
                 f"expired (another owner may hold it now) or was force-released (admin, "
                 f"clearlocks, a dead owner's cleanup). Nothing was released.",
             )
@@ -733,7 +740,7 @@ class Lock:
             self._mark_lost()
             raise LockNotOwned(
                 self.name,
-                f"Cannot extend lock {self.name!r}: it is no longer held by this object "
+                f"Cannot extend {self._kind} {self.name!r}: it is no longer held by this object "
                 f"(it expired, was taken over or was force-released).",
             )
 

@@ -80,6 +80,8 @@ class Semaphore(Lock):
     acquire), holding one of the ``limit`` slots. ``limit=1`` is a mutex.
     """
 
+    _kind = "semaphore"
+
     def __init__(self, name: str, limit: int, ttl: float | None = None, **kwargs: Any) -> None:
         self.limit = validate_limit(limit)
         super().__init__(validate_semaphore_name(name, self.limit), ttl, **kwargs)

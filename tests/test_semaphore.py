@@ -559,3 +559,19 @@ def test_a_long_wait_looks_at_the_slots_less_and_less_often(alias, name, monkeyp
     assert moves <= 20, attempts
     for holder in holders:
         holder.release()
+
+
+def test_errors_call_a_semaphore_a_semaphore(alias, name):
+    """Review r157 nit: a semaphore's errors said "Cannot release lock ...", and
+    "already acquired by this Lock object"."""
+    sem = semaphore(name, limit=2, ttl=30, backend=alias)
+    with pytest.raises(LockNotOwned, match=f"Cannot release semaphore '{name}'"):
+        sem.release()
+    assert sem.acquire(blocking=False)
+    with pytest.raises(
+        LockError, match=f"Semaphore '{name}' is already acquired by this Semaphore"
+    ):
+        sem.acquire(blocking=False)
+    sem.release()
+    with pytest.raises(LockNotOwned, match="Cannot extend semaphore"):
+        sem.extend()
