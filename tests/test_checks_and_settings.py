@@ -331,6 +331,11 @@ def _redlock(location=_MASTERS, **options):
         (_redis(STALE_RETENTION=float("nan")), "E014", "must be a positive number"),
         (_redis(WAKE_TTL=1e300), "E015", "above the 1e+09 s"),
         (_redis(CONNECTION_KWARGS={1: 2}), "E018", "must have str keys"),
+        # Read by redis-py only when it connects (review r159).
+        (_redis(CONNECTION_KWARGS={"health_check_interval": "abc"}), "E018", "health_check"),
+        (_redis(CONNECTION_KWARGS={"socket_keepalive_options": [1]}), "E018", "keepalive"),
+        (_redis(CONNECTION_KWARGS={"encoding": "nope-enc"}), "E018", "not a codec"),
+        (_redlock(CONNECTION_KWARGS={"encoding": "nope-enc"}), "E037", "not a codec"),
         (_redlock(FENCING_RETENTION=2e9), "E035", "above the 1e+09 s"),
         (_redlock(FENCING_RETENTION="x"), "E035", "must be a positive number"),
         (_redlock(FENCING_RETENTION=-1), "E035", "must be a positive number"),
@@ -409,3 +414,14 @@ def test_a_sentinel_url_query_wins_and_a_misspelt_argument_is_a_settings_error()
     )
     with pytest.raises(ImproperlyConfigured, match="refuses its arguments.*socket_timout"):
         misspelt.get("anything")
+    for kwargs in ({"sentinel_kwargs": "pw-secret"}, {"min_other_sentinels": "abc"}):
+        wrong = RedisBackend(
+            "s",
+            {
+                "LOCATION": "redis+sentinel://127.0.0.1:1/mymaster/0",
+                "OPTIONS": {"CLIENT_CLASS": sentinel, "CONNECTION_KWARGS": kwargs},
+            },
+        )
+        with pytest.raises(ImproperlyConfigured, match="CONNECTION_KWARGS.*got a str") as refused:
+            wrong.get("anything")
+        assert "pw-secret" not in str(refused.value)

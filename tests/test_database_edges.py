@@ -1423,6 +1423,33 @@ def test_a_database_option_naming_no_database_is_a_configuration_error(database)
     assert "'default'" in error.msg  # the configured ones
 
 
+@pytest.mark.no_db
+@pytest.mark.parametrize(
+    "database",
+    [
+        {"ENGINE": "django.db.backends.postgresql", "NAME": "x", "PASSWORD": "hunter2"},
+        "postgres://app:hunter2@db.internal/app",
+    ],
+)
+def test_a_database_option_pasted_with_a_password_does_not_show_it(database):
+    """Review r159: a settings dict or a database URL given as OPTIONS['DATABASE']
+    was printed whole, password included, by the check and at first use."""
+    error = _refused_alike({"OPTIONS": {"DATABASE": database}})
+    assert error.id == "django_setnx.E020"
+    assert "hunter2" not in error.msg and "***" in error.msg
+
+
+def test_the_dummy_database_django_fills_in_is_not_a_database():
+    """Review r159: with DATABASES empty, Django fills in a dummy "default", every
+    query on which fails: the database backend said "cannot connect" (an outage) on
+    every call. It is a configuration error, as for an alias not configured."""
+    from django_setnx.backends.database import _database_problem
+
+    dummy = {"default": {"ENGINE": "django.db.backends.dummy"}}
+    message = _database_problem("x", "default", dummy)
+    assert message is not None and "not in DATABASES (configured: none)" in message
+
+
 def test_a_database_gone_before_the_first_connection_is_a_configuration_error(
     make_backend, temporary_database, name
 ):

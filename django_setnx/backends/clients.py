@@ -154,6 +154,17 @@ def sentinel(location, **kwargs):
     kwargs = {**kwargs, **url_kwargs}
     sentinel_kwargs = kwargs.pop("sentinel_kwargs", None)
     min_other_sentinels = kwargs.pop("min_other_sentinels", 0)
+    # TypeError: the backend reports it as its CONNECTION_KWARGS' fault. The
+    # messages name types, never values (a password may be one).
+    if sentinel_kwargs is not None and not isinstance(sentinel_kwargs, dict):
+        raise TypeError(
+            f"sentinel_kwargs must be a dict of the sentinels' connection arguments, "
+            f"got a {type(sentinel_kwargs).__name__}"
+        )
+    if not isinstance(min_other_sentinels, int) or min_other_sentinels < 0:
+        raise TypeError(
+            f"min_other_sentinels must be an int >= 0, got a {type(min_other_sentinels).__name__}"
+        )
     if sentinel_kwargs is None:
         sentinel_kwargs = {k: v for k, v in kwargs.items() if k.startswith(SHARED_WITH_SENTINELS)}
     return Sentinel(

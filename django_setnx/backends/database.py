@@ -120,7 +120,7 @@ from django.core.exceptions import ImproperlyConfigured
 from ..exceptions import LockBackendError
 from ..forksafe import ForkSafeLock, PerProcess
 from ..globs import compile_glob
-from ..validation import MAX_TTL_LIMIT, validate_record_name, validate_token
+from ..validation import MAX_TTL_LIMIT, redacted, validate_record_name, validate_token
 from .base import (
     MAX_FENCING_TOKEN,
     STALE,
@@ -1777,16 +1777,29 @@ def _option_problems(alias, options, databases):
 def _database_problem(alias, database, databases):
     """The message for an ``OPTIONS["DATABASE"]`` that is not the name of one of
     ``databases`` (the aliases of DATABASES), or None."""
-    if isinstance(database, str) and database in databases:
+    if isinstance(database, str) and _configured(databases.get(database)):
         return None
     where = f"SETNX_LOCKS[{alias!r}]['OPTIONS']['DATABASE']"
-    configured = ", ".join(map(repr, databases)) or "none"
+    configured = ", ".join(repr(a) for a in databases if _configured(databases[a])) or "none"
+    # redacted: a settings dict or a database URL pasted here carries a password
+    # (review r159).
     if not isinstance(database, str):
         return (
             f"{where} must be the name (a str) of a database in DATABASES "
-            f"(configured: {configured}), got {database!r}."
+            f"(configured: {configured}), got {redacted(database)}."
         )
-    return f"{where} is {database!r}, which is not in DATABASES (configured: {configured})."
+    return (
+        f"{where} is {redacted(database)}, which is not in DATABASES (configured: {configured})."
+    )
+
+
+def _configured(database_settings):
+    """Whether a DATABASES entry is a database: Django fills in a dummy "default"
+    (ENGINE django.db.backends.dummy) when DATABASES is empty, and every query on it
+    fails, which would look like an outage (review r159)."""
+    if not isinstance(database_settings, dict):
+        return False
+    return database_settings.get("ENGINE", "") not in ("", "django.db.backends.dummy")
 
 
 def _value_problems(alias, options):

@@ -3,6 +3,7 @@ checks and first-use checks. A connection object is built to see what redis-py
 refuses (it connects lazily: no network I/O), and no message ever repeats a URL,
 which may hold a password (redis-py's own messages quote parts of one)."""
 
+import codecs
 import math
 import numbers
 import os
@@ -31,7 +32,7 @@ def check_connection_kwargs(alias, pool):
     an argument redis-py does not take (a misspelt ``socket_timout``, ``ssl=True``),
     or a timeout we cannot use, is reported as ImproperlyConfigured naming ``alias``,
     rather than as a TypeError from every lock operation."""
-    problem = timeout_problem(alias, pool)
+    problem = unusable_arguments_problem(alias, pool)
     if problem is not None:
         raise ImproperlyConfigured(problem)
     kwargs = pool.connection_kwargs
@@ -167,20 +168,49 @@ def _connection_kwargs_problem(alias, url, kwargs):
             f"{kwargs_setting(alias)} ({given}; or the LOCATION URL's query): redis-py "
             f"refuses it: {type(exc).__name__}: {exc}"
         ), None
-    return timeout_problem(alias, pool), pool
+    return unusable_arguments_problem(alias, pool), pool
 
 
-def timeout_problem(alias, pool):
-    """What is wrong with ``pool``'s socket timeouts, or None. Our own code computes
-    with them, and the socket module takes an int or a float only: a str ("3"), a
-    Decimal or a Fraction failed every lock with a bare TypeError (review r153)."""
+def unusable_arguments_problem(alias, pool):
+    """What is wrong with ``pool``'s connection arguments that building a connection
+    object does not find, or None: the socket timeouts (our own code computes with
+    them, and the socket module takes an int or a float only: a str ("3"), a Decimal
+    or a Fraction failed every lock with a bare TypeError, review r153), and the
+    arguments read only when connecting (see _connect_arguments_problem)."""
+    kwargs = pool.connection_kwargs
+    where = f"{kwargs_setting(alias)} (or the LOCATION URL's query)"
     for argument in TIMEOUT_ARGUMENTS:
-        value = pool.connection_kwargs.get(argument)
+        value = kwargs.get(argument)
         if value is not None and not _is_seconds(value):
             return (
-                f"{kwargs_setting(alias)} (or the LOCATION URL's query): {argument} must "
-                f"be None or a positive int or float (seconds), got {value!r}."
+                f"{where}: {argument} must be None or a positive int or float (seconds), "
+                f"got {value!r}."
             )
+    return _connect_arguments_problem(where, kwargs)
+
+
+def _connect_arguments_problem(where, kwargs):
+    """What is wrong with the arguments redis-py reads only when it connects (so a
+    connection object built without I/O takes them), or None: they failed the first
+    lock with a bare TypeError, AttributeError or LookupError (review r159)."""
+    interval = kwargs.get("health_check_interval", 0)
+    if not _is_seconds(interval) and interval != 0:
+        return (
+            f"{where}: health_check_interval must be a number of seconds >= 0, got {interval!r}."
+        )
+    options = kwargs.get("socket_keepalive_options")
+    if options is not None and not (
+        isinstance(options, dict) and all(isinstance(k, int) for k in options)
+    ):
+        return (
+            f"{where}: socket_keepalive_options must be a dict of socket option numbers "
+            f"(socket.TCP_KEEPIDLE, ...) to values, got {options!r}."
+        )
+    encoding = kwargs.get("encoding", "utf-8")
+    try:
+        codecs.lookup(encoding)
+    except (LookupError, TypeError):
+        return f"{where}: encoding {encoding!r} is not a codec Python knows."
     return None
 
 
