@@ -452,6 +452,7 @@ class Lock:
                 if calls.queued is None:
                     return None
                 calls.tick()
+                calls.written_by_next = False  # maybe handed, and written, before it
                 # Handed to us just before we gave up: ours after all.
                 handed: AcquireResult | None = yield _STOP_WAITING, record, None
                 calls.queued = None
@@ -464,8 +465,17 @@ class Lock:
             )
             calls.waits += 1
             if handed is None:
+                # The next attempt writes the record's expiry itself, unless the wait
+                # may have written it (an attempt the backend made at its end, whose
+                # answer was lost): then the win dates from the wait (review r160:
+                # dated from the wait always, locks won on PostgreSQL or locmem after
+                # a wait of seconds were reported lost the moment they were won).
+                calls.written_by_next = not self.backend.wait_may_have_written
                 continue
             if handed.acquired:  # a release handed the lock to us
+                # Written by the attempt the backend made during this very wait (the
+                # claim confirmed with our ttl, see BaseLockBackend.wait).
+                calls.written_by_next = True
                 calls.queued = None
                 return handed
             # The backend made our next attempt at the end of its wait (see
@@ -934,11 +944,15 @@ class _CallClock:
     the two: a safe lower bound for when the record's ttl started.
     """
 
-    __slots__ = ("current", "previous", "queued", "signalled", "waits")
+    __slots__ = ("current", "previous", "queued", "signalled", "waits", "written_by_next")
 
     def __init__(self) -> None:
         self.current: float | None = None
         self.previous: float | None = None
+        #: Whether the record a win reports was written during the call that reported
+        #: it (set after a wait that wrote nothing, or one that reported the win
+        #: itself), so that call's start is the bound, not the call before.
+        self.written_by_next = False
         #: The record whose waiters the caller is among, or None.
         self.queued: str | None = None
         #: Whether the acquire's first refusal was signalled (lock_contended).
@@ -952,7 +966,9 @@ class _CallClock:
 
     def earliest_write(self) -> float:
         assert self.current is not None  # ticked before every call
-        return self.current if self.previous is None else self.previous
+        if self.previous is None or self.written_by_next:
+            return self.current
+        return self.previous
 
 
 class _Renewer(threading.Thread):

@@ -979,3 +979,24 @@ def test_one_server_under_two_names_votes_once(make_masters):
         third.kill()
         with pytest.raises(LockBackendError, match="same redis-server as master 1"):
             lock(unique(), ttl=10, backend=alias).acquire(blocking=False)
+
+
+def test_one_master_out_of_tokens_refuses_the_lock_not_a_smaller_token(redlock_masters3):
+    """Review r160: with one master's remembered token at 2**53 - 1, its error was
+    counted as a node that did not answer, and the other two granted the lock with
+    tokens from their clocks: seven quadrillion below the last one given."""
+    name = unique()
+    with alias_on(redlock_masters3.urls) as alias:
+        with lock(name, ttl=10, backend=alias):
+            pass
+        first = redis.Redis.from_url(redlock_masters3.urls[0])
+        assert first.set(f"setnx-test:{{{name}}}:fence", 2**53 - 2, px=60_000, xx=True)
+        first.close()
+        crashed = lock(name, ttl=0.3, backend=alias)  # never released: its holder died
+        assert crashed.acquire(blocking=False)
+        assert crashed.fencing_token == 2**53 - 1  # the largest of the masters' tokens
+        time.sleep(0.5)  # expired: only the first master's record knows that token
+        for _ in range(2):
+            with pytest.raises(LockBackendError, match="fencing tokens exhausted"):
+                lock(name, ttl=10, backend=alias).acquire(blocking=False)
+        assert locks[alias].get(name) is None or not locks[alias].get(name).is_held

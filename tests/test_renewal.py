@@ -304,3 +304,24 @@ def test_a_short_lock_handed_over_after_a_wait_is_not_reported_lost(private_redi
         assert info is not None and info.expires_in > 0.5
         waiter.release()
     assert lost == [False] * 3
+
+
+def test_a_lock_won_after_a_long_wait_is_dated_from_the_attempt_that_won(alias, name):
+    """Review r160: a lock won after a wait was dated from the start of that wait,
+    on every backend: on PostgreSQL (a wait of up to 3.5 s) and local memory (until
+    the release) an auto_renew lock of ttl 1 s was reported lost the moment it was
+    won, its record the waiter's with its whole ttl left, and its release raised
+    LockNotOwned."""
+    holder = lock(name, ttl=30, backend=alias)
+    assert holder.acquire(blocking=False)
+    releaser = threading.Timer(1.5, holder.release)
+    releaser.start()
+    try:
+        waiter = lock(name, ttl=1, auto_renew=True, backend=alias)
+        assert waiter.acquire(timeout=20)
+    finally:
+        releaser.join()
+    time.sleep(0.3)
+    assert not waiter.lost
+    assert waiter.owned()
+    waiter.release()

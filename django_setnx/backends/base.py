@@ -396,6 +396,11 @@ class BaseLockBackend:
     #: late one), needs it: that release would delete the next attempt's record.
     #: Backends with a waiter queue keep one token, their place in the queue.
     token_per_attempt = False
+    #: Whether :meth:`wait` may have written the caller's record even when it
+    #: returns None (Redis: an attempt pipelined behind its blocking read, whose
+    #: answer was lost with the connection). The Lock then dates a lock won by the
+    #: next attempt from the wait, not from that attempt (see locking._CallClock).
+    wait_may_have_written = False
     #: The longest sleep of :meth:`backoff` (seconds).
     max_backoff = MAX_BACKOFF
     #: The keys this backend reads from ``OPTIONS``; the system checks warn about any

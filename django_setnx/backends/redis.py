@@ -990,6 +990,7 @@ class RedisBackend(BaseLockBackend):
     option_names = BaseLockBackend.option_names | frozenset(OPTION_NAMES)
 
     wakes_waiters = True
+    wait_may_have_written = True  # the attempt pipelined behind BLPOP (see wait)
 
     def __init__(self, alias, params):
         super().__init__(alias, params)

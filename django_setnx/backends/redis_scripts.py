@@ -76,20 +76,26 @@ end
 # that, and tokens keep increasing as long as Redis' clock does not step back by more
 # than FENCING_RETENTION (see the module docstring).
 _FENCING = f"""
-local function mint(last)
+local function next_token(last)  -- nil when no larger token fits in 53 bits
   last = tonumber(last)
   local fencing = us
   if last and last >= us and last == last then  -- (last ~= last: NaN, unreadable)
     fencing = last + 1
   end
   if fencing > {MAX_FENCING_TOKEN} then
+    return nil
+  end
+  return fencing
+end
+local function mint(last)
+  local fencing = next_token(last)
+  if not fencing then
     -- No larger token fits in 53 bits (Lua's doubles would repeat 2^53): refuse,
     -- before the caller's script writes anything that depends on it (review r158).
     error({{err = 'ERR django-setnx: fencing tokens exhausted: the next one of ' ..
-      KEYS[1] .. ' would be ' .. string.format('%.17g', fencing) .. ', and a token ' ..
-      'must stay below 2^53 (a remembered token written by hand, or a server clock ' ..
-      'set centuries ahead). Delete ' .. KEYS[1] .. ' and ' .. KEYS[2] .. ' once ' ..
-      'nothing relies on its tokens'}})
+      KEYS[1] .. ' would be past 2^53 - 1 (a remembered token written by hand, or ' ..
+      'a server clock set centuries ahead). Delete ' .. KEYS[1] .. ' and ' .. KEYS[2] ..
+      ' once nothing relies on its tokens'}})
   end
   return fencing
 end
@@ -163,6 +169,13 @@ local function notify(waiter, message, signal_ms)
   redis.call('PEXPIRE', inbox, signal_ms)
 end
 local function grant(last, retention_ms, signal_ms)
+  -- Minted before anything is popped: with the name's tokens exhausted nobody gets
+  -- the lock (the caller retires it, and each waiter hears of it at its next
+  -- ACQUIRE), and the release still goes through (review r160).
+  local fencing = next_token(last)
+  if not fencing then
+    return false
+  end
   while true do
     local head = redis.call('ZPOPMIN', KEYS[3])
     if #head == 0 then
@@ -176,7 +189,6 @@ local function grant(last, retention_ms, signal_ms)
       if deadline and tonumber(deadline) >= now then
         ttl = tonumber(ttl)
         local claim = math.min(ttl, {CLAIM_MS})
-        local fencing = mint(last)
         redis.call('DEL', KEYS[1])
         redis.call('HSET', KEYS[1], 'token', waiter, 'fencing', fencing, 'owner', owner,
                    'acquired', now, 'expires', now + claim, 'claim', ttl)

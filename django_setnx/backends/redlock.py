@@ -331,6 +331,11 @@ _ALL_SCRIPTS = (_ACQUIRE, _RELEASE, _EXTEND, _OWNS, _GET, _DELETE, _CLEAR, _TRUS
 _SCRIPT_TEXTS = {script.sha: (script.text, script is _RELEASE) for script in _ALL_SCRIPTS}
 
 
+#: What a master's script error says when a name's fencing tokens are exhausted
+#: (redis_scripts.mint).
+TOKENS_EXHAUSTED = "fencing tokens exhausted"
+
+
 if redis is not None:
 
     class EvictionRefused(redis.exceptions.RedisError):
@@ -1125,6 +1130,17 @@ class RedlockBackend(BaseLockBackend):
             else:
                 remainders.append(int(reply[1]))
         failed = self._failures(results)
+        exhausted = [
+            f
+            for f in results.values()
+            if isinstance(f, wire.Failure) and TOKENS_EXHAUSTED in f.reason
+        ]
+        if exhausted:
+            # A master has no larger token to give: the others' would be smaller than
+            # the ones it gave (review r160), so nobody gets the lock.
+            if maybe_ours:
+                self._release_on(name, token, maybe_ours)
+            raise LockBackendError(self.alias, f"acquire {name!r} refused: {exhausted[0]}")
         answered = self._answered(results)
         if answered < self.quorum or answered - len(untrusted) < self.quorum:
             if maybe_ours:
