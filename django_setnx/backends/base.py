@@ -615,9 +615,11 @@ class BaseLockBackend:
         the wait (Redis sends it right behind its blocking read) returns that
         attempt's result, won or refused: the caller takes a refusal as the result
         of its next :meth:`acquire` (queued again, with its ``retry_after``) and
-        waits again without making one. The default sleeps :meth:`retry_delay`;
-        backends that can be woken by a release override it. Returning early is
-        always allowed.
+        waits again without making one. A won result's expiry must have been
+        written during this call: the Lock's ``auto_renew`` dates the lock from the
+        call's start (see locking._CallClock). The default sleeps
+        :meth:`retry_delay`; backends that can be woken by a release override it.
+        Returning early is always allowed.
         """
         time.sleep(self.retry_delay(token, attempt, max_wait, retry_after))
         return None

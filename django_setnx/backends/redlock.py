@@ -624,8 +624,9 @@ MAX_NODE_TIMEOUT = 60.0
 def _option_problems(where, options):
     """``[(check id, message)]`` for the options Redlock reads, for the system checks
     and for first use alike (so the two agree): NODE_TIMEOUT, MAX_TTL,
-    STALE_RETENTION, FENCING_RETENTION, CLOCK_DRIFT_FACTOR (a negative one made a
-    lock's validity longer than its key's life) and ALLOW_EVICTION."""
+    STALE_RETENTION, FENCING_RETENTION and CLOCK_DRIFT_FACTOR (a negative one made
+    a lock's validity longer than its key's life). ALLOW_EVICTION and
+    CONNECTION_KWARGS are the Redis backend's too (redis_settings)."""
     problems = []
     for option in ("NODE_TIMEOUT", "MAX_TTL"):
         if option in options and not _is_number(options[option]):
