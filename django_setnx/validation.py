@@ -165,7 +165,8 @@ def redacted(value: object) -> str:
 _SECRET_NAME = r"[a-z0-9_-]*(?:pass|secret|token|credential|username|auth)[a-z0-9_-]*"
 _SECRET_KEY = re.compile(rf"(?i){_SECRET_NAME}")
 #: Masked to the end: an unencoded "&" or "#" may be part of the password (r155).
-_QUERY_CREDENTIAL = re.compile(rf"(?i)((?:^|[?&;]){_SECRET_NAME}=).*")
+#: After a space too: a libpq connection string ("host=db password=...", r161).
+_QUERY_CREDENTIAL = re.compile(rf"(?i)((?:^|[?&;\s]){_SECRET_NAME}\s*=).*")
 
 
 def _without_credentials(value: object) -> object:

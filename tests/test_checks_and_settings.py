@@ -349,11 +349,17 @@ def _redlock(location=_MASTERS, **options):
         (_redlock(ALLOW_EVICTION="True"), "E039", "must be True or False"),
         (_redlock(ALLOW_EVICTION=1), "E039", "must be True or False"),
         (_redlock(CONNECTION_KWARGS={1: 2}), "E037", "must have str keys"),
-        # One server counted twice toward the majority (D12).
+        # One server counted twice toward the majority (D12), also as two of its dbs
+        # (review r159).
         (
             _redlock([_MASTERS[0], "redis://127.0.0.1:1", _MASTERS[2]]),
             "E033",
             "master(s) 2 point to the same server",
+        ),
+        (
+            _redlock(["redis://127.0.0.1:1/0", "redis://127.0.0.1:1/1", "redis://127.0.0.1:1/2"]),
+            "E033",
+            "master(s) 2, 3 point to the same server",
         ),
         ({"BACKEND": _LOCMEM, "LOCATION": ["a"]}, "E040", "must be a str, got ['a']"),
         ({"BACKEND": _LOCMEM, "OPTIONS": [("MAX_TTL", 1)]}, "E006", "must be a dict"),

@@ -1429,6 +1429,7 @@ def test_a_database_option_naming_no_database_is_a_configuration_error(database)
     [
         {"ENGINE": "django.db.backends.postgresql", "NAME": "x", "PASSWORD": "hunter2"},
         "postgres://app:hunter2@db.internal/app",
+        "host=db password=hunter2 dbname=app",  # a libpq connection string (r161)
     ],
 )
 def test_a_database_option_pasted_with_a_password_does_not_show_it(database):

@@ -963,24 +963,6 @@ def test_threads_share_a_stalling_nodes_parked_connections(make_masters, monkeyp
             time.sleep(0.05)
 
 
-def test_one_server_under_two_names_votes_once(make_masters):
-    """Review r159: a master listed as 127.0.0.1 and again as localhost (or two dbs
-    of one server, which the LOCATION check now refuses) counted as two masters:
-    with the third master down, that one server alone made a "majority" and granted
-    the lock. The second name of a server already met is refused when it connects
-    (the same run_id), so the lock needs two servers that really are independent."""
-    masters = make_masters(3)
-    first, _, third = masters.servers
-    urls = [first.url, first.url.replace("127.0.0.1", "localhost"), third.url]
-    with alias_on(urls, NODE_TIMEOUT=0.5) as alias:
-        held = lock(unique(), ttl=10, backend=alias)
-        assert held.acquire(blocking=False)  # the first and the third agree
-        held.release()
-        third.kill()
-        with pytest.raises(LockBackendError, match="same redis-server as master 1"):
-            lock(unique(), ttl=10, backend=alias).acquire(blocking=False)
-
-
 def test_one_master_out_of_tokens_refuses_the_lock_not_a_smaller_token(redlock_masters3):
     """Review r160: with one master's remembered token at 2**53 - 1, its error was
     counted as a node that did not answer, and the other two granted the lock with

@@ -341,9 +341,6 @@ if redis is not None:
     class EvictionRefused(redis.exceptions.RedisError):
         """A node that may evict keys (not a ConnectionError: never retried)."""
 
-    class SameServerRefused(redis.exceptions.RedisError):
-        """A node that is the same server as another master (see _check_same_server)."""
-
 
 def _surely_ran_ms(uptime, max_ttl_ms):
     """The ms a server whose ``uptime_in_seconds`` reads ``uptime`` has surely run,
@@ -438,14 +435,8 @@ class _Node:
     redis-py from the node's URL and options. Every new connection passes through
     :meth:`_on_connect` before it is used."""
 
-    def __init__(
-        self, url, kwargs, alias, allow_eviction, marker_key, max_ttl_ms, index, servers=None
-    ):
+    def __init__(self, url, kwargs, alias, allow_eviction, marker_key, max_ttl_ms, index):
         self.alias = alias
-        self.index = index
-        #: run_id -> the position of the node that met that server first, shared by
-        #: the backend's nodes (see _check_same_server).
-        self.servers = {} if servers is None else servers
         self.allow_eviction = allow_eviction
         self.marker_key = marker_key
         self.run_key = f"{marker_key}:run"  # P:__node__:run: not a lock key either
@@ -511,26 +502,7 @@ class _Node:
                 self.log_once("eviction", logging.ERROR, "%s", refusal)
                 raise EvictionRefused(refusal)
         server = {} if isinstance(info, ResponseError) else info_reply(info)
-        self._check_same_server(server)
         self._check_restart(conn, server, recorded_run)
-
-    def _check_same_server(self, server):
-        """Refuse a server another master of this backend reaches too (the same
-        ``run_id``: one server under two names, such as localhost and 127.0.0.1, a
-        DNS alias or a forwarded port): its vote must not count twice toward the
-        majority (review r159). The LOCATION check catches the same spelling only."""
-        run_id = server.get("run_id", "").strip()
-        if not run_id:
-            return  # _check_restart warns about it
-        first = self.servers.setdefault(run_id, self.index)
-        if first != self.index:
-            refusal = (
-                f"Redlock {self.alias!r}: master {self.index} ({self.label}) is the same "
-                f"redis-server as master {first} (the same run_id): one server cannot "
-                f"vote twice toward the majority. List independent masters in LOCATION."
-            )
-            self.log_once("same server", logging.ERROR, "%s", refusal)
-            raise SameServerRefused(refusal)
 
     def _check_restart(self, conn, server, recorded_run):
         """Run RESTART_CHECK unless ``recorded_run`` (the node's run key) is already
@@ -677,9 +649,8 @@ def _master_address(url):
     """The server a master URL points to, as redis-py reads it (host in lower case
     and port, 6379 when unset, or the socket's path; not the db: two dbs of one
     server are one vote), to find a master listed twice; None for a URL redis-py
-    cannot read. Names are not resolved here ("localhost" and "127.0.0.1" differ):
-    a server met under two names is refused when it is reached (see
-    _Node._check_same_server)."""
+    cannot read. Names are not resolved ("localhost" and "127.0.0.1" differ): one
+    server listed under two names is not found (see the docs)."""
     from redis.connection import parse_url
 
     try:
@@ -905,7 +876,6 @@ class RedlockBackend(BaseLockBackend):
             "retry": Retry(NoBackoff(), 0),
             **connection_kwargs(self.options, self.alias),
         }
-        servers = {}  # run_id -> node position, shared (see _Node._check_same_server)
         nodes = [
             _Node(
                 url,
@@ -915,7 +885,6 @@ class RedlockBackend(BaseLockBackend):
                 self.marker_key,
                 self.max_ttl_ms,
                 index=index,
-                servers=servers,
             )
             for index, url in enumerate(self.locations, 1)
         ]
