@@ -289,10 +289,12 @@ def _block_timeout(conn, max_wait, retry_after, ttl_ms=None):
     retry (and renew their place) in the same millisecond.
 
     And at most a quarter of the ttl the waiter asked for (``ttl_ms``, when known):
-    the Lock dates a lock handed over during a wait from the start of the call
-    before the one that reported it (locking._CallClock), and its auto_renew
-    watchdog counts the ttl from there. Blocks of WAIT_BLOCK made a lock of ttl 1 s
-    look expired the moment it was handed over (review r157)."""
+    a lock won by the attempt after a wait that returned nothing is dated from the
+    start of that wait (it may have written the record: see wait_may_have_written
+    and locking._CallClock), and its auto_renew watchdog counts the ttl from there.
+    Blocks of WAIT_BLOCK made a lock of ttl 1 s look expired the moment it was won
+    (review r157). Redis ends a BLPOP on its timer, every 100 ms at the default
+    ``hz``, so below a ttl of about 0.4 s the bound is that, not a quarter."""
     timeout = min(WAIT_BLOCK * random.uniform(WAIT_JITTER, 1.0), conn.max_block)
     if ttl_ms is not None:
         timeout = min(timeout, ttl_ms / 4000)
