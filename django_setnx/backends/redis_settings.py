@@ -71,14 +71,13 @@ def require_readable_url(url, where):
         raise ImproperlyConfigured(f"{where} is not a Redis URL {UNREADABLE_URL}")
 
 
-def _is_positive_number(value):
-    """A finite real number above 0, not a bool (``True`` is a bug, not 1 s)."""
-    return (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    )
+def is_number(value, *, minimum=0.0, inclusive=False):
+    """A finite real number above ``minimum`` (or equal to it, with ``inclusive``),
+    not a bool (``True`` is a bug, not 1 s): the numeric options of the Redis and
+    Redlock backends."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+        return False
+    return value >= minimum if inclusive else value > minimum
 
 
 def script_seconds_problem(value):
@@ -86,7 +85,7 @@ def script_seconds_problem(value):
     millisecond argument (``STALE_RETENTION``, ``WAKE_TTL``, ``FENCING_RETENTION``):
     not a positive number, or above what a script accepts (a record written with it
     would be refused at its release, and stay held for its ttl). None if it can."""
-    if not _is_positive_number(value):
+    if not is_number(value):
         return f"must be a positive number of seconds, got {value!r}."
     if ttl_to_ms(value) > MAX_SCRIPT_MS:
         return f"is {value!r} s, above the {MAX_SCRIPT_MS / 1000:g} s the Redis scripts take."

@@ -130,8 +130,6 @@ can catch.
 
 import hashlib
 import logging
-import math
-import numbers
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -180,6 +178,7 @@ from .redis_settings import (
     check_client_options,
     check_connection_kwargs,
     connection_kwargs,
+    is_number,
     is_readable_url,
     require_readable_url,
     script_seconds_problem,
@@ -582,12 +581,6 @@ class _Node:
         self.client.close()
 
 
-def _is_number(value, *, minimum=0.0, inclusive=False):
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-        return False
-    return value >= minimum if inclusive else value > minimum
-
-
 #: The longest NODE_TIMEOUT (seconds): a node that has not answered in a minute is
 #: down for any lock; longer values overflow the socket's timeout arithmetic.
 MAX_NODE_TIMEOUT = 60.0
@@ -601,7 +594,7 @@ def _option_problems(where, options):
     CONNECTION_KWARGS are the Redis backend's too (redis_settings)."""
     problems = []
     for option in ("NODE_TIMEOUT", "MAX_TTL"):
-        if option in options and not _is_number(options[option]):
+        if option in options and not is_number(options[option]):
             problems.append(
                 (
                     "E035",
@@ -610,7 +603,7 @@ def _option_problems(where, options):
                 )
             )
     timeout = options.get("NODE_TIMEOUT")
-    if _is_number(timeout) and timeout > MAX_NODE_TIMEOUT:
+    if is_number(timeout) and timeout > MAX_NODE_TIMEOUT:
         problems.append(
             (
                 "E035",
@@ -623,7 +616,7 @@ def _option_problems(where, options):
         if problem:
             problems.append(("E035", f"{where}['OPTIONS'][{option!r}] {problem}"))
     factor = options.get("CLOCK_DRIFT_FACTOR", DEFAULT_CLOCK_DRIFT_FACTOR)
-    if not _is_number(factor, inclusive=True) or factor >= 1:
+    if not is_number(factor, inclusive=True) or factor >= 1:
         problems.append(
             (
                 "E036",
@@ -833,7 +826,7 @@ class RedlockBackend(BaseLockBackend):
             error(id_, problem)
         max_ttl = options.get("MAX_TTL", DEFAULT_MAX_TTL)
         ttl = params.get("TTL")
-        if _is_number(max_ttl) and _is_number(ttl) and ttl > max_ttl:
+        if is_number(max_ttl) and is_number(ttl) and ttl > max_ttl:
             error(
                 "E038",
                 f"{where}['TTL'] = {ttl!r} s is above OPTIONS['MAX_TTL'] = {max_ttl!r} s.",
