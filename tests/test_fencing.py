@@ -151,6 +151,47 @@ def test_a_released_row_keeps_its_token_then_goes(db_alias, name):
         assert cursor.fetchone() == (0,), "an old tombstone is purged"
 
 
+def test_a_cleared_row_keeps_its_token_as_a_released_one_does(db_alias, name):
+    """clearlocks removes a recently acquired lock (held, or expired and stale) as a
+    release does: a tombstone carrying its token, so the next acquire continues from
+    it, not from the clock (an acquiring statement that read the clock before that
+    holder acquired may still be on its way). A row acquired longer ago than the
+    retention is deleted outright."""
+    from django_setnx.backends import db_sql
+
+    backend = locks[db_alias]
+    connection = connections[settings.SETNX_LOCKS[db_alias]["OPTIONS"]["DATABASE"]]
+    table = connection.ops.quote_name(db_sql.LOCK_TABLE)
+
+    def set_fencing(value):
+        with connection.cursor() as cursor:
+            cursor.execute(f"UPDATE {table} SET fencing = %s WHERE name = %s", [value, name])
+
+    # Held: clearlocks --all.
+    holder = lock(name, ttl=30, backend=db_alias)
+    assert holder.acquire(timeout=5)
+    ahead = holder.fencing_token + 10**9  # tokens ahead of the clock
+    set_fencing(ahead)
+    assert backend.clear(include_held=True, name_glob=name).names == [name]
+    assert backend.get(name) is None
+    assert acquired_token(db_alias, name) == ahead + 1
+    # Expired, not released: clearlocks.
+    stale = lock(name, ttl=0.05, backend=db_alias)
+    assert stale.acquire(timeout=5)
+    set_fencing(ahead + 10)
+    time.sleep(0.1)
+    assert backend.clear(name_glob=name).names == [name]
+    assert acquired_token(db_alias, name) == ahead + 11
+    # Acquired longer ago than the retention: deleted (state stays bounded).
+    assert lock(name, ttl=30, backend=db_alias).acquire(timeout=5)
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE {table} SET acquired_at = 1 WHERE name = %s", [name])
+    assert backend.clear(include_held=True, name_glob=name).names == [name]
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT COUNT(*) FROM {table} WHERE name = %s", [name])
+        assert cursor.fetchone() == (0,)
+
+
 # -- bounded state ---------------------------------------------------------------------
 
 

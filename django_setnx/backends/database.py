@@ -13,10 +13,11 @@ set by the same statement that takes the row. So tokens strictly increase per na
 while a row exists. A release leaves the row as a token-less *tombstone* for
 ``FENCING_RETENTION_MS`` (60 s), so the next acquire still continues from its last
 token (the clock alone is read when the acquiring statement begins, which may be
-before the previous holder acquired and released). After a row is gone (its
-tombstone purged, or cleared) the next token starts from the clock, above every
-earlier token as long as the database's clock does not step back (SQLite: the app
-server's clock, see ``_sqlite_now_us``). No table grows with every name ever
+before the previous holder acquired and released; ``clearlocks`` leaves one too,
+see ``_delete_batch``). After a row is gone (its tombstone purged, or a stale row
+purged) the next token starts from the clock, above every earlier token as long as
+the database's clock does not step back (SQLite: the app server's clock, see
+``_sqlite_now_us``). No table grows with every name ever
 locked: tombstones are purged once they are FENCING_RETENTION_MS old and stale rows
 once they are ``STALE_RETENTION`` old (see ``_purge_if_due``). An acquire is one statement on every
 database (MySQL/MariaDB return the new token through ``LAST_INSERT_ID(x)``).
@@ -136,7 +137,7 @@ from .db_local_wakeups import LocalListener, LocalNotifier, channel_directory
 from .db_local_wakeups import encode as encode_wakeup
 from .db_prepared import MariaDBStatements, PreparedSession
 from .db_shared_connections import AllBusy, ConnectionState, SharedConnections
-from .db_sql import CLAIM_MS, LOCK_TABLE, Dialect
+from .db_sql import CLAIM_MS, FENCING_RETENTION_MS, LOCK_TABLE, Dialect
 from .db_wakeups import PostgresListener, Wakeups, channel_name, deliver
 from .paging import LockPage, check_ordering, check_window, complete_ordering
 
@@ -1670,10 +1671,16 @@ class DatabaseBackend(BaseLockBackend):
         return result
 
     def _delete_batch(self, names, include_held, older_than):
-        """Delete the given rows, re-checking in the DELETE itself that each is still
-        stale (and old enough), so a lock re-acquired meanwhile is never removed.
-        Returns the names actually deleted. Not retried after a lost connection:
-        a repeat could not tell which rows the first attempt removed."""
+        """Remove the given rows, re-checking in the statements themselves that each
+        is still stale (and old enough), so a lock re-acquired meanwhile is never
+        removed. Returns the names actually removed. Not retried after a lost
+        connection: a repeat could not tell which rows the first attempt removed.
+
+        A row acquired less than FENCING_RETENTION_MS ago is left as a tombstone,
+        as a release leaves it, not deleted: an acquiring statement that read the
+        clock before that holder acquired may still be on its way, and must get a
+        larger token than the holder's (a deleted row would give it the clock's).
+        Older rows are deleted."""
 
         def work(cursor, sql, raw):
             where = f"name IN ({sql.placeholders(len(names))}) AND token <> ''"
@@ -1683,23 +1690,31 @@ class DatabaseBackend(BaseLockBackend):
             if older_than is not None:
                 where += f" AND acquired_at <= {sql.now} - {sql.placeholder}"
                 params.append(int(older_than * 1000))
-            if sql.returning:
-                cursor.execute(
-                    f"DELETE FROM {sql.lock_table} WHERE {where} RETURNING name", params
-                )
-                return [r[0] for r in cursor.fetchall()]
+            recent = f"acquired_at > {sql.now} - {FENCING_RETENTION_MS}"
+            tombstone = f"UPDATE {sql.lock_table} SET {sql.tombstone} WHERE {where} AND {recent}"
+            delete = f"DELETE FROM {sql.lock_table} WHERE {where}"
+            if sql.vendor != "mysql":  # UPDATE ... RETURNING: PostgreSQL, SQLite
+                # Each statement is atomic; the DELETE cannot see a row the UPDATE
+                # made a tombstone (its token is empty).
+                cursor.execute(f"{tombstone} RETURNING name", params)
+                removed = [r[0] for r in cursor.fetchall()]
+                cursor.execute(f"{delete} RETURNING name", params)
+                return removed + [r[0] for r in cursor.fetchall()]
+            # MySQL and MariaDB have no UPDATE ... RETURNING: lock the rows, then
+            # both statements, in one transaction.
             cursor.execute(sql.begin())
             try:
                 cursor.execute(
                     f"SELECT name FROM {sql.lock_table} WHERE {where} FOR UPDATE", params
                 )
-                deleted = [r[0] for r in cursor.fetchall()]
-                cursor.execute(f"DELETE FROM {sql.lock_table} WHERE {where}", params)
+                removed = [r[0] for r in cursor.fetchall()]
+                cursor.execute(tombstone, params)
+                cursor.execute(delete, params)
                 cursor.execute("COMMIT")
             except BaseException:
                 cursor.execute("ROLLBACK")
                 raise
-            return deleted
+            return removed
 
         return self._run("clear", work, retry=False)
 

@@ -124,9 +124,13 @@ class Dialect:
             if vendor == "postgresql"
             else f"(next_token = '' OR next_seen <= {now} - {lapse})"
         )
+        # The assignments that make a row a tombstone (no lock, nobody next in line).
+        self.tombstone = (
+            f"token = '', owner = '{{}}', acquired_at = {now}, "
+            f"expires_at = 0, next_token = '', next_since = 0, next_seen = 0"
+        )
         self.release = (
-            f"UPDATE {lock} SET token = '', owner = '{{}}', acquired_at = {now}, "
-            f"expires_at = 0, next_token = '', next_since = 0, next_seen = 0 "
+            f"UPDATE {lock} SET {self.tombstone} "
             f"WHERE name = %s AND token = %s AND {no_waiter}{no_flush}"
         )
         claim_end = f"{now} - {lapse} + {CLAIM_MS}"
@@ -228,7 +232,6 @@ class Dialect:
         self.purge_stale = (
             f"DELETE FROM {lock} WHERE token <> '' AND expires_at <= {now} - %s{no_flush}"
         )
-        self.returning = vendor in ("postgresql", "sqlite") or is_mariadb
 
         # Who holds the row, for a refused attempt: its remaining ms, token and
         # fencing token (the holder may be this very caller, see ``acquire``), and
