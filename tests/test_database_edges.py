@@ -2348,6 +2348,45 @@ def test_a_connection_that_found_no_functions_looks_again_later(name, make_backe
 MYSQL_ALIASES = _aliases("mysql")
 
 
+@needs(MYSQL_ALIASES)
+def test_mysql_clear_changes_only_the_rows_it_locked_and_reports(name, make_backend, monkeypatch):
+    """Review r162: on MySQL/MariaDB clear locks its rows (SELECT ... FOR UPDATE),
+    then tombstones or deletes them. Under READ COMMITTED a row inserted after that
+    SELECT (its name's row was gone: purged, or deleted by another clear) is not
+    locked; the statements must leave it alone, not tombstone a lock that clear
+    never reported."""
+    backend, other = make_backend(MYSQL_ALIASES[0]), make_backend(MYSQL_ALIASES[0])
+    assert backend.acquire(name, _token(), 30, OWNER).acquired
+    late = _token()
+    run = backend._run
+
+    def run_with_a_new_lock_after_the_select(action, work, **kwargs):
+        if action != "clear":
+            return run(action, work, **kwargs)
+
+        class Cursor:
+            def __init__(self, cursor):
+                self._cursor = cursor
+
+            def __getattr__(self, attr):
+                return getattr(self._cursor, attr)
+
+            def execute(self, statement, params=()):
+                if not statement.endswith("FOR UPDATE"):
+                    return self._cursor.execute(statement, params)
+                _sql(other, "DELETE FROM {lock} WHERE name = {p}", (name,))
+                result = self._cursor.execute(statement, params)
+                assert other.acquire(name, late, 30, OWNER).acquired
+                return result
+
+        return run(action, lambda cursor, sql, raw: work(Cursor(cursor), sql, raw), **kwargs)
+
+    monkeypatch.setattr(backend, "_run", run_with_a_new_lock_after_the_select)
+    assert backend.clear(include_held=True, name_glob=name).names == []
+    monkeypatch.undo()
+    assert other.owns(name, late), "a lock clear did not report was tombstoned"
+
+
 def _executed_prepared(backend):
     """How many statements the backend's MariaDB connection ran through EXECUTE."""
     (_, count) = _sql(backend, "SHOW SESSION STATUS LIKE 'Com_execute_sql'")
@@ -2430,6 +2469,9 @@ def test_a_mariadb_session_reset_gets_its_lock_wait_timeouts_back(name, make_bac
     timeouts are set again with them."""
     if not connections[MYSQL_ALIASES[0]].mysql_is_mariadb:
         pytest.skip("prepared statements are MariaDB's only")
+    if connections[MYSQL_ALIASES[0]].Database.__name__ != "pymysql":
+        # mysqlclient does not expose mysql_reset_connection(); CI runs PyMySQL.
+        pytest.skip("sends COM_RESET_CONNECTION through PyMySQL's internals")
     backend = make_backend(MYSQL_ALIASES[0])
     _acquire_extend_release(backend, name, times=1)
     wanted = _sql(

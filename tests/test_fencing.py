@@ -190,6 +190,58 @@ def test_a_cleared_row_keeps_its_token_as_a_released_one_does(db_alias, name):
     with connection.cursor() as cursor:
         cursor.execute(f"SELECT COUNT(*) FROM {table} WHERE name = %s", [name])
         assert cursor.fetchone() == (0,)
+    # A token past what a lock may be given (written by hand) is not kept: as a
+    # tombstone it would refuse every acquire of the name.
+    assert lock(name, ttl=30, backend=db_alias).acquire(timeout=5)
+    set_fencing(JSON_SAFE + 5)
+    assert backend.clear(include_held=True, name_glob=name).names == [name]
+    assert 0 < acquired_token(db_alias, name) < JSON_SAFE
+
+
+def test_clear_leaves_alone_a_lock_taken_while_it_runs(db_alias, name, monkeypatch):
+    """Review r162: clearlocks --all tombstones a recent row, then deletes the old
+    ones in a second statement. A lock acquired in between (the tombstone is free
+    to take) is recent: the DELETE must leave it held, with its token, and the name
+    is reported once. Another client's acquire is run just before the DELETE is
+    sent (on MySQL it waits for clear's transaction, which holds the row)."""
+    backend = locks[db_alias]
+    assert lock(name, ttl=30, backend=db_alias).acquire(timeout=5)
+    taker = lock(name, ttl=30, backend=db_alias)
+    took = threading.Thread(target=taker.acquire, kwargs={"timeout": 10})
+    run = backend._run
+
+    def run_with_an_acquire_before_the_delete(action, work, **kwargs):
+        if action != "clear":
+            return run(action, work, **kwargs)
+
+        class Cursor:
+            def __init__(self, cursor):
+                self._cursor = cursor
+
+            def __getattr__(self, attr):
+                return getattr(self._cursor, attr)
+
+            def execute(self, statement, params=()):
+                # The batch's DELETE, not the purge of old tombstones before it.
+                batch_delete = statement.startswith("DELETE") and "name IN (" in statement
+                if batch_delete and took.ident is None:
+                    took.start()
+                    took.join(timeout=1)  # done, or (MySQL) waiting for the row
+                return self._cursor.execute(statement, params)
+
+        return run(action, lambda cursor, sql, raw: work(Cursor(cursor), sql, raw), **kwargs)
+
+    monkeypatch.setattr(backend, "_run", run_with_an_acquire_before_the_delete)
+    assert backend.clear(include_held=True, name_glob=name).names == [name]
+    monkeypatch.undo()
+    took.join(timeout=10)
+    assert taker.owned(), "the lock taken while clear ran was removed"
+    taker.extend(30)  # raises LockNotOwned if it was removed
+    assert acquired_token(db_alias, "other-" + name) > 0
+    assert lock(name, backend=db_alias).acquire(blocking=False) is False
+    token = taker.fencing_token
+    taker.release()
+    assert acquired_token(db_alias, name) > token
 
 
 # -- bounded state ---------------------------------------------------------------------

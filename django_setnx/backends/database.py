@@ -8,19 +8,20 @@ wins — the race that made the original SETNX recipe need GETSET cannot happen.
 Release and extend are single statements conditioned on the token.
 
 Fencing tokens live on the lock row (``fencing``): a hybrid clock, the database's
-clock in µs (``NOW_US``), or the row's previous token plus one if that is larger,
-set by the same statement that takes the row. So tokens strictly increase per name
-while a row exists. A release leaves the row as a token-less *tombstone* for
+clock in µs (``NOW_US``), or the row's previous token plus one if that is larger, set
+by the same statement that takes the row. So tokens strictly increase per name while a
+row exists. A release leaves the row as a token-less *tombstone* for
 ``FENCING_RETENTION_MS`` (60 s), so the next acquire still continues from its last
 token (the clock alone is read when the acquiring statement begins, which may be
-before the previous holder acquired and released; ``clearlocks`` leaves one too,
-see ``_delete_batch``). After a row is gone (its tombstone purged, or a stale row
-purged) the next token starts from the clock, above every earlier token as long as
-the database's clock does not step back (SQLite: the app server's clock, see
-``_sqlite_now_us``). No table grows with every name ever
+before the previous holder acquired and released; ``clearlocks`` leaves one too for a
+row acquired in the last 60 s, see ``_delete_batch``). After a row is gone (its
+tombstone purged, or a stale row purged) the next token starts from the clock, above
+every earlier token as long as the database's clock does not step back (SQLite: the
+app server's clock, see ``_sqlite_now_us``). No table grows with every name ever
 locked: tombstones are purged once they are FENCING_RETENTION_MS old and stale rows
-once they are ``STALE_RETENTION`` old (see ``_purge_if_due``). An acquire is one statement on every
-database (MySQL/MariaDB return the new token through ``LAST_INSERT_ID(x)``).
+once they are ``STALE_RETENTION`` old (see ``_purge_if_due``). An acquire is one
+statement on every database (MySQL/MariaDB return the new token through
+``LAST_INSERT_ID(x)``).
 
 Every statement runs on a connection of our own in autocommit, never on the
 caller's (one per thread for sync callers; async callers and the renewal threads
@@ -1673,43 +1674,65 @@ class DatabaseBackend(BaseLockBackend):
     def _delete_batch(self, names, include_held, older_than):
         """Remove the given rows, re-checking in the statements themselves that each
         is still stale (and old enough), so a lock re-acquired meanwhile is never
-        removed. Returns the names actually removed. Not retried after a lost
-        connection: a repeat could not tell which rows the first attempt removed.
+        removed. Returns the names actually removed. One transaction; not retried
+        after a lost connection: a repeat could not tell whether the first attempt
+        committed.
 
         A row acquired less than FENCING_RETENTION_MS ago is left as a tombstone,
         as a release leaves it, not deleted: an acquiring statement that read the
         clock before that holder acquired may still be on its way, and must get a
         larger token than the holder's (a deleted row would give it the clock's).
-        Older rows are deleted."""
+        Older rows are deleted, and so is a row whose token is past what a lock may
+        be given (written by hand): kept, it would refuse every acquire."""
 
-        def work(cursor, sql, raw):
-            where = f"name IN ({sql.placeholders(len(names))}) AND token <> ''"
+        def where(sql, names):
+            condition = f"name IN ({sql.placeholders(len(names))}) AND token <> ''"
             params = list(names)
             if not include_held:
-                where += f" AND {sql.stale.format(t=sql.lock_table)}"
+                condition += f" AND {sql.stale.format(t=sql.lock_table)}"
             if older_than is not None:
-                where += f" AND acquired_at <= {sql.now} - {sql.placeholder}"
+                condition += f" AND acquired_at <= {sql.now} - {sql.placeholder}"
                 params.append(int(older_than * 1000))
-            recent = f"acquired_at > {sql.now} - {FENCING_RETENTION_MS}"
-            tombstone = f"UPDATE {sql.lock_table} SET {sql.tombstone} WHERE {where} AND {recent}"
-            delete = f"DELETE FROM {sql.lock_table} WHERE {where}"
-            if sql.vendor != "mysql":  # UPDATE ... RETURNING: PostgreSQL, SQLite
-                # Each statement is atomic; the DELETE cannot see a row the UPDATE
-                # made a tombstone (its token is empty).
-                cursor.execute(f"{tombstone} RETURNING name", params)
-                removed = [r[0] for r in cursor.fetchall()]
-                cursor.execute(f"{delete} RETURNING name", params)
-                return removed + [r[0] for r in cursor.fetchall()]
-            # MySQL and MariaDB have no UPDATE ... RETURNING: lock the rows, then
-            # both statements, in one transaction.
+            return condition, params
+
+        def work(cursor, sql, raw):
+            # Complements: each row is tombstoned or deleted, never both, so the
+            # DELETE cannot remove a lock taken in between (review r162; the
+            # transaction's row locks also keep it out).
+            keep = (
+                f"acquired_at > {sql.now} - {FENCING_RETENTION_MS} "
+                f"AND fencing <= {MAX_FENCING_TOKEN}"
+            )
+
+            def tombstone_then_delete(condition, params, returning=""):
+                cursor.execute(
+                    f"UPDATE {sql.lock_table} SET {sql.tombstone} "
+                    f"WHERE {condition} AND {keep}{returning}",
+                    params,
+                )
+                tombstoned = [r[0] for r in cursor.fetchall()] if returning else []
+                cursor.execute(
+                    f"DELETE FROM {sql.lock_table} WHERE {condition} AND NOT ({keep}){returning}",
+                    params,
+                )
+                return tombstoned + ([r[0] for r in cursor.fetchall()] if returning else [])
+
             cursor.execute(sql.begin())
             try:
-                cursor.execute(
-                    f"SELECT name FROM {sql.lock_table} WHERE {where} FOR UPDATE", params
-                )
-                removed = [r[0] for r in cursor.fetchall()]
-                cursor.execute(tombstone, params)
-                cursor.execute(delete, params)
+                if sql.vendor == "mysql":
+                    # No UPDATE ... RETURNING: lock the rows, then change only those
+                    # (under READ COMMITTED a row inserted after this SELECT would
+                    # match the statements below without being reported).
+                    condition, params = where(sql, names)
+                    cursor.execute(
+                        f"SELECT name FROM {sql.lock_table} WHERE {condition} FOR UPDATE",
+                        params,
+                    )
+                    removed = [r[0] for r in cursor.fetchall()]
+                    if removed:
+                        tombstone_then_delete(*where(sql, removed))
+                else:  # PostgreSQL, SQLite
+                    removed = tombstone_then_delete(*where(sql, names), " RETURNING name")
                 cursor.execute("COMMIT")
             except BaseException:
                 cursor.execute("ROLLBACK")
