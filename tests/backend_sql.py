@@ -15,3 +15,30 @@ def run_sql(alias, statement, params):
         return cursor.fetchone() if cursor.description else None
 
     return locks[alias]._run("test", work)
+
+
+def before_statements(monkeypatch, backend, action, hook):
+    """Make ``hook(statement)`` run just before each statement that ``backend``
+    sends for ``action`` (its ``_run`` action name, e.g. "clear"), on the same
+    connection and thread: a test's way to put another client's operation at an
+    exact point between two statements of one operation."""
+    run = backend._run
+
+    class Cursor:
+        def __init__(self, cursor):
+            self._cursor = cursor
+
+        def __getattr__(self, attr):
+            return getattr(self._cursor, attr)
+
+        def execute(self, statement, params=()):
+            hook(statement)
+            return self._cursor.execute(statement, params)
+
+    def hooked_run(name, work, **kwargs):
+        def hooked_work(cursor, sql, raw):
+            return work(Cursor(cursor), sql, raw)
+
+        return run(name, hooked_work if name == action else work, **kwargs)
+
+    monkeypatch.setattr(backend, "_run", hooked_run)

@@ -42,6 +42,7 @@ from django_setnx.backends.database import DatabaseBackend
 from django_setnx.exceptions import LockBackendError
 from django_setnx.models import LockRecord
 from tests import workers
+from tests.backend_sql import before_statements
 
 OWNER = {"host": "test", "pid": 1, "thread": "MainThread"}
 #: Long enough for any operation here to end; only a hang goes past it.
@@ -2358,32 +2359,20 @@ def test_mysql_clear_changes_only_the_rows_it_locked_and_reports(name, make_back
     backend, other = make_backend(MYSQL_ALIASES[0]), make_backend(MYSQL_ALIASES[0])
     assert backend.acquire(name, _token(), 30, OWNER).acquired
     late = _token()
-    run = backend._run
 
-    def run_with_a_new_lock_after_the_select(action, work, **kwargs):
-        if action != "clear":
-            return run(action, work, **kwargs)
+    def a_new_lock_right_after_the_select(statement):
+        if statement.endswith("FOR UPDATE"):
+            # Gone before clear's SELECT (purged), taken again after it.
+            _sql(other, "DELETE FROM {lock} WHERE name = {p}", (name,))
+            seen_by_the_select.append(True)
+        elif seen_by_the_select and not taken:
+            taken.append(other.acquire(name, late, 30, OWNER).acquired)
 
-        class Cursor:
-            def __init__(self, cursor):
-                self._cursor = cursor
-
-            def __getattr__(self, attr):
-                return getattr(self._cursor, attr)
-
-            def execute(self, statement, params=()):
-                if not statement.endswith("FOR UPDATE"):
-                    return self._cursor.execute(statement, params)
-                _sql(other, "DELETE FROM {lock} WHERE name = {p}", (name,))
-                result = self._cursor.execute(statement, params)
-                assert other.acquire(name, late, 30, OWNER).acquired
-                return result
-
-        return run(action, lambda cursor, sql, raw: work(Cursor(cursor), sql, raw), **kwargs)
-
-    monkeypatch.setattr(backend, "_run", run_with_a_new_lock_after_the_select)
+    seen_by_the_select, taken = [], []
+    before_statements(monkeypatch, backend, "clear", a_new_lock_right_after_the_select)
     assert backend.clear(include_held=True, name_glob=name).names == []
     monkeypatch.undo()
+    assert taken == [True]
     assert other.owns(name, late), "a lock clear did not report was tombstoned"
 
 

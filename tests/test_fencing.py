@@ -19,6 +19,7 @@ from django.test import override_settings
 
 from django_setnx import lock, locks
 from tests import workers
+from tests.backend_sql import before_statements
 
 # Rows are deleted by hand and migrations run: every statement must commit.
 pytestmark = pytest.mark.autocommit
@@ -208,30 +209,14 @@ def test_clear_leaves_alone_a_lock_taken_while_it_runs(db_alias, name, monkeypat
     assert lock(name, ttl=30, backend=db_alias).acquire(timeout=5)
     taker = lock(name, ttl=30, backend=db_alias)
     took = threading.Thread(target=taker.acquire, kwargs={"timeout": 10})
-    run = backend._run
 
-    def run_with_an_acquire_before_the_delete(action, work, **kwargs):
-        if action != "clear":
-            return run(action, work, **kwargs)
+    def acquire_before_the_batch_delete(statement):
+        # The batch's DELETE, not the purge of old tombstones before it.
+        if statement.startswith("DELETE") and "name IN (" in statement and took.ident is None:
+            took.start()
+            took.join(timeout=1)  # done, or (MySQL) waiting for the row
 
-        class Cursor:
-            def __init__(self, cursor):
-                self._cursor = cursor
-
-            def __getattr__(self, attr):
-                return getattr(self._cursor, attr)
-
-            def execute(self, statement, params=()):
-                # The batch's DELETE, not the purge of old tombstones before it.
-                batch_delete = statement.startswith("DELETE") and "name IN (" in statement
-                if batch_delete and took.ident is None:
-                    took.start()
-                    took.join(timeout=1)  # done, or (MySQL) waiting for the row
-                return self._cursor.execute(statement, params)
-
-        return run(action, lambda cursor, sql, raw: work(Cursor(cursor), sql, raw), **kwargs)
-
-    monkeypatch.setattr(backend, "_run", run_with_an_acquire_before_the_delete)
+    before_statements(monkeypatch, backend, "clear", acquire_before_the_batch_delete)
     assert backend.clear(include_held=True, name_glob=name).names == [name]
     monkeypatch.undo()
     took.join(timeout=10)
