@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import queue
+import re
 import secrets
 import select
 import shutil
@@ -2344,6 +2345,29 @@ def test_a_connection_that_found_no_functions_looks_again_later(name, make_backe
     renewer = make_backend("postgres")
     assert renewer.extend(name, _token(), 30) is False
     assert renewer._state().functions_checked_at is None
+
+
+@needs(SERVER_ALIASES)
+@pytest.mark.parametrize("server_alias", SERVER_ALIASES)
+def test_a_clear_stuck_behind_a_row_lock_says_so(server_alias, name, make_backend):
+    """Review r163: a clear batch that waits on another session's row lock past
+    OPERATION_TIMEOUT reports that wait, not the ROLLBACK's failure on the
+    connection the timeout closed ("the connection is closed", on PostgreSQL),
+    changes nothing, and the next clear works."""
+    backend = make_backend(server_alias, OPERATION_TIMEOUT=1)
+    blocker = make_backend(server_alias)
+    assert backend.acquire(name, _token(), 30, OWNER).acquired
+    _sql(blocker, "START TRANSACTION")
+    _sql(blocker, "SELECT name FROM {lock} WHERE name = {p} FOR UPDATE", (name,))
+    try:
+        with pytest.raises(LockBackendError) as raised:
+            backend.clear(include_held=True, name_glob=name)
+    finally:
+        _sql(blocker, "COMMIT")
+    assert "connection is closed" not in str(raised.value)
+    assert re.search(r"no answer from the server|[Ll]ock wait timeout", str(raised.value))
+    assert backend.get(name) is not None, "nothing changed"
+    assert backend.clear(include_held=True, name_glob=name).names == [name]
 
 
 MYSQL_ALIASES = _aliases("mysql")

@@ -1735,7 +1735,11 @@ class DatabaseBackend(BaseLockBackend):
                     removed = tombstone_then_delete(*where(sql, names), " RETURNING name")
                 cursor.execute("COMMIT")
             except BaseException:
-                cursor.execute("ROLLBACK")
+                # The first error is the one to report: on a connection that a
+                # timeout closed, the ROLLBACK fails too (review r163), and the
+                # server rolls back a transaction whose connection is gone.
+                with contextlib.suppress(Exception):
+                    cursor.execute("ROLLBACK")
                 raise
             return removed
 
