@@ -31,7 +31,12 @@ from .conf import DEFAULT_LOCK_ALIAS
 from .exceptions import LockBackendError, LockError, LockNotAcquired, LockNotOwned
 from .forksafe import ForkSafeLock, PerProcess
 from .handler import locks
-from .transactions import database_aliases, deferred_lock, release_after_commit
+from .transactions import (
+    database_aliases,
+    deferred_lock,
+    open_transactions,
+    release_after_commit,
+)
 from .validation import validate_name, validate_timeout, validate_token, validate_ttl
 
 logger = logging.getLogger("django_setnx")
@@ -871,35 +876,62 @@ class Lock:
         """Release at the end of a guarded block (``with``, ``@locked``, a task body).
 
         With ``release_on_commit`` and an open transaction on one of the ``using``
-        databases, the release waits for that transaction (see
-        ``django_setnx.transactions``). A lost lock is news the caller must hear
-        (its block was not exclusive): LockNotOwned is raised, but never at the price
-        of masking the exception ``exc`` already in flight.
+        databases, the lock is checked with the backend (one round trip): still held,
+        its release waits for that transaction (see ``django_setnx.transactions``);
+        lost, LockNotOwned is raised, so that the transaction rolls back. A lost lock
+        is news the caller must hear (its block was not exclusive): LockNotOwned is
+        raised, but never at the price of masking the exception ``exc`` already in
+        flight.
         """
-        if self._released_elsewhere():
-            return
         try:
+            if self._borrowed:
+                self._return_borrowed()  # the pending release covers it
+                return
+            if self._commits_after():
+                if not self.owned():
+                    raise self._lost_before_commit()
+                release_after_commit(self, self.using)
+                return
             self.release()
         except (LockNotOwned, LockBackendError):
             self._failed_at_exit(exc)
 
     async def arelease_at_exit(self, exc: BaseException | None = None) -> None:
         """Async twin of :meth:`release_at_exit`."""
-        if self._released_elsewhere():
-            return
         try:
+            if self._borrowed:
+                self._return_borrowed()
+                return
+            if self._commits_after():
+                if not await self.aowned():
+                    raise self._lost_before_commit()
+                release_after_commit(self, self.using)
+                return
             await self.arelease()
         except (LockNotOwned, LockBackendError):
             self._failed_at_exit(exc)
 
-    def _released_elsewhere(self) -> bool:
-        """Whether release_at_exit leaves the release to someone else: a borrowed lock
-        goes back to its lender, and with ``release_on_commit`` an open transaction
-        releases it after its commit (or at once after a rollback)."""
-        if self._borrowed:
-            self._return_borrowed()
-            return True
-        return self.release_on_commit and release_after_commit(self, self.using)
+    def _commits_after(self) -> bool:
+        """Whether the release waits for a transaction (see release_at_exit): with
+        ``release_on_commit``, one is open on one of the ``using`` databases."""
+        return self.release_on_commit and bool(open_transactions(self.using))
+
+    def _lost_before_commit(self) -> LockNotOwned:
+        """The lock of a block whose writes a transaction is about to commit is no
+        longer held (its ttl ran out, or it was force-released): the error that
+        makes the transaction roll back rather than commit writes that were not
+        exclusive, as a lost lock is an error outside a transaction (review r165: a
+        view under ``ATOMIC_REQUESTS`` that outlived its ttl committed, and answered
+        200). What may be left of the record is freed after the rollback (a write
+        now could wait for the caller's own transaction, on SQLite)."""
+        self._mark_lost()
+        release_after_commit(self, self.using)
+        return LockNotOwned(
+            self.name,
+            f"{self._kind.capitalize()} {self.name!r} was lost before the transaction of "
+            f"its block committed (it expired, was taken over or was force-released): "
+            f"what the block wrote was not exclusive, so the transaction must not commit.",
+        )
 
     def _failed_at_exit(self, exc: BaseException | None) -> None:
         """A release at exit failed (the error being handled): re-raise it, unless the

@@ -178,6 +178,12 @@ class _DeferredRelease:
         if self._registry.get(self._key) is self:
             del self._registry[self._key]
         lock = self.lock
+        if lock.lost and lock._token is not None:
+            # Reported lost when its block ended (Lock._lost_before_commit): only
+            # what may be left of it is freed, quietly.
+            lock._release_lost()
+            lock._token = None
+            return
         try:
             lock.release()
         except LockError as exc:

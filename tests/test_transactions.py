@@ -22,7 +22,7 @@ from django.test import Client
 from django.urls import path
 
 from django_setnx import lock, locked, locks
-from django_setnx.exceptions import LockBackendError
+from django_setnx.exceptions import LockBackendError, LockNotOwned
 
 pytestmark = pytest.mark.autocommit
 
@@ -350,6 +350,48 @@ def test_a_lock_lost_before_commit_is_reported_not_raised_from_commit(alias, nam
         lock_lost.disconnect(dispatch_uid="test-tx-lost")
 
 
+def test_a_lock_lost_during_the_call_rolls_the_transaction_back(alias, name):
+    """Review r165: the guarded call's lock is lost while it runs (force-released
+    here; its ttl running out is the same): its writes were not exclusive, so the
+    call raises LockNotOwned as it does outside a transaction, and the transaction
+    rolls back instead of committing them."""
+    from django.contrib.auth.models import Group
+
+    group = f"lost-{uuid.uuid4().hex}"
+
+    @locked(name, ttl=30, backend=alias)
+    def guarded():
+        # An operator force-releases it mid-call (before the call writes: on SQLite
+        # nobody else can write once the caller's transaction has).
+        locks[alias].delete(name)
+        Group.objects.create(name=group)
+
+    with pytest.raises(LockNotOwned):
+        with transaction.atomic():
+            guarded()
+    assert not Group.objects.filter(name=group).exists(), "committed without the lock"
+    with transaction.atomic():  # and the name is free for the next caller
+        assert lock(name, backend=alias, release_on_commit=True).acquire(blocking=False)
+
+
+def test_a_lock_that_expired_during_the_call_rolls_the_transaction_back(name):
+    """The same for a ttl that ran out while the call ran (review r165's case: a
+    view that outlived its ttl committed, and answered 200)."""
+    from django.contrib.auth.models import Group
+
+    group = f"expired-{uuid.uuid4().hex}"
+
+    @locked(name, ttl=0.2, backend="default")
+    def slow():
+        Group.objects.create(name=group)
+        time.sleep(0.4)
+
+    with pytest.raises(LockNotOwned):
+        with transaction.atomic():
+            slow()
+    assert not Group.objects.filter(name=group).exists()
+
+
 # -- views under ATOMIC_REQUESTS --------------------------------------------------
 
 SEEN_AT_COMMIT = []
@@ -414,6 +456,30 @@ def test_view_under_atomic_requests_rollback_releases(atomic_requests):
     assert response.status_code == 500
     assert not held("default", f"tx-view-fail:{pk}")
     assert not Group.objects.filter(name=f"tx-view-fail-{pk}").exists(), "rolled back"
+
+
+@locked("tx-view-lost:{pk}", ttl=30)
+def losing_view(request, pk):
+    from django.contrib.auth.models import Group
+
+    locks["default"].delete(f"tx-view-lost:{pk}")  # lost while the view ran
+    Group.objects.create(name=f"tx-view-lost-{pk}")
+    return HttpResponse("ok")
+
+
+urlpatterns.append(path("lost/<str:pk>/", losing_view))
+
+
+@pytest.mark.urls("tests.test_transactions")
+def test_view_under_atomic_requests_that_lost_its_lock_is_rolled_back(atomic_requests):
+    """Review r165: a view whose lock was lost before it returned is an error, as
+    without ATOMIC_REQUESTS, and the request's transaction rolls back."""
+    from django.contrib.auth.models import Group
+
+    pk = uuid.uuid4().hex
+    response = Client(raise_request_exception=False).get(f"/lost/{pk}/")
+    assert response.status_code == 500
+    assert not Group.objects.filter(name=f"tx-view-lost-{pk}").exists(), "rolled back"
 
 
 def test_backend_outage_in_deferred_release_does_not_break_commit(name, redis_server, caplog):
