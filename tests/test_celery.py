@@ -278,12 +278,19 @@ def test_bad_lock_limits_and_timeouts_fail_at_definition_naming_task_and_attribu
         ({"lock_limit": 0}, "lock_limit: Semaphore limit must be from 1 to 1000, got 0"),
         ({"lock_limit": "2"}, "lock_limit: Semaphore limit must be an int, not str"),
         ({"lock_timeout": -1}, "lock_timeout: timeout must be None or >= 0 seconds, got -1"),
+        # Review r164: accepted, then a bare TypeError at the first contention; or the
+        # lock silently off.
+        ({"lock_max_retries": "3"}, "lock_max_retries must be None or an int >= 0, got '3'"),
+        ({"lock_max_retries": -1}, "lock_max_retries must be None or an int >= 0, got -1"),
+        ({"lock_retry_countdown": "1"}, "lock_retry_countdown must be None or a number"),
+        ({"lock_name": ""}, "lock_name must be a non-empty name template, or None"),
+        ({"once_name": "", "once_policy": "drop"}, "once_name must be a non-empty name"),
     )
     for options, message in cases:
         task_name = f"tasks.badly_set.{uuid.uuid4().hex}"
         with pytest.raises(ImproperlyConfigured, match=rf"^task {task_name}: {message}"):
 
-            @eager_task(name=task_name, lock_name="x", **options)
+            @eager_task(name=task_name, **{"lock_name": "x", **options})
             def badly_set():
                 pass
 
@@ -524,6 +531,31 @@ def test_once_ttl_covers_countdown(alias, name):
         task_prerun.disconnect(before_run)
     # Taken at enqueue for once_ttl plus the countdown/eta delay.
     assert len(at_enqueue) == 2 and all(29 < t <= 31 for t in at_enqueue)
+
+
+def test_a_first_enqueue_due_past_max_ttl_is_sent(alias, name):
+    """Review r164: the first enqueue of a message due further ahead than the
+    backend's MAX_TTL raised ValueError (the lock's ttl is once_ttl + the delay), as
+    a retry no longer did: its once lock is taken for MAX_TTL instead."""
+    max_ttl = locks[alias].max_ttl
+    at_enqueue = []
+
+    @eager_task(once_policy="raise", once_name=name, lock_backend=alias, once_ttl=60)
+    def job():
+        return "ran"
+
+    from celery.signals import task_prerun
+
+    def before_run(sender=None, **kwargs):
+        if sender is job:
+            at_enqueue.append(locks[alias].get(name).expires_in)
+
+    task_prerun.connect(before_run, weak=False)
+    try:
+        assert job.apply_async(countdown=max_ttl + 3600).get() == "ran"
+    finally:
+        task_prerun.disconnect(before_run)
+    assert len(at_enqueue) == 1 and max_ttl - 60 < at_enqueue[0] <= max_ttl
 
 
 def test_a_message_sent_again_is_sent_whatever_its_countdown(alias, name):

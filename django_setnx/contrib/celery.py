@@ -181,6 +181,8 @@ import hashlib
 import inspect
 import json
 import logging
+import math
+import numbers
 import threading
 import time
 import types
@@ -456,11 +458,28 @@ class ExclusiveTaskMixin:
             _validate_attribute(where, "lock_timeout", validate_timeout, cls.lock_timeout)
             if cls.lock_limit is not None:
                 _validate_attribute(where, "lock_limit", validate_limit, cls.lock_limit)
-            if cls.lock_retry_countdown is not None and cls.lock_retry_countdown < 0:
+            countdown = cls.lock_retry_countdown
+            if countdown is not None and (
+                not isinstance(countdown, numbers.Real)
+                or isinstance(countdown, bool)
+                or not 0 <= countdown < math.inf
+            ):
                 raise ValueError(
-                    f"{where}: lock_retry_countdown must be >= 0, got "
-                    f"{cls.lock_retry_countdown!r}."
+                    f"{where}: lock_retry_countdown must be None or a number of seconds "
+                    f">= 0, got {countdown!r}."
                 )
+            retries = cls.lock_max_retries
+            if retries is not None and (type(retries) is not int or retries < 0):
+                raise ValueError(
+                    f"{where}: lock_max_retries must be None or an int >= 0, got {retries!r}."
+                )
+            for attribute in ("lock_name", "once_name"):
+                if getattr(cls, attribute) == "":
+                    # Falsy: it would turn the lock off (lock_name) or fall back to the
+                    # derived name (once_name) without a word (review r164).
+                    raise ValueError(
+                        f"{where}: {attribute} must be a non-empty name template, or None."
+                    )
         except (TypeError, ValueError) as exc:
             raise ImproperlyConfigured(str(exc)) from exc
         # Build the name templates now, so a field the task does not take fails at
@@ -566,13 +585,18 @@ class ExclusiveTaskMixin:
         # The id first, so that the lock's owner record can name it.
         task_id = task_id or uuid()
         name = self.once_lock_name(args, kwargs)
-        ttl = self.once_ttl + _delay_seconds(
-            options.get("countdown"), options.get("eta"), self.app.timezone
-        )
+        backend = self._once_backend_alias()
+        delay = _delay_seconds(options.get("countdown"), options.get("eta"), self.app.timezone)
+        ttl = self.once_ttl + delay
+        if delay and ttl > locks[backend].max_ttl:
+            # Due further ahead than the backend's MAX_TTL allows: a shorter lock beats
+            # a message not sent at all, as for a retry (_extend_carried_once; review
+            # r164). A once_ttl above MAX_TTL is still refused by the Lock.
+            ttl = max(locks[backend].max_ttl, self.once_ttl)
         lk = Lock(
             name,
             ttl,
-            backend=self._once_backend_alias(),
+            backend=backend,
             guards=f"celery task {self.name}[{task_id}]",
         )
         lk.owner_extra["celery_task_id"] = task_id
