@@ -689,9 +689,13 @@ def _function_wrapper(
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         lk, request, http_request = begin(args, kwargs)
-        if lk is None or deferred_lock(lk) is not None:
+        lent = None if lk is None else deferred_lock(lk)
+        if lk is None or lent is not None:
             # An unlocked method, or this transaction's earlier call still holds it.
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+            if lent is not None:
+                lent._confirm_lent()  # LockNotOwned: lost meanwhile, roll back
+            return result
         if not lk.acquire():
             return contended(lk, request, args, kwargs)
         with _Running(lk):
@@ -735,9 +739,13 @@ def _coroutine_wrapper(
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         lk, request, http_request = await _abegin(begin, args, kwargs)
-        if lk is None or deferred_lock(lk) is not None:
+        lent = None if lk is None else deferred_lock(lk)
+        if lk is None or lent is not None:
             result = func(*args, **kwargs)
-            return await result if inspect.isawaitable(result) else result
+            result = await result if inspect.isawaitable(result) else result
+            if lent is not None:
+                await lent._aconfirm_lent()
+            return result
         if not await lk.aacquire():
             return await contended(lk, request, args, kwargs)
         async with _Running(lk):
@@ -758,8 +766,12 @@ def _generator_wrapper(
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         lk, request, _ = begin(args, kwargs)
-        if lk is None or deferred_lock(lk) is not None:
-            return (yield from func(*args, **kwargs))
+        lent = None if lk is None else deferred_lock(lk)
+        if lk is None or lent is not None:
+            result = yield from func(*args, **kwargs)
+            if lent is not None:
+                lent._confirm_lent()
+            return result
         if not lk.acquire():
             result = contended(lk, request, args, kwargs)
             if result is not None:
@@ -814,9 +826,12 @@ def _async_generator_wrapper(
     @functools.wraps(func)
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         lk, request, _ = await _abegin(begin, args, kwargs)
-        if lk is None or deferred_lock(lk) is not None:
+        lent = None if lk is None else deferred_lock(lk)
+        if lk is None or lent is not None:
             async for item in _delegate(func(*args, **kwargs)):
                 yield item
+            if lent is not None:
+                await lent._aconfirm_lent()
             return
         if not await lk.aacquire():
             result = await contended(lk, request, args, kwargs)

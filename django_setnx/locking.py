@@ -246,6 +246,8 @@ class Lock:
         #: Extra fields of the owner record (integrations: a Celery task's id).
         self.owner_extra: dict[str, Any] = {}
         self._borrowed = False
+        #: While borrowed: the Lock whose pending release covers this block.
+        self._lender: Lock | None = None
 
     @property
     def identity(self) -> tuple[Any, ...]:
@@ -856,13 +858,13 @@ class Lock:
             return False
         self._token, self.fencing_token, self.lost = held._token, held.fencing_token, False
         self._record = held._record
-        self._borrowed = True
+        self._borrowed, self._lender = True, held
         return True
 
     def _return_borrowed(self) -> None:
         """The end of a borrowing block: the pending release covers it."""
         self._token = None
-        self._borrowed = False
+        self._borrowed, self._lender = False, None
 
     async def __aexit__(
         self,
@@ -884,30 +886,34 @@ class Lock:
         flight.
         """
         try:
-            if self._borrowed:
-                self._return_borrowed()  # the pending release covers it
-                return
             if self._commits_after():
-                if not self.owned():
-                    raise self._lost_before_commit()
-                release_after_commit(self, self.using)
-                return
-            self.release()
+                try:
+                    held = self.owned() if self._ownership_checkable() else True
+                except LockBackendError:
+                    self._leave_to_commit(None)
+                    raise
+                self._leave_to_commit(held)
+            elif self._borrowed:
+                self._return_borrowed()  # its lender's release is not ours to make
+            else:
+                self.release()
         except (LockNotOwned, LockBackendError):
             self._failed_at_exit(exc)
 
     async def arelease_at_exit(self, exc: BaseException | None = None) -> None:
         """Async twin of :meth:`release_at_exit`."""
         try:
-            if self._borrowed:
-                self._return_borrowed()
-                return
             if self._commits_after():
-                if not await self.aowned():
-                    raise self._lost_before_commit()
-                release_after_commit(self, self.using)
-                return
-            await self.arelease()
+                try:
+                    held = await self.aowned() if self._ownership_checkable() else True
+                except LockBackendError:
+                    self._leave_to_commit(None)
+                    raise
+                self._leave_to_commit(held)
+            elif self._borrowed:
+                self._return_borrowed()
+            else:
+                await self.arelease()
         except (LockNotOwned, LockBackendError):
             self._failed_at_exit(exc)
 
@@ -916,22 +922,65 @@ class Lock:
         ``release_on_commit``, one is open on one of the ``using`` databases."""
         return self.release_on_commit and bool(open_transactions(self.using))
 
-    def _lost_before_commit(self) -> LockNotOwned:
-        """The lock of a block whose writes a transaction is about to commit is no
-        longer held (its ttl ran out, or it was force-released): the error that
-        makes the transaction roll back rather than commit writes that were not
-        exclusive, as a lost lock is an error outside a transaction (review r165: a
-        view under ``ATOMIC_REQUESTS`` that outlived its ttl committed, and answered
-        200). What may be left of the record is freed after the rollback (a write
-        now could wait for the caller's own transaction, on SQLite)."""
-        self._mark_lost()
-        release_after_commit(self, self.using)
+    def _ownership_checkable(self) -> bool:
+        """Whether the backend can be asked before the commit: not when even its reads
+        wait for the caller's own open transaction (SQLite without WAL, the lock table
+        in the same database: review r166), which would stall the call, then fail it."""
+        return not any(
+            self.backend.reads_wait_for_transaction(alias)
+            for alias in open_transactions(self.using)
+        )
+
+    def _confirm_lent(self) -> None:
+        """The end of a call that ran under this lock while it waits for its
+        transaction's COMMIT (a second guarded call of the same name in one
+        transaction, see ``django_setnx.transactions.deferred_lock``): raise
+        LockNotOwned if it was lost meanwhile, as :meth:`release_at_exit` does at the
+        end of the first call, so that the transaction rolls back (review r166). Its
+        pending release frees what may be left, after the rollback."""
+        if self._ownership_checkable() and not self.owned():
+            self._mark_lost()
+            raise self._lost_before_commit_error()
+
+    async def _aconfirm_lent(self) -> None:
+        """Async twin of :meth:`_confirm_lent`."""
+        if self._ownership_checkable() and not await self.aowned():
+            self._mark_lost()
+            raise self._lost_before_commit_error()
+
+    def _lost_before_commit_error(self) -> LockNotOwned:
         return LockNotOwned(
             self.name,
             f"{self._kind.capitalize()} {self.name!r} was lost before the transaction of "
             f"its block committed (it expired, was taken over or was force-released): "
             f"what the block wrote was not exclusive, so the transaction must not commit.",
         )
+
+    def _leave_to_commit(self, held: bool | None) -> None:
+        """The end of a guarded block whose transaction is still open. ``held``: the
+        backend's answer to "still ours?" (None: it gave none, and the caller raises
+        its error). Held, or unknown, the release waits for the transaction (an
+        unknown one is made after the rollback that error causes: review r166, a
+        lock left held, renewed for ever with ``auto_renew``); a borrowed lock's
+        pending release covers it. Lost during the block (its ttl ran out, or it
+        was force-released), LockNotOwned is raised, so that the transaction rolls
+        back rather than commit writes that were not exclusive, as a lost lock is
+        an error outside a transaction (review r165: a view under
+        ``ATOMIC_REQUESTS`` that outlived its ttl committed, and answered 200)."""
+        lender = self._lender
+        if self._borrowed:
+            self._return_borrowed()
+        elif held is not False:
+            release_after_commit(self, self.using)
+        if held is not False:
+            return
+        # What may be left of the record is freed after the rollback, quietly (a write
+        # now could wait for the caller's own transaction, on SQLite): by the pending
+        # release of the lender, else by one made now.
+        (lender or self)._mark_lost()
+        if lender is None:
+            release_after_commit(self, self.using)
+        raise self._lost_before_commit_error()
 
     def _failed_at_exit(self, exc: BaseException | None) -> None:
         """A release at exit failed (the error being handled): re-raise it, unless the

@@ -482,13 +482,10 @@ def test_view_under_atomic_requests_that_lost_its_lock_is_rolled_back(atomic_req
     assert not Group.objects.filter(name=f"tx-view-lost-{pk}").exists(), "rolled back"
 
 
-def test_backend_outage_in_deferred_release_does_not_break_commit(name, redis_server, caplog):
-    """The backend is down when the transaction commits: COMMIT succeeds, the
-    failure is logged, and the lock's ttl is the bound (nothing false is reported)."""
-    from django.test import override_settings
-
-    alias = "tx-redis"
-    config = {
+def _with_redis_alias(alias, redis_server):
+    """SETNX_LOCKS plus ``alias``: a Redis backend on ``redis_server`` whose calls
+    give up after a second when the server is down."""
+    return {
         **settings.SETNX_LOCKS,
         alias: {
             "BACKEND": "django_setnx.backends.redis.RedisBackend",
@@ -497,7 +494,15 @@ def test_backend_outage_in_deferred_release_does_not_break_commit(name, redis_se
             "OPTIONS": {"CONNECTION_KWARGS": {"socket_timeout": 1, "socket_connect_timeout": 1}},
         },
     }
-    with override_settings(SETNX_LOCKS=config):
+
+
+def test_backend_outage_in_deferred_release_does_not_break_commit(name, redis_server, caplog):
+    """The backend is down when the transaction commits: COMMIT succeeds, the
+    failure is logged, and the lock's ttl is the bound (nothing false is reported)."""
+    from django.test import override_settings
+
+    alias = "tx-redis"
+    with override_settings(SETNX_LOCKS=_with_redis_alias(alias, redis_server)):
 
         @locked(name, ttl=30, backend=alias)
         def guarded():
@@ -519,6 +524,99 @@ def test_backend_outage_in_deferred_release_does_not_break_commit(name, redis_se
         assert lost == [name], "whether it is still held is unknown: lost to its holder"
         with pytest.raises(LockBackendError):
             locks[alias].get(name)
+
+
+def test_a_backend_down_at_the_end_of_the_call_rolls_back_and_stops_renewing(
+    name, redis_server, caplog
+):
+    """Review r166: the backend does not answer when the guarded call ends inside a
+    transaction: the call raises LockBackendError (whether the lock is still held is
+    unknown), the transaction rolls back, and the release is still made after the
+    rollback: an auto_renew lock's renewal stops (it was left renewing for ever)."""
+    from django.contrib.auth.models import Group
+    from django.test import override_settings
+
+    alias = "tx-redis-check"
+    group = f"down-{uuid.uuid4().hex}"
+    with override_settings(SETNX_LOCKS=_with_redis_alias(alias, redis_server)):
+        lk = lock(name, ttl=30, backend=alias, auto_renew=True, release_on_commit=True)
+        try:
+            with pytest.raises(LockBackendError):
+                with transaction.atomic():
+                    with lk:
+                        Group.objects.create(name=group)
+                        redis_server.stop()
+        finally:
+            redis_server.start()
+        assert not Group.objects.filter(name=group).exists(), "rolled back"
+        assert lk._renewer is None, "still renewing a lock whose transaction rolled back"
+        assert "Could not release lock" in caplog.text  # tried after the rollback
+
+
+def test_a_borrowing_call_that_outlived_the_lock_rolls_back(alias, name):
+    """Review r166: a second guarded call of the same name in one transaction runs
+    under the lock the first one left to COMMIT; if that lock is lost while the
+    second runs, it raises LockNotOwned too, and lock_lost is sent once."""
+    from django.contrib.auth.models import Group
+
+    from django_setnx.signals import lock_lost
+
+    prefix = f"borrow-{uuid.uuid4().hex}"
+
+    @locked(name, ttl=30, backend=alias)
+    def step(label, lose=False, write=True):
+        if lose:
+            # Force-released while the second call runs (before anything in the
+            # transaction writes: on SQLite nobody else could write after that).
+            locks[alias].delete(name)
+        if write:
+            Group.objects.create(name=f"{prefix}-{label}")
+
+    lost = []
+    lock_lost.connect(
+        lambda lock, **kw: lost.append(lock.name), weak=False, dispatch_uid="test-borrow"
+    )
+    try:
+        with pytest.raises(LockNotOwned):
+            with transaction.atomic():
+                step("first", write=False)
+                step("second", lose=True)
+    finally:
+        lock_lost.disconnect(dispatch_uid="test-borrow")
+    assert not Group.objects.filter(name__startswith=prefix).exists(), "rolled back"
+    assert lost == [name]
+    assert lock(name, backend=alias).acquire(blocking=False)
+
+
+def test_no_ownership_check_where_even_reads_wait_for_the_transaction(name):
+    """Review r166: on SQLite without WAL, with the lock table in the caller's
+    database, a transaction that wrote much keeps every reader out, so the check at
+    the end of the call would stall it for OPERATION_TIMEOUT, then fail it: it is
+    not made there (the release waits for the commit, as before the check)."""
+    from django.contrib.auth.models import Group
+    from django.test import override_settings
+
+    alias = "tx-sqlite-no-wal"
+    config = {
+        **settings.SETNX_LOCKS,
+        alias: {
+            "BACKEND": "django_setnx.backends.database.DatabaseBackend",
+            "OPTIONS": {"DATABASE": "default", "SQLITE_WAL": False},
+        },
+    }
+    with override_settings(SETNX_LOCKS=config):
+        backend = locks[alias]
+        assert backend.reads_wait_for_transaction("default")
+        assert not locks["default"].reads_wait_for_transaction("default")  # WAL
+        group = f"no-wal-{uuid.uuid4().hex}"
+        lk = lock(name, ttl=30, backend=alias, release_on_commit=True)
+        with transaction.atomic():
+            with lk:
+                Group.objects.create(name=group)
+            assert lk._ownership_checkable() is False
+        assert Group.objects.filter(name=group).exists()
+        assert not held(alias, name), "released after the commit"
+        Group.objects.filter(name=group).delete()
 
 
 # -- Celery: an ExclusiveTask run inside a transaction ------------------------------

@@ -569,6 +569,12 @@ class BaseLockBackend:
         at a time, on the same database). The default: False."""
         return False
 
+    def reads_wait_for_transaction(self, using: str) -> bool:
+        """Return True if even a read of this backend waits while the calling thread's
+        connection to database ``using`` has a transaction open that wrote (SQLite
+        without WAL, on the same database). The default: False."""
+        return False
+
     def validity(self, ttl: float) -> float:
         """Return how long (seconds) a lock acquired with ``ttl`` is certainly still
         held, counted from before the write: ``ttl``, minus whatever the backend must

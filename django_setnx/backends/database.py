@@ -831,6 +831,11 @@ class DatabaseBackend(BaseLockBackend):
 
         return using == self.database and connections[using].vendor == "sqlite"
 
+    def reads_wait_for_transaction(self, using):
+        """True on SQLite without WAL (``SQLITE_WAL: False``) when ``using`` is this
+        backend's own database: a transaction that wrote may keep every reader out."""
+        return not self.sqlite_wal and self.writes_wait_for_transaction(using)
+
     def _cursor(self, raw):
         """A cursor on our raw connection: with server-side binding on PostgreSQL when
         prepared statements are on (see ``_execute``), else the connection's own."""

@@ -182,7 +182,6 @@ import inspect
 import json
 import logging
 import math
-import numbers
 import threading
 import time
 import types
@@ -460,7 +459,7 @@ class ExclusiveTaskMixin:
                 _validate_attribute(where, "lock_limit", validate_limit, cls.lock_limit)
             countdown = cls.lock_retry_countdown
             if countdown is not None and (
-                not isinstance(countdown, numbers.Real)
+                not isinstance(countdown, (int, float))  # what Celery's timedelta takes
                 or isinstance(countdown, bool)
                 or not 0 <= countdown < math.inf
             ):
@@ -469,7 +468,9 @@ class ExclusiveTaskMixin:
                     f">= 0, got {countdown!r}."
                 )
             retries = cls.lock_max_retries
-            if retries is not None and (type(retries) is not int or retries < 0):
+            if retries is not None and (
+                not isinstance(retries, int) or isinstance(retries, bool) or retries < 0
+            ):
                 raise ValueError(
                     f"{where}: lock_max_retries must be None or an int >= 0, got {retries!r}."
                 )
@@ -818,9 +819,12 @@ class ExclusiveTaskMixin:
         if self._requeued_on_timeout():
             # Likewise when the child is killed for its hard time limit.
             lk.owner_extra["celery_requeued_on_timeout"] = True
-        if self.lock_release_on_commit and deferred_lock(lk) is not None:
+        lent = deferred_lock(lk) if self.lock_release_on_commit else None
+        if lent is not None:
             # An earlier run in this transaction holds it until COMMIT: run under it.
-            return body()
+            result = body()
+            lent._confirm_lent()  # LockNotOwned: lost meanwhile, roll back
+            return result
         if not lk.acquire() and not (
             request.id and _free_own_dead_run(lk, request.id) and lk.acquire()
         ):
