@@ -937,14 +937,16 @@ class Lock:
         transaction, see ``django_setnx.transactions.deferred_lock``): raise
         LockNotOwned if it was lost meanwhile, as :meth:`release_at_exit` does at the
         end of the first call, so that the transaction rolls back (review r166). Its
-        pending release frees what may be left, after the rollback."""
-        if self._ownership_checkable() and not self.owned():
+        pending release frees what may be left, after the rollback. Nothing to
+        confirm once that release has run (a generator consumed after the COMMIT,
+        review r167): the lock was released, not lost."""
+        if self._token is not None and self._ownership_checkable() and not self.owned():
             self._mark_lost()
             raise self._lost_before_commit_error()
 
     async def _aconfirm_lent(self) -> None:
         """Async twin of :meth:`_confirm_lent`."""
-        if self._ownership_checkable() and not await self.aowned():
+        if self._token is not None and self._ownership_checkable() and not await self.aowned():
             self._mark_lost()
             raise self._lost_before_commit_error()
 

@@ -10,6 +10,7 @@ These tests run without pytest-django's per-test transaction (``autocommit``): t
 behaviour under test is what COMMIT and ROLLBACK do.
 """
 
+import contextlib
 import threading
 import time
 import uuid
@@ -30,6 +31,19 @@ pytestmark = pytest.mark.autocommit
 def held(alias, name):
     info = locks[alias].get(name)
     return info is not None and info.is_held
+
+
+@contextlib.contextmanager
+def lost_names():
+    """The names of the locks reported lost (``lock_lost``) inside the block."""
+    from django_setnx.signals import lock_lost
+
+    lost, uid = [], f"test-lost-{uuid.uuid4().hex}"
+    lock_lost.connect(lambda lock, **kw: lost.append(lock.name), weak=False, dispatch_uid=uid)
+    try:
+        yield lost
+    finally:
+        lock_lost.disconnect(dispatch_uid=uid)
 
 
 @pytest.fixture
@@ -559,8 +573,6 @@ def test_a_borrowing_call_that_outlived_the_lock_rolls_back(alias, name):
     second runs, it raises LockNotOwned too, and lock_lost is sent once."""
     from django.contrib.auth.models import Group
 
-    from django_setnx.signals import lock_lost
-
     prefix = f"borrow-{uuid.uuid4().hex}"
 
     @locked(name, ttl=30, backend=alias)
@@ -572,20 +584,39 @@ def test_a_borrowing_call_that_outlived_the_lock_rolls_back(alias, name):
         if write:
             Group.objects.create(name=f"{prefix}-{label}")
 
-    lost = []
-    lock_lost.connect(
-        lambda lock, **kw: lost.append(lock.name), weak=False, dispatch_uid="test-borrow"
-    )
-    try:
+    with lost_names() as lost:
         with pytest.raises(LockNotOwned):
             with transaction.atomic():
                 step("first", write=False)
                 step("second", lose=True)
-    finally:
-        lock_lost.disconnect(dispatch_uid="test-borrow")
     assert not Group.objects.filter(name__startswith=prefix).exists(), "rolled back"
     assert lost == [name]
     assert lock(name, backend=alias).acquire(blocking=False)
+
+
+def test_a_borrowing_generator_consumed_after_the_commit_reports_no_loss(alias, name):
+    """Review r167: a guarded generator started inside the transaction runs under the
+    lock the transaction's first call left to COMMIT; consumed after the COMMIT
+    released it, it ends without a LockNotOwned or a lock_lost for a lock that was
+    released, not lost."""
+
+    @locked(name, ttl=30, backend=alias)
+    def step():
+        return 1
+
+    @locked(name, ttl=30, backend=alias)
+    def numbers():
+        yield 1
+        yield 2
+
+    with lost_names() as lost:
+        with transaction.atomic():
+            step()
+            started = numbers()
+            assert next(started) == 1
+        assert not held(alias, name), "released at the COMMIT"
+        assert list(started) == [2]
+    assert lost == []
 
 
 def test_no_ownership_check_where_even_reads_wait_for_the_transaction(name):
