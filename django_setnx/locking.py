@@ -886,15 +886,23 @@ class Lock:
         flight.
         """
         try:
-            if self._commits_after():
-                try:
-                    held = self.owned() if self._ownership_checkable() else True
-                except LockBackendError:
-                    self._leave_to_commit(None)
-                    raise
-                self._leave_to_commit(held)
-            elif self._borrowed:
+            pending = self._pending_transactions()
+            if self._borrowed:
+                lender = self._lender
                 self._return_borrowed()  # its lender's release is not ours to make
+                if pending and lender is not None:
+                    lender._confirm_lent()
+            elif pending:
+                try:
+                    held = self.owned() if self._ownership_checkable(pending) else True
+                finally:
+                    # Held, lost or unknown (the backend did not answer: the error
+                    # rolls the transaction back), the release waits for its end
+                    # (review r166: an auto_renew lock was left renewing for ever).
+                    release_after_commit(self, self.using)
+                if not held:
+                    self._mark_lost()
+                    raise self._lost_before_commit_error()
             else:
                 self.release()
         except (LockNotOwned, LockBackendError):
@@ -903,86 +911,77 @@ class Lock:
     async def arelease_at_exit(self, exc: BaseException | None = None) -> None:
         """Async twin of :meth:`release_at_exit`."""
         try:
-            if self._commits_after():
-                try:
-                    held = await self.aowned() if self._ownership_checkable() else True
-                except LockBackendError:
-                    self._leave_to_commit(None)
-                    raise
-                self._leave_to_commit(held)
-            elif self._borrowed:
+            pending = self._pending_transactions()
+            if self._borrowed:
+                lender = self._lender
                 self._return_borrowed()
+                if pending and lender is not None:
+                    await lender._aconfirm_lent()
+            elif pending:
+                try:
+                    held = await self.aowned() if self._ownership_checkable(pending) else True
+                finally:
+                    release_after_commit(self, self.using)
+                if not held:
+                    self._mark_lost()
+                    raise self._lost_before_commit_error()
             else:
                 await self.arelease()
         except (LockNotOwned, LockBackendError):
             self._failed_at_exit(exc)
 
-    def _commits_after(self) -> bool:
-        """Whether the release waits for a transaction (see release_at_exit): with
-        ``release_on_commit``, one is open on one of the ``using`` databases."""
-        return self.release_on_commit and bool(open_transactions(self.using))
+    def _pending_transactions(self) -> list[str]:
+        """The ``using`` databases whose open transaction the release waits for (see
+        release_at_exit): none without ``release_on_commit``."""
+        return open_transactions(self.using) if self.release_on_commit else []
 
-    def _ownership_checkable(self) -> bool:
-        """Whether the backend can be asked before the commit: not when even its reads
-        wait for the caller's own open transaction (SQLite without WAL, the lock table
-        in the same database: review r166), which would stall the call, then fail it."""
-        return not any(
-            self.backend.reads_wait_for_transaction(alias)
-            for alias in open_transactions(self.using)
-        )
+    def _ownership_checkable(self, pending: list[str]) -> bool:
+        """Whether the backend can be asked before the transactions ``pending``
+        commit: not when even its reads wait for the caller's own open transaction
+        (SQLite without WAL, the lock table in the same database: review r166),
+        which would stall the call, then fail it."""
+        return not any(self.backend.reads_wait_for_transaction(alias) for alias in pending)
 
     def _confirm_lent(self) -> None:
         """The end of a call that ran under this lock while it waits for its
         transaction's COMMIT (a second guarded call of the same name in one
-        transaction, see ``django_setnx.transactions.deferred_lock``): raise
-        LockNotOwned if it was lost meanwhile, as :meth:`release_at_exit` does at the
-        end of the first call, so that the transaction rolls back (review r166). Its
-        pending release frees what may be left, after the rollback. Nothing to
-        confirm once that release has run (a generator consumed after the COMMIT,
-        review r167): the lock was released, not lost."""
-        if self._token is not None and self._ownership_checkable() and not self.owned():
+        transaction: a decorated call or task that ran under ``deferred_lock``, or a
+        ``with`` block that borrowed it): raise LockNotOwned if it was lost meanwhile,
+        as :meth:`release_at_exit` does at the end of the first call, so that the
+        transaction rolls back (review r166). Its pending release frees what may be
+        left, after the rollback. Nothing to confirm once that release has run (a
+        generator consumed after the COMMIT, review r167): the lock was released,
+        not lost."""
+        if (
+            self._token is not None
+            and self._ownership_checkable(open_transactions(self.using))
+            and not self.owned()
+        ):
             self._mark_lost()
             raise self._lost_before_commit_error()
 
     async def _aconfirm_lent(self) -> None:
         """Async twin of :meth:`_confirm_lent`."""
-        if self._token is not None and self._ownership_checkable() and not await self.aowned():
+        if (
+            self._token is not None
+            and self._ownership_checkable(open_transactions(self.using))
+            and not await self.aowned()
+        ):
             self._mark_lost()
             raise self._lost_before_commit_error()
 
     def _lost_before_commit_error(self) -> LockNotOwned:
+        """LockNotOwned for a lock lost before its block's transaction committed:
+        raised so that the transaction rolls back rather than commit writes that were
+        not exclusive, as a lost lock is an error outside a transaction (review r165:
+        a view under ``ATOMIC_REQUESTS`` that outlived its ttl committed, and
+        answered 200)."""
         return LockNotOwned(
             self.name,
             f"{self._kind.capitalize()} {self.name!r} was lost before the transaction of "
             f"its block committed (it expired, was taken over or was force-released): "
             f"what the block wrote was not exclusive, so the transaction must not commit.",
         )
-
-    def _leave_to_commit(self, held: bool | None) -> None:
-        """The end of a guarded block whose transaction is still open. ``held``: the
-        backend's answer to "still ours?" (None: it gave none, and the caller raises
-        its error). Held, or unknown, the release waits for the transaction (an
-        unknown one is made after the rollback that error causes: review r166, a
-        lock left held, renewed for ever with ``auto_renew``); a borrowed lock's
-        pending release covers it. Lost during the block (its ttl ran out, or it
-        was force-released), LockNotOwned is raised, so that the transaction rolls
-        back rather than commit writes that were not exclusive, as a lost lock is
-        an error outside a transaction (review r165: a view under
-        ``ATOMIC_REQUESTS`` that outlived its ttl committed, and answered 200)."""
-        lender = self._lender
-        if self._borrowed:
-            self._return_borrowed()
-        elif held is not False:
-            release_after_commit(self, self.using)
-        if held is not False:
-            return
-        # What may be left of the record is freed after the rollback, quietly (a write
-        # now could wait for the caller's own transaction, on SQLite): by the pending
-        # release of the lender, else by one made now.
-        (lender or self)._mark_lost()
-        if lender is None:
-            release_after_commit(self, self.using)
-        raise self._lost_before_commit_error()
 
     def _failed_at_exit(self, exc: BaseException | None) -> None:
         """A release at exit failed (the error being handled): re-raise it, unless the

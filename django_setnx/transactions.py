@@ -179,7 +179,7 @@ class _DeferredRelease:
             del self._registry[self._key]
         lock = self.lock
         if lock.lost and lock._token is not None:
-            # Reported lost when its block ended (Lock._leave_to_commit): only
+            # Reported lost when its block ended (Lock.release_at_exit): only
             # what may be left of it is freed, quietly.
             lock._release_lost()
             lock._token = None

@@ -589,11 +589,12 @@ class ExclusiveTaskMixin:
         backend = self._once_backend_alias()
         delay = _delay_seconds(options.get("countdown"), options.get("eta"), self.app.timezone)
         ttl = self.once_ttl + delay
-        if delay and ttl > locks[backend].max_ttl:
+        max_ttl = locks[backend].max_ttl
+        if delay and ttl > max_ttl:
             # Due further ahead than the backend's MAX_TTL allows: a shorter lock beats
             # a message not sent at all, as for a retry (_extend_carried_once; review
             # r164). A once_ttl above MAX_TTL is still refused by the Lock.
-            ttl = max(locks[backend].max_ttl, self.once_ttl)
+            ttl = max(max_ttl, self.once_ttl)
         lk = Lock(
             name,
             ttl,
